@@ -1,0 +1,1 @@
+"""Kernel backends and their registry."""

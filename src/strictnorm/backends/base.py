@@ -1,0 +1,37 @@
+"""What a backend implements. Inputs reach a backend already validated (see contract.py)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..contract import NormSpec
+
+# Op names a backend may provide. "rms_norm" covers rms_norm, fused_add_rms_norm and qk_norm
+# (forward and backward); "left_fold" is reduce_rows_left_fold.
+OPS = ("rms_norm", "left_fold")
+
+
+class Backend(Protocol):
+    name: str
+    ops: frozenset[str]
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """None when the backend can run on device, else a sentence that says why not."""
+
+    def rms_norm_fwd(self, x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
+                     spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(y, rstd, residual_out). With a residual, the norm's input is
+        z = rd(f32(x) + f32(residual), residual.dtype), returned as residual_out (contiguous).
+        y is contiguous with x's shape and spec.out_dtype; rstd is fp32 with shape x.shape[:-1].
+        weight is None, (N,), or (H, N) applied per head over x's (..., H, N)."""
+
+    def rms_norm_bwd(self, dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None,
+                     rstd: torch.Tensor, dres: torch.Tensor | None, spec: NormSpec, dw_mode: str,
+                     need_dw: bool, dx_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(dz, dw). dz in z's dtype, written into dx_out when given (in-place backward);
+        dw in weight's dtype and shape when need_dw, else None."""
+
+    def left_fold(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 ascending left fold over dim 0 from +0.0."""

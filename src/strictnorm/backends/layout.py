@@ -1,0 +1,75 @@
+"""Row layouts shared by the kernel backends: any (..., N) tensor as rows, read in place.
+
+A kernel addresses row r (logical row-major index over the leading dims) of a view with leading
+dims coalesced into (R0, R1, G) and strides (s0, s1, sg), unit stride along N:
+    g = r % G;  t = r // G;  offset = (t // R1) * s0 + (t % R1) * s1 + g * sg.
+G is the head dimension for per-head QK-norm weights, so that row r uses weight row g.
+Anything that does not fit (a strided last dimension, more than three non-mergeable leading
+dims) is copied first: that costs memory traffic, never a different bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    rows: int
+    n: int
+    r1: int
+    g: int
+    s0: int
+    s1: int
+    sg: int
+
+    def args(self) -> tuple[int, int, int]:
+        return self.s0, self.s1, self.sg
+
+
+def _coalesce(sizes: list[int], strides: list[int]) -> list[tuple[int, int]]:
+    dims = [(s, st) for s, st in zip(sizes, strides) if s != 1]
+    out: list[tuple[int, int]] = []
+    for size, stride in reversed(dims):
+        if out and stride == out[-1][0] * out[-1][1]:
+            inner_size, inner_stride = out.pop()
+            out.append((size * inner_size, inner_stride))
+        else:
+            out.append((size, stride))
+    return list(reversed(out))
+
+
+def _fits(t: torch.Tensor, per_head: bool) -> RowLayout | None:
+    n = t.shape[-1]
+    if n > 1 and t.stride(-1) != 1:
+        return None
+    lead = list(t.shape[:-1])
+    strides = list(t.stride()[:-1])
+    if per_head:
+        g, sg = lead.pop(), strides.pop()
+    else:
+        g, sg = 1, 0
+    outer = _coalesce(lead, strides)
+    if not per_head and outer:  # the innermost leading dim can serve as G
+        g, sg = outer.pop()
+    if len(outer) > 2:
+        return None
+    outer = [(1, 0)] * (2 - len(outer)) + outer
+    (r0, s0), (r1, s1) = outer
+    return RowLayout(rows=r0 * r1 * g, n=n, r1=r1, g=g, s0=s0, s1=s1, sg=sg)
+
+
+def row_layout(t: torch.Tensor, per_head: bool = False) -> tuple[torch.Tensor, RowLayout]:
+    """(tensor to pass to the kernel, its RowLayout); the tensor is t itself whenever possible."""
+    layout = _fits(t, per_head)
+    if layout is None:
+        t = t.contiguous()
+        layout = _fits(t, per_head)
+        assert layout is not None
+    return t, layout
+
+
+def contiguous_layout(rows: int, n: int) -> RowLayout:
+    return RowLayout(rows=rows, n=n, r1=1, g=1, s0=n, s1=0, sg=0)

@@ -1,0 +1,171 @@
+"""Backend `triton`: the portable GPU path (NVIDIA and ROCm); also runs under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...contract import NormSpec
+from ..layout import RowLayout, contiguous_layout, row_layout
+
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MODE = {"llama": 0, "gemma": 1, "none": 2}
+# Elements one program keeps in flight; more rows per program when rows are short.
+_TILE_ELEMS = 4096
+# Columns per program and unrolled rows per step of the Triton strict fold (the ROCm fold path).
+_FOLD_BN = 64
+_FOLD_UNROLL = 8
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernels():
+    from . import kernels
+
+    return kernels
+
+
+def _store_view(t: torch.Tensor) -> torch.Tensor:
+    """bf16 outputs are written as int16 bit patterns (see kernels.py)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _row_tile(n: int, rows: int) -> tuple[int, int, int, int]:
+    """(ROWS, P, LOG2P, num_warps) for a row kernel. Any choice gives the same bits."""
+    p = _pow2(n)
+    rows_per_prog = max(1, min(_TILE_ELEMS // p, _pow2(max(rows, 1))))
+    elems = rows_per_prog * p
+    num_warps = max(1, min(16, elems // 512))
+    return rows_per_prog, p, p.bit_length() - 1, num_warps
+
+
+def _launch_opts(num_warps: int) -> dict:
+    return {"num_warps": num_warps, "enable_fp_fusion": False}
+
+
+class TritonBackend:
+    name = "triton"
+    ops = frozenset({"rms_norm", "left_fold"})
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return f"triton is not installed ({e}); pip install 'strictnorm[triton]'"
+        if _interpreting():
+            return None if device.type == "cpu" else "TRITON_INTERPRET=1 runs kernels on CPU tensors only"
+        if device.type != "cuda":
+            return f"Triton kernels run on GPUs (CUDA or ROCm); tensors are on {device.type}"
+        return None
+
+    # ---- forward -------------------------------------------------------------------------------
+    def rms_norm_fwd(self, x, weight, residual, spec: NormSpec):
+        k = _kernels()
+        per_head = weight is not None and weight.dim() == 2
+        xk, lay = row_layout(x, per_head)
+        n = lay.n
+        y = torch.empty(x.shape, dtype=spec.out_dtype, device=x.device)
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        z = None
+        if residual is not None:
+            z = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+            rk, rlay = row_layout(residual, per_head)
+            if (rlay.r1, rlay.g) != (lay.r1, lay.g):  # leading dims coalesced differently: use dense copies
+                xk, lay = x.contiguous(), contiguous_layout(lay.rows, n)
+                rk, rlay = residual.contiguous(), lay
+        else:
+            rk, rlay = xk, lay
+        if lay.rows == 0:
+            return y, rstd, z
+        rows_per_prog, p, log2p, num_warps = _row_tile(n, lay.rows)
+        norm_dtype = residual.dtype if residual is not None else x.dtype
+        w = weight if weight is not None else xk
+        grid = (triton_cdiv(lay.rows, rows_per_prog),)
+        k.rms_fwd_kernel[grid](
+            xk, *lay.args(), rk, *rlay.args(), _store_view(z) if z is not None else y,
+            w, (weight.stride(0) if per_head else 0), _store_view(y), rstd,
+            lay.rows, n, lay.r1, lay.g, spec.eps, spec.offset,
+            ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[norm_dtype],
+            YDT=_DT[spec.out_dtype], HAS_W=weight is not None, PER_HEAD=per_head,
+            HAS_RES=residual is not None, **_launch_opts(num_warps))
+        return y, rstd, z
+
+    # ---- backward ------------------------------------------------------------------------------
+    def rms_norm_bwd(self, dy, z, weight, rstd, dres, spec: NormSpec, dw_mode, need_dw, dx_out):
+        k = _kernels()
+        per_head = weight is not None and weight.dim() == 2
+        zk, lay = row_layout(z, per_head)
+        dyk, dlay = row_layout(dy, per_head)
+        dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        dxk, xlay = row_layout(dx, per_head)
+        dresk, elay = row_layout(dres, per_head) if dres is not None else (dyk, dlay)
+        if dxk is not dx:  # in-place target that kernels cannot address: compute out of place, then copy
+            dxk, xlay = torch.empty(z.shape, dtype=z.dtype, device=z.device), contiguous_layout(lay.rows, lay.n)
+        layouts = (lay, dlay, xlay, elay)
+        if any((q.r1, q.g) != (lay.r1, lay.g) for q in layouts):  # mismatched coalescing: dense copies
+            zk, dyk = z.contiguous(), dy.contiguous()
+            dresk = dres.contiguous() if dres is not None else dyk
+            dxk = dx if dx.is_contiguous() else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+            lay = dlay = xlay = elay = contiguous_layout(lay.rows, lay.n)
+        n, rows = lay.n, lay.rows
+        rstd = rstd.contiguous()
+        partials = need_dw and dw_mode == "fast" and not per_head
+        dw = None
+        if rows == 0:
+            if need_dw:
+                dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
+            return dx, dw
+        rows_per_prog, p, log2p, num_warps = _row_tile(n, rows)
+        blocks = triton_cdiv(rows, rows_per_prog)
+        nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
+        part = torch.empty((nprog, n), dtype=torch.float32, device=z.device) if partials else rstd
+        k.rms_bwd_kernel[(nprog,)](
+            dyk, *dlay.args(), zk, *lay.args(), weight if weight is not None else zk,
+            (weight.stride(0) if per_head else 0), rstd, dresk, *elay.args(),
+            _store_view(dxk), *xlay.args(), part, rows, n, lay.r1, lay.g, spec.offset,
+            ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[z.dtype],
+            HAS_W=weight is not None, PER_HEAD=per_head, HAS_DRES=dres is not None,
+            DW_PARTIALS=partials, **_launch_opts(num_warps))
+        if dxk is not dx:
+            dx.copy_(dxk)
+        if need_dw:
+            if partials:
+                dw = part.sum(0).to(weight.dtype)
+            else:
+                dw = self._fold(dyk, dlay, zk, lay, rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
+                                weight.shape[0] if per_head else 1).reshape(weight.shape).to(weight.dtype)
+        return dx, dw
+
+    # ---- strict fold ---------------------------------------------------------------------------
+    def _fold(self, a, alay: RowLayout, b, blay: RowLayout, rstd, what: int, xdt: int, groups: int):
+        out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)
+        grid = (triton_cdiv(alay.n, _FOLD_BN), groups)
+        _kernels().fold_kernel[grid](
+            a, *alay.args(), b, *blay.args(), rstd, out, alay.rows // groups, alay.n, alay.r1, alay.g,
+            groups if groups > 1 else 1, BN=_FOLD_BN, UNROLL=_FOLD_UNROLL, WHAT=what, XDT=xdt,
+            **_launch_opts(2))
+        return out
+
+    def left_fold(self, rows):
+        if rows.numel() == 0:
+            return torch.zeros(rows.shape[1:], dtype=torch.float32, device=rows.device)
+        flat = rows.reshape(rows.shape[0], -1)
+        ak, lay = row_layout(flat)
+        return self._fold(ak, lay, ak, lay, ak, 0, 0, 1).reshape(rows.shape[1:])
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

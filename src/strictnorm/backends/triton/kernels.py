@@ -1,0 +1,204 @@
+"""Triton kernels for the contract (docs/contract.md). Launch with enable_fp_fusion=False.
+
+Exactness notes, each found the hard way (../docs/contract.md, "Implementing a backend"):
+- fp32 division and square root are `tl.div_rn` / `tl.sqrt_rn`; Triton's `/` is not IEEE on GPUs.
+- fp32 -> bf16 rounding is done with integer operations on the bit pattern and bf16 results are
+  stored as int16 bits: the Triton interpreter (CI) truncates instead of rounding and flushes
+  subnormals on a float store; the integer form gives round-to-nearest-even everywhere.
+- canon_sum is the contract's adjacent-first pairwise tree, written as reshape + split levels,
+  which fixes the order independently of the compiler's layouts and of the launch shape.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# dtype codes shared with the host side
+F32: tl.constexpr = tl.constexpr(0)
+BF16: tl.constexpr = tl.constexpr(1)
+F16: tl.constexpr = tl.constexpr(2)
+# casting modes
+LLAMA: tl.constexpr = tl.constexpr(0)
+GEMMA: tl.constexpr = tl.constexpr(1)
+NONE: tl.constexpr = tl.constexpr(2)
+# what the fold kernel folds: raw rows, or a casting mode's dW contribution (LLAMA/GEMMA/NONE + 1)
+RAW_ROWS: tl.constexpr = tl.constexpr(0)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> the bf16 bit pattern (uint32 holding 16 bits), round to nearest even, NaN kept NaN."""
+    b = v.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return tl.where(v != v, 0x7FC0, r)
+
+
+@triton.jit
+def round_f32(v, DT: tl.constexpr):
+    """rd(v, DT) widened back to fp32 (exact)."""
+    if DT == BF16:
+        return (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
+    elif DT == F16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def store_rounded(ptr, v, mask, DT: tl.constexpr):
+    """Store rd(v, DT); bf16 outputs are passed to kernels as int16 views."""
+    if DT == BF16:
+        tl.store(ptr, _bf16_bits(v).to(tl.int16), mask=mask)
+    elif DT == F16:
+        tl.store(ptr, v.to(tl.float16), mask=mask)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
+def canon_sum(v, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr):
+    """Sum over axis 1 of (ROWS, P) as the balanced adjacent-first pairwise tree. P = 2**LOG2P."""
+    for lvl in tl.static_range(LOG2P):
+        a, b = tl.split(tl.reshape(v, (ROWS, P >> (lvl + 1), 2)))
+        v = a + b
+    return tl.reshape(v, (ROWS,))
+
+
+@triton.jit
+def row_offsets(rows, R1, G, s0, s1, sg):
+    """Element offsets of logical rows in a RowLayout view, and each row's group (head) index."""
+    rows = rows.to(tl.int64)
+    g = rows % G
+    t = rows // G
+    return (t // R1) * s0 + (t % R1) * s1 + g * sg, g
+
+
+@triton.jit
+def effective_weight(W, w_offs, mask, offset, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr):
+    """wf = f32(w) + f32(offset); in casting mode none, rounded to x's dtype. 1.0 without a weight."""
+    if HAS_W:
+        wf = tl.load(W + w_offs, mask=mask, other=0.0).to(tl.float32) + offset
+        if MODE == NONE:
+            wf = round_f32(wf, XDT)
+    else:
+        wf = tl.full(w_offs.shape, 1.0, tl.float32)
+    return wf
+
+
+@triton.jit
+def normalized_as_used(xf, rstd, MODE: tl.constexpr, XDT: tl.constexpr):
+    """The normalized row as y's scaling step sees it (rstd broadcast over the row)."""
+    if MODE == GEMMA:
+        return xf * rstd[:, None]
+    elif MODE == LLAMA:
+        return round_f32(xf * rstd[:, None], XDT)
+    else:
+        return round_f32(xf * round_f32(rstd, XDT)[:, None], XDT)
+
+
+@triton.jit
+def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
+                   M, N, R1, G, eps, offset,
+                   ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr, MODE: tl.constexpr,
+                   XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
+                   HAS_RES: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, P)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
+    xf = tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dense = rows[:, None] * N + cols[None, :]
+    if HAS_RES:  # z = rd(f32(x) + f32(residual), residual dtype) is the norm's input (XDT)
+        r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
+        rf = tl.load(RES + r_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xf = round_f32(xf + rf, XDT)
+        store_rounded(Z + dense, xf, mask, XDT)
+    ss = canon_sum(xf * xf, ROWS, P, LOG2P)
+    mean = tl.div_rn(ss, tl.full((ROWS,), N, tl.float32))
+    rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+    tl.store(RSTD + rows, rstd, mask=rows < M)
+    if PER_HEAD:
+        wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
+    else:
+        wf = effective_weight(W, cols, cols < N, offset, MODE, XDT, HAS_W)[None, :]
+    y = normalized_as_used(xf, rstd, MODE, XDT) * wf
+    if MODE == NONE:
+        y = round_f32(y, XDT)
+    store_rounded(Y + dense, y, mask, YDT)
+
+
+@triton.jit
+def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg,
+                   DX, xs0, xs1, xsg, DW_PART,
+                   M, N, R1, G, offset,
+                   ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr, MODE: tl.constexpr,
+                   XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
+                   HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr):
+    """dx for blocks of ROWS rows, programs striding over the blocks. With DW_PARTIALS, each
+    program also sums its rows' dW contributions (shared weight only) into DW_PART[pid]."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, P)
+    cmask = cols < N
+    if not PER_HEAD:
+        wf_shared = effective_weight(W, cols, cmask, offset, MODE, XDT, HAS_W)[None, :]
+    dw_acc = tl.zeros((P,), tl.float32)
+    for blk in range(pid, tl.cdiv(M, ROWS), nprog):
+        rows = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        z_offs, g = row_offsets(rows, R1, G, zs0, zs1, zsg)
+        d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
+        xf = tl.load(Z + z_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dyf = tl.load(DY + d_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        if PER_HEAD:
+            wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
+        else:
+            wf = wf_shared
+        xh = xf * rstd[:, None]
+        gr = dyf * wf
+        c = tl.div_rn(canon_sum(xh * gr, ROWS, P, LOG2P), tl.full((ROWS,), N, tl.float32))
+        dx = (gr - xh * c[:, None]) * rstd[:, None]
+        if HAS_DRES:
+            e_offs, _ = row_offsets(rows, R1, G, es0, es1, esg)
+            dx = dx + tl.load(DRES + e_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
+        store_rounded(DX + x_offs[:, None] + cols[None, :], dx, mask, XDT)
+        if DW_PARTIALS:
+            dw_acc += tl.sum(dyf * normalized_as_used(xf, rstd, MODE, XDT), axis=0)
+    if DW_PARTIALS:
+        tl.store(DW_PART + pid.to(tl.int64) * N + cols, dw_acc, mask=cmask)
+
+
+@triton.jit
+def fold_kernel(A, as0, as1, asg, B, bs0, bs1, bsg, RSTD, OUT,
+                ROWS_PER_GROUP, N, R1, G, GROUP_STEP,
+                BN: tl.constexpr, UNROLL: tl.constexpr, WHAT: tl.constexpr, XDT: tl.constexpr):
+    """Strict ascending left fold over rows, acc = acc + v[row] from +0.0, for BN columns of one group.
+
+    WHAT == RAW_ROWS: v = f32(A[row]). Otherwise v is the dW contribution of casting mode WHAT - 1,
+    recomputed from dy (A), the norm's input (B) and rstd: no (rows, N) buffer. Group h = program_id(1)
+    folds logical rows t * GROUP_STEP + h for t ascending (GROUP_STEP = H for per-head weights, else 1).
+    """
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    h = tl.program_id(1)
+    cmask = cols < N
+    acc = tl.zeros((BN,), tl.float32)
+    for t0 in range(0, ROWS_PER_GROUP, UNROLL):
+        for u in tl.static_range(UNROLL):
+            t = tl.full((1,), t0 + u, tl.int64)
+            live = t < ROWS_PER_GROUP
+            rows = t * GROUP_STEP + h
+            mask = cmask[None, :] & live[:, None]
+            a_offs, _ = row_offsets(rows, R1, G, as0, as1, asg)
+            v = tl.load(A + a_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if WHAT != RAW_ROWS:
+                b_offs, _ = row_offsets(rows, R1, G, bs0, bs1, bsg)
+                xf = tl.load(B + b_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                rstd = tl.load(RSTD + rows, mask=live, other=0.0)
+                v = v * normalized_as_used(xf, rstd, WHAT - 1, XDT)
+            # rows past the end add nothing: keep acc as is (adding +0.0 would turn -0.0 into +0.0)
+            acc = tl.where(live, acc + tl.reshape(v, (BN,)), acc)
+    tl.store(OUT + h.to(tl.int64) * N + cols, acc, mask=cmask)
