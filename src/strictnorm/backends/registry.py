@@ -21,7 +21,7 @@ from .base import Backend
 ENV_VAR = "STRICTNORM_BACKEND"
 # Module and class of each backend; imported lazily so that a missing extra never breaks import.
 _SPECS = {
-    # "cuda": ("strictnorm.backends.cuda.backend", "CudaBackend"),
+    "cuda": ("strictnorm.backends.cuda.backend", "CudaBackend"),
     "triton": ("strictnorm.backends.triton.backend", "TritonBackend"),
     "torch": ("strictnorm.backends.torch_ref", "TorchBackend"),
 }

@@ -8,6 +8,7 @@ import torch
 
 from ...contract import NormSpec
 from ..layout import RowLayout, contiguous_layout, row_layout
+from ..registry import get_backend, status
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODE = {"llama": 0, "gemma": 1, "none": 2}
@@ -53,6 +54,11 @@ def _launch_opts(num_warps: int) -> dict:
 class TritonBackend:
     name = "triton"
     ops = frozenset({"rms_norm", "left_fold"})
+
+    def __init__(self) -> None:
+        # The strict fold runs on the CUDA backend's kernel where that backend is available (same
+        # bits, much faster); the Triton fold below serves ROCm and machines without NVRTC.
+        self.use_cuda_fold = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         try:
@@ -145,6 +151,8 @@ class TritonBackend:
 
     # ---- strict fold ---------------------------------------------------------------------------
     def _fold(self, a, alay: RowLayout, b, blay: RowLayout, rstd, what: int, xdt: int, groups: int):
+        if self.use_cuda_fold and a.device.type == "cuda" and status("cuda", a.device).available:
+            return get_backend("cuda").fold(a, alay, b, blay, rstd, what, groups)
         out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)
         grid = (triton_cdiv(alay.n, _FOLD_BN), groups)
         _kernels().fold_kernel[grid](

@@ -1,0 +1,125 @@
+"""Backend `cuda`: CUDA C++ compiled at run time with NVRTC. Today: the strict left fold.
+
+The fold serves reduce_rows_left_fold and the strict dW of every RMSNorm backward on NVIDIA
+GPUs (the Triton backend calls it when this backend is available).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..layout import RowLayout, row_layout
+
+_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_SOURCE = "fold.cu"
+_THREADS = 256
+_SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
+_MIN_ARCH = (8, 0)  # cp.async
+
+
+@dataclass(frozen=True)
+class FoldLaunch:
+    kernel: str
+    defines: dict[str, int]
+    grid_x: int
+    block: int
+    shmem: int
+
+
+def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int) -> tuple[int, int, int]:
+    """(COLS, ROWS_PER_STAGE, STAGES). Few columns per CTA when columns are few (the chain of adds
+    is the floor: spread columns over many SMs); a warp-wide 32 when there are enough CTAs anyway."""
+    cols = 32 if -(-n // 32) >= num_sms else 8
+    rows_per_stage = 128 if cols == 8 else 64
+    stage_bytes = rows_per_stage * cols * (a_size + (b_size if what else 0)) + (rows_per_stage * 4 if what else 0)
+    stages = max(2, min(12, _SMEM_LIMIT // stage_bytes))
+    return cols, rows_per_stage, stages
+
+
+def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
+                ring: bool, num_sms: int) -> FoldLaunch:
+    """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel."""
+    defines = {"A_CODE": _CODE[a_dtype], "B_CODE": _CODE[b_dtype], "WHAT": what, "SIMPLE_ROWS": int(simple_rows)}
+    if not ring:
+        return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
+    a_size, b_size = a_dtype.itemsize, b_dtype.itemsize
+    cols, rps, stages = _ring_shape(n, a_size, b_size, what, num_sms)
+    defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS)
+    stage_bytes = rps * cols * (a_size + (b_size if what else 0)) + (rps * 4 if what else 0)
+    return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, stages * stage_bytes)
+
+
+def _ring_ok(t: torch.Tensor, lay: RowLayout) -> bool:
+    """16-byte cp.async needs every row segment of whole chunks to start 16-byte aligned."""
+    per = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s % per == 0 for s in lay.args())
+
+
+def _simple_rows(lay: RowLayout) -> bool:
+    return lay.g == 1 and lay.r1 == 1
+
+
+class CudaBackend:
+    name = "cuda"
+    ops = frozenset({"left_fold"})
+
+    def __init__(self) -> None:
+        self._cache = None
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"CUDA kernels run on NVIDIA GPUs; tensors are on {device.type}"
+        if torch.version.hip is not None:
+            return "this PyTorch is built for ROCm; the CUDA backend needs an NVIDIA GPU (use triton)"
+        if not torch.cuda.is_available():
+            return "torch.cuda.is_available() is False"
+        if torch.cuda.get_device_capability(device) < _MIN_ARCH:
+            return f"needs compute capability >= {_MIN_ARCH[0]}.{_MIN_ARCH[1]}"
+        try:
+            from cuda.core import Device  # noqa: F401
+
+            from .nvrtc import nvrtc_version
+
+            nvrtc_version()
+        except Exception as e:  # missing package or NVRTC library
+            return f"cuda-core/NVRTC not usable ({e}); pip install 'strictnorm[cuda]'"
+        return None
+
+    def _kernels(self):
+        if self._cache is None:
+            from .nvrtc import KernelCache
+
+            self._cache = KernelCache()
+        return self._cache
+
+    def fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
+             what: int, groups: int, ring: bool = True) -> torch.Tensor:
+        """(groups, N) fp32: group h folds logical rows t * groups + h (see fold.cu)."""
+        n = alay.n
+        out = torch.empty((groups, n), dtype=torch.float32, device=a.device)
+        rows_per_group = alay.rows // groups
+        if rows_per_group == 0:
+            return out.zero_()
+        ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
+        simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
+        dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        fl = fold_launch(n, a.dtype, b.dtype, what, simple, ring, num_sms)
+        kc = self._kernels()
+        kernel = kc.get(dev, _SOURCE, fl.kernel, fl.defines)
+        i64 = np.int64
+        kc.launch(dev, kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem,
+                  a.data_ptr(), *map(i64, alay.args()), b.data_ptr(), *map(i64, blay.args()),
+                  i64(alay.r1), i64(alay.g), rstd.data_ptr(), out.data_ptr(), i64(rows_per_group),
+                  np.int32(n), i64(groups))
+        return out
+
+    def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:
+        if rows.numel() == 0:
+            return torch.zeros(rows.shape[1:], dtype=torch.float32, device=rows.device)
+        flat = rows.reshape(rows.shape[0], -1)
+        ak, lay = row_layout(flat)
+        return self.fold(ak, lay, ak, lay, ak, 0, 1, ring).reshape(rows.shape[1:])

@@ -1,0 +1,209 @@
+// strictnorm: the strict ascending left fold over rows, acc = acc + v[row] from +0.0, per column.
+//
+// v is either a row of A widened to fp32 (WHAT == 0), or the RMSNorm weight-gradient contribution
+// of casting mode WHAT (1 llama, 2 gemma, 3 none) recomputed from dy (A), the norm's input (B) and
+// rstd, so no (rows, N) fp32 buffer exists. Every add is __fadd_rn, every multiply __fmul_rn: no
+// contraction, no reassociation, no atomics, and the order is the rows' logical order.
+//
+// Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), WHAT,
+// SIMPLE_ROWS (row r lives at r * s0), and for fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS.
+//
+// Rows are addressed through the layout of ../layout.py: for logical row r,
+//   g = r % G; t = r / G; offset = (t / R1) * s0 + (t % R1) * s1 + g * sg.
+// Group h (program y) folds logical rows t * group_step + h, t = 0, 1, ... (per-head weights).
+
+template <int CODE> struct Elem;
+template <> struct Elem<0> {
+    typedef float T;
+    static __device__ __forceinline__ float widen(float v) { return v; }
+};
+template <> struct Elem<1> {  // bf16, stored as its 16-bit pattern
+    typedef unsigned short T;
+    static __device__ __forceinline__ float widen(unsigned short v) {
+        return __uint_as_float(static_cast<unsigned int>(v) << 16);
+    }
+};
+template <> struct Elem<2> {  // fp16, stored as its 16-bit pattern
+    typedef unsigned short T;
+    static __device__ __forceinline__ float widen(unsigned short v) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+        return f;
+    }
+};
+
+// rd(v, CODE) widened back to fp32: round to nearest even.
+template <int CODE> __device__ __forceinline__ float round_f32(float v);
+template <> __device__ __forceinline__ float round_f32<0>(float v) { return v; }
+template <> __device__ __forceinline__ float round_f32<1>(float v) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return Elem<1>::widen(h);
+}
+template <> __device__ __forceinline__ float round_f32<2>(float v) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return Elem<2>::widen(h);
+}
+
+typedef Elem<A_CODE>::T a_t;
+typedef Elem<B_CODE>::T b_t;
+
+// The dW contribution of one element: f32(dy) times the normalized value as y's scaling step used it.
+__device__ __forceinline__ float contribution(float dy, float x, float rstd) {
+#if WHAT == 1
+    return __fmul_rn(dy, round_f32<B_CODE>(__fmul_rn(x, rstd)));
+#elif WHAT == 2
+    return __fmul_rn(dy, __fmul_rn(x, rstd));
+#elif WHAT == 3
+    return __fmul_rn(dy, round_f32<B_CODE>(__fmul_rn(x, round_f32<B_CODE>(rstd))));
+#else
+    return dy;
+#endif
+}
+
+struct Layout {
+    long long s0, s1, sg, r1, g;
+};
+
+__device__ __forceinline__ long long row_offset(long long r, const Layout& l) {
+#if SIMPLE_ROWS
+    return r * l.s0;
+#else
+    const long long g = r % l.g;
+    const long long t = r / l.g;
+    return (t / l.r1) * l.s0 + (t % l.r1) * l.s1 + g * l.sg;
+#endif
+}
+
+#define FOLD_PARAMS                                                                               \
+    const a_t* __restrict__ a, long long as0, long long as1, long long asg,                       \
+    const b_t* __restrict__ b, long long bs0, long long bs1, long long bsg,                       \
+    long long r1, long long g, const float* __restrict__ rstd, float* __restrict__ out,           \
+    long long rows_per_group, int n, long long group_step
+
+// One thread per column, plain loads: the simplest correct kernel. Any layout or alignment.
+extern "C" __global__ void fold_simple(FOLD_PARAMS) {
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    const int h = blockIdx.y;
+    if (col >= n) return;
+    const Layout la{as0, as1, asg, r1, g};
+    const Layout lb{bs0, bs1, bsg, r1, g};
+    float acc = 0.0f;
+    for (long long t = 0; t < rows_per_group; ++t) {
+        const long long r = t * group_step + h;
+        float v = Elem<A_CODE>::widen(a[row_offset(r, la) + col]);
+#if WHAT != 0
+        v = contribution(v, Elem<B_CODE>::widen(b[row_offset(r, lb) + col]), rstd[r]);
+#endif
+        acc = __fadd_rn(acc, v);
+    }
+    out[static_cast<long long>(h) * n + col] = acc;
+}
+
+#ifdef COLS
+// A shared-memory ring keeps (STAGES - 1) * ROWS_PER_STAGE rows in flight so that the dependent
+// chain of adds, not memory latency, sets the pace. Warp 0 folds (one lane per column); the other
+// warps are producers issuing 16-byte cp.async copies. Needs 16-byte aligned row segments: the
+// loader checks pointers and strides and uses fold_simple otherwise (same bits).
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+constexpr int A_ROW_BYTES = COLS * sizeof(a_t);
+constexpr int B_ROW_BYTES = (WHAT != 0) ? COLS * sizeof(b_t) : 0;
+constexpr int A_TILE = ROWS_PER_STAGE * A_ROW_BYTES;
+constexpr int B_TILE = ROWS_PER_STAGE * B_ROW_BYTES;
+constexpr int R_TILE = (WHAT != 0) ? ROWS_PER_STAGE * 4 : 0;
+constexpr int STAGE_BYTES = A_TILE + B_TILE + R_TILE;
+constexpr int PRODUCERS = THREADS - 32;
+static_assert(A_ROW_BYTES % 16 == 0 && B_ROW_BYTES % 16 == 0, "row segments must be whole 16-byte chunks");
+static_assert(COLS <= 32, "one consumer lane per column");
+
+// Copies rows [t0, t0 + ROWS_PER_STAGE) of group h into one ring slot. p: producer index.
+template <int ROW_BYTES, int ESIZE, typename T>
+__device__ __forceinline__ void issue_tile(unsigned char* slot, const T* src, const Layout& l, int p,
+                                           long long t0, long long rows_per_group, long long group_step,
+                                           int h, int col0, int n) {
+    constexpr int CHUNKS = ROW_BYTES / 16;
+    constexpr int PER_CHUNK = 16 / ESIZE;
+    for (int i = p; i < ROWS_PER_STAGE * CHUNKS; i += PRODUCERS) {
+        const int row = i / CHUNKS, ch = i % CHUNKS;
+        const long long t = t0 + row;
+        if (t >= rows_per_group) break;  // i grows with row: later i are past the end too
+        const int c = col0 + ch * PER_CHUNK;
+        const int valid = n - c;
+        const int bytes = valid >= PER_CHUNK ? 16 : (valid > 0 ? valid * ESIZE : 0);
+        const T* g = bytes ? src + row_offset(t * group_step + h, l) + c : src;
+        cp_async16(slot + row * ROW_BYTES + ch * 16, g, bytes);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
+    extern __shared__ __align__(16) unsigned char ring[];
+    const int h = blockIdx.y;
+    const int col0 = blockIdx.x * COLS;
+    const Layout la{as0, as1, asg, r1, g};
+    const Layout lb{bs0, bs1, bsg, r1, g};
+    const long long stages = (rows_per_group + ROWS_PER_STAGE - 1) / ROWS_PER_STAGE;
+    const bool consumer = threadIdx.x < 32;
+    const int p = threadIdx.x - 32;
+
+    auto issue = [&](long long s) {
+        unsigned char* slot = ring + (s % STAGES) * STAGE_BYTES;
+        const long long t0 = s * ROWS_PER_STAGE;
+        issue_tile<A_ROW_BYTES, sizeof(a_t)>(slot, a, la, p, t0, rows_per_group, group_step, h, col0, n);
+#if WHAT != 0
+        issue_tile<B_ROW_BYTES, sizeof(b_t)>(slot + A_TILE, b, lb, p, t0, rows_per_group, group_step, h,
+                                             col0, n);
+        for (int row = p; row < ROWS_PER_STAGE; row += PRODUCERS) {
+            const long long t = t0 + row;
+            if (t < rows_per_group) cp_async4(slot + A_TILE + B_TILE + row * 4, rstd + t * group_step + h);
+        }
+#endif
+    };
+
+    for (int s = 0; s < STAGES - 1; ++s) {  // one commit group per stage, empty ones included
+        if (!consumer && s < stages) issue(s);
+        cp_async_commit();
+    }
+
+    float acc = 0.0f;
+    const int lane = threadIdx.x;
+    for (long long s = 0; s < stages; ++s) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage s is visible; everyone is done with the slot refilled below
+        if (!consumer && s + STAGES - 1 < stages) issue(s + STAGES - 1);
+        cp_async_commit();
+        if (consumer && lane < COLS) {
+            const unsigned char* slot = ring + (s % STAGES) * STAGE_BYTES;
+            const a_t* ta = reinterpret_cast<const a_t*>(slot);
+#if WHAT != 0
+            const b_t* tb = reinterpret_cast<const b_t*>(slot + A_TILE);
+            const float* tr = reinterpret_cast<const float*>(slot + A_TILE + B_TILE);
+#endif
+            const long long left = rows_per_group - s * ROWS_PER_STAGE;
+            const int rows = left < ROWS_PER_STAGE ? static_cast<int>(left) : ROWS_PER_STAGE;
+#pragma unroll 16
+            for (int i = 0; i < rows; ++i) {
+                float v = Elem<A_CODE>::widen(ta[i * COLS + lane]);
+#if WHAT != 0
+                v = contribution(v, Elem<B_CODE>::widen(tb[i * COLS + lane]), tr[i]);
+#endif
+                acc = __fadd_rn(acc, v);
+            }
+        }
+    }
+    if (consumer && lane < COLS && col0 + lane < n) out[static_cast<long long>(h) * n + col0 + lane] = acc;
+}
+#endif  // COLS

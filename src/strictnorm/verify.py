@@ -1,0 +1,190 @@
+"""`strictnorm verify`: the contract checked on every available backend, on fresh random inputs.
+
+Each kernel backend is compared bit for bit with the reference computed on the CPU (y, rstd, dx,
+dW strict, the fused add's residual_out and gradients, per-head QK-norm on a strided view, the
+left fold). The reference itself is checked against the contract's defining properties: the
+left fold's order, batch invariance, the Gemma offset in fp32, and accuracy against float64.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import api
+from .backends import registry
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+             torch.float16: torch.int16}
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits; any NaN equals any NaN (payloads are not part of the contract)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    same = a.view(_INT_VIEW[a.dtype]) == b.view(_INT_VIEW[b.dtype])
+    return bool((same | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return -1
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    same = (a.view(_INT_VIEW[a.dtype]) == b.view(_INT_VIEW[b.dtype])) | (torch.isnan(a) & torch.isnan(b))
+    return int((~same).sum())
+
+
+@dataclass
+class Check:
+    backend: str
+    device: str
+    check: str
+    case: str
+    ok: bool
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def _norm_case(backend: str, device: torch.device, *, rows: int, n: int, dtype: torch.dtype, mode: str,
+               offset: float, wdtype: torch.dtype, fused: bool, seed: int) -> dict[str, int]:
+    """Runs forward + backward (dw strict) on backend/device and on the CPU reference; returns the
+    number of differing elements per output."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g).to(dtype)
+    w = (torch.randn(n, generator=g) * 0.1).to(wdtype)
+    res = torch.randn(rows, n, generator=g).to(dtype) if fused else None
+    dy = torch.randn(rows, n, generator=g).to(dtype)
+    dz = torch.randn(rows, n, generator=g).to(dtype) if fused else None
+
+    def run(be: str, dev: torch.device):
+        xx = x.to(dev).requires_grad_(True)
+        ww = w.to(dev).requires_grad_(True)
+        kw = dict(offset=offset, casting_mode=mode, dw="strict", backend=be)
+        if fused:
+            rr = res.to(dev).requires_grad_(True)
+            y, z = api.fused_add_rms_norm(xx, rr, ww, 1e-6, **kw)
+            torch.autograd.backward([y, z], [dy.to(dev), dz.to(dev)])
+            return {"y": y, "residual_out": z, "dx": xx.grad, "dresidual": rr.grad, "dw": ww.grad}
+        y, rstd = api.rms_norm_with_rstd(xx, ww, 1e-6, **kw)
+        y.backward(dy.to(dev))
+        return {"y": y, "rstd": rstd, "dx": xx.grad, "dw": ww.grad}
+
+    got, want = run(backend, device), run("torch", torch.device("cpu"))
+    return {k: mismatches(want[k], got[k]) for k in want}
+
+
+def _qk_case(backend: str, device: torch.device, seed: int) -> dict[str, int]:
+    g = torch.Generator().manual_seed(seed)
+    b, s, h, d = 2, 5, 4, 64
+    qkv = torch.randn(b, s, 3 * h * d, generator=g).to(torch.bfloat16)
+    w = torch.randn(h, d, generator=g)
+    dy = torch.randn(b, s, h, d, generator=g).to(torch.bfloat16)
+
+    def run(be: str, dev: torch.device):
+        base = qkv.to(dev).requires_grad_(True)
+        ww = w.to(dev).requires_grad_(True)
+        q = base[..., h * d:2 * h * d].view(b, s, h, d)  # a strided view, as from a fused projection
+        y = api.qk_norm(q, ww, 1e-6, casting_mode="gemma", offset=1.0, dw="strict", backend=be)
+        y.backward(dy.to(dev))
+        return {"y": y, "dqkv": base.grad, "dw": ww.grad}
+
+    got, want = run(backend, device), run("torch", torch.device("cpu"))
+    return {k: mismatches(want[k], got[k]) for k in want}
+
+
+def _fold_case(backend: str, device: torch.device, seed: int) -> dict[str, int]:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(777, 3, 45, generator=g) * torch.logspace(-8, 8, 45)
+    rows = rows.transpose(1, 2)  # non-contiguous
+    want = api.reduce_rows_left_fold(rows, backend="torch")
+    got = api.reduce_rows_left_fold(rows.to(device), backend=backend)
+    return {"fold": mismatches(want, got)}
+
+
+def _kernel_checks(backend: str, device: torch.device, quick: bool) -> Iterator[tuple[str, str, Callable]]:
+    shapes = [(5, 7), (33, 128), (4, 1000)] if quick else [(1, 1), (5, 7), (33, 128), (64, 1000), (8, 4096),
+                                                             (3, 5120), (2, 18432)]
+    dtypes = [torch.bfloat16, torch.float32] if quick else [torch.bfloat16, torch.float16, torch.float32]
+    seed = int(time.time_ns() % 2**31)
+    for i, (rows, n) in enumerate(shapes):
+        for dtype in dtypes:
+            for mode in ("llama", "gemma", "none"):
+                for fused in (False, True):
+                    offset = 1.0 if mode == "gemma" else 0.0
+                    wdtype = torch.float32 if mode == "none" else dtype
+                    case = f"{rows}x{n} {str(dtype)[6:]} {mode}{' fused' if fused else ''} w={str(wdtype)[6:]}"
+                    name = "fused_add_rms_norm" if fused else "rms_norm"
+                    yield name, case, (lambda rows=rows, n=n, dtype=dtype, mode=mode, offset=offset,
+                                       wdtype=wdtype, fused=fused, s=seed + i: _norm_case(
+                        backend, device, rows=rows, n=n, dtype=dtype, mode=mode, offset=offset,
+                        wdtype=wdtype, fused=fused, seed=s))
+    yield "qk_norm", "(2,5,4,64) strided bf16 gemma per-head", lambda: _qk_case(backend, device, seed)
+    yield "left_fold", "777x(45,3) strided fp32", lambda: _fold_case(backend, device, seed)
+
+
+def _reference_checks() -> Iterator[tuple[str, str, Callable]]:
+    def fold_order():
+        r = torch.tensor([[1e20], [1.0], [-1e20], [1.0]])
+        got = api.reduce_rows_left_fold(r, backend="torch")
+        return {"fold": int(got.item() != 1.0)}
+
+    def gemma_offset():
+        w = torch.full((8,), 0.00390625, dtype=torch.bfloat16)
+        x = torch.ones(1, 8)
+        y = api.rms_norm(x, w, 0.0, offset=1.0, casting_mode="gemma", backend="torch")
+        return {"y": int((y != 1.00390625).sum())}
+
+    def batch_invariance():
+        g = torch.Generator().manual_seed(int(time.time_ns() % 2**31))
+        x = torch.randn(300, 1000, generator=g).to(torch.bfloat16)
+        w = torch.randn(1000, generator=g).to(torch.bfloat16)
+        alone = api.rms_norm(x[7:8], w, backend="torch")
+        inside = api.rms_norm(x, w, backend="torch")[7:8]
+        return {"y": mismatches(alone, inside)}
+
+    def accuracy():
+        g = torch.Generator().manual_seed(int(time.time_ns() % 2**31))
+        x = torch.randn(64, 4096, generator=g)
+        w = torch.randn(4096, generator=g)
+        y = api.rms_norm(x, w, backend="torch")
+        y64 = api.rms_norm(x.double(), w.double(), backend="torch")
+        rel = float((y.double() - y64).norm() / y64.norm())
+        return {"rel_err_vs_float64_over_1e-6": int(rel > 1e-6)}
+
+    yield "left_fold", "[1e20, 1, -1e20, 1] -> 1", fold_order
+    yield "rms_norm", "gemma offset 1 + bf16 0.00390625 in fp32", gemma_offset
+    yield "rms_norm", "row alone == row in batch of 300", batch_invariance
+    yield "rms_norm", "fp32 vs float64, 64x4096", accuracy
+
+
+def run_checks(backends: list[str] | None = None, quick: bool = False) -> list[Check]:
+    results: list[Check] = []
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    for name in backends or list(registry.names()):
+        st = registry.status(name, device)
+        if not st.available:
+            results.append(Check(name, str(device), "available", "-", True, f"skipped: {st.reason}"))
+            continue
+        checks = _reference_checks() if name == "torch" else _kernel_checks(name, device, quick)
+        for check, case, fn in checks:
+            if ("left_fold" if check == "left_fold" else "rms_norm") not in st.ops:
+                continue
+            t0 = time.perf_counter()
+            try:
+                diffs = fn()
+                bad = {k: v for k, v in diffs.items() if v != 0}
+                results.append(Check(name, str(device), check, case, not bad,
+                                     ", ".join(f"{k}: {v} differ" for k, v in bad.items()),
+                                     time.perf_counter() - t0))
+            except Exception as e:  # a crash is a failed check, reported, not fatal
+                results.append(Check(name, str(device), check, case, False, f"{type(e).__name__}: {e}"[:300],
+                                     time.perf_counter() - t0))
+    return results
+
+
+def as_dicts(results: list[Check]) -> list[dict]:
+    return [asdict(r) for r in results]
