@@ -9,11 +9,9 @@ from .backends.registry import resolve
 from .contract import (
     KERNEL_DTYPES,
     StrictNormError,
-    check_dw_mode,
     check_norm_input,
     check_same,
     check_weight,
-    make_spec,
 )
 
 
@@ -35,19 +33,9 @@ def _norm(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor |
     if residual is not None:
         check_norm_input(residual, "residual")
         check_same(x, residual, "x and residual")
-    norm_dtype = residual.dtype if residual is not None else x.dtype
-    spec = make_spec(norm_dtype, eps, offset, casting_mode, out_dtype)
-    check_dw_mode(dw)
-    if weight is None and spec.offset != 0.0:
-        raise StrictNormError("offset needs a weight (without one the scale is exactly 1.0)")
-    if in_place and spec.out_dtype != norm_dtype:
-        raise StrictNormError(
-            f"in_place backward writes dx into dy's buffer, so out_dtype ({spec.out_dtype}) must equal "
-            f"the normalized input's dtype ({norm_dtype})")
     name = resolve(backend, x.device, "rms_norm")
     _check_backend_dtypes(name, x, weight, residual)
-    return ops.rms_norm_fwd(x, weight, residual, spec.eps, spec.offset, spec.mode,
-                            out_dtype, dw, in_place, name)
+    return ops.rms_norm_fwd(x, weight, residual, eps, offset, casting_mode, out_dtype, dw, in_place, name)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,

@@ -47,6 +47,24 @@ def fp32_value(value: float, what: str) -> float:
     return rounded
 
 
+def validated_spec(norm_dtype: torch.dtype, eps: float, offset: float, mode: str,
+                   out_dtype: torch.dtype | None, dw: str, has_weight: bool, in_place: bool) -> NormSpec:
+    """Checks the non-tensor arguments of a norm call and rounds eps and offset to fp32.
+
+    Called inside the custom op and its fake (meta) implementation, so eager calls and
+    torch.compile traces both run it, and Dynamo never has to trace it.
+    """
+    spec = make_spec(norm_dtype, eps, offset, mode, out_dtype)
+    check_dw_mode(dw)
+    if not has_weight and spec.offset != 0.0:
+        raise StrictNormError("offset needs a weight (without one the scale is exactly 1.0)")
+    if in_place and spec.out_dtype != norm_dtype:
+        raise StrictNormError(
+            f"in_place backward writes dx into dy's buffer, so out_dtype ({spec.out_dtype}) must equal "
+            f"the normalized input's dtype ({norm_dtype})")
+    return spec
+
+
 def make_spec(x_dtype: torch.dtype, eps: float, offset: float, mode: str,
               out_dtype: torch.dtype | None) -> NormSpec:
     if mode not in CASTING_MODES:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 
 from .backends.registry import get_backend
-from .contract import NormSpec
+from .contract import NormSpec, validated_spec
 
 _LIB = "strictnorm"
 
 
 def _spec(eps: float, offset: float, mode: str, out_dtype: torch.dtype | None, x_dtype: torch.dtype) -> NormSpec:
+    """For the backward ops, whose scalars were validated and rounded by the forward."""
     return NormSpec(eps=eps, offset=offset, mode=mode, out_dtype=out_dtype or x_dtype)
 
 
@@ -31,7 +32,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.T
     """(y, rstd, residual_out); residual_out is an empty tensor when there is no residual.
     dw_mode and in_place only steer the backward; they are arguments so the autograd context sees them."""
     norm_dtype = residual.dtype if residual is not None else x.dtype
-    spec = _spec(eps, offset, mode, out_dtype, norm_dtype)
+    spec = validated_spec(norm_dtype, eps, offset, mode, out_dtype, dw_mode, weight is not None, in_place)
     y, rstd, z = get_backend(backend).rms_norm_fwd(x, weight, residual, spec)
     return y, rstd, (z if z is not None else x.new_empty(0))
 
@@ -39,6 +40,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.T
 @rms_norm_fwd.register_fake
 def _(x, weight, residual, eps, offset, mode, out_dtype, dw_mode, in_place, backend):
     norm_dtype = residual.dtype if residual is not None else x.dtype
+    validated_spec(norm_dtype, eps, offset, mode, out_dtype, dw_mode, weight is not None, in_place)
     y = x.new_empty(x.shape, dtype=out_dtype or norm_dtype)
     rstd = x.new_empty(x.shape[:-1], dtype=_rstd_dtype(norm_dtype))
     z = x.new_empty(x.shape, dtype=residual.dtype) if residual is not None else x.new_empty(0)
@@ -83,7 +85,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(z if fused else x, weight, rstd)
     ctx.fused = fused
     ctx.x_dtype = x.dtype
-    ctx.args = (offset, mode, dw_mode, in_place, backend)
+    norm_dtype = z.dtype if fused else x.dtype
+    spec = validated_spec(norm_dtype, eps, offset, mode, out_dtype, dw_mode, weight is not None, in_place)
+    ctx.args = (spec.offset, mode, dw_mode, in_place, backend)
 
 
 def _backward(ctx, dy, _drstd, dres):

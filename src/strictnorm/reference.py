@@ -84,9 +84,12 @@ def effective_weight(weight: torch.Tensor | None, spec: NormSpec, x_dtype: torch
     return wf
 
 
-def _normalized_in_x_dtype(xf: torch.Tensor, rstd: torch.Tensor, spec: NormSpec,
-                           x_dtype: torch.dtype, cd: torch.dtype) -> torch.Tensor:
-    """The normalized row as the llama/none modes round it to x's dtype, widened back (exact)."""
+def normalized_as_used(xf: torch.Tensor, rstd: torch.Tensor, spec: NormSpec,
+                       x_dtype: torch.dtype, cd: torch.dtype) -> torch.Tensor:
+    """The normalized row as y's scaling step sees it: xf * rstd in gemma mode; rounded to x's dtype
+    and widened back (exact) in llama mode; in none mode also with rstd rounded to x's dtype first."""
+    if spec.mode == "gemma":
+        return xf * rstd[..., None]
     if spec.mode == "none":
         rstd = rd(rd(rstd, x_dtype), cd)
     return rd(rd(xf * rstd[..., None], x_dtype), cd)
@@ -102,12 +105,9 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, spec: NormSpe
     xf = x.to(cd)
     rstd = compute_rstd(xf, spec.eps)
     wf = effective_weight(weight, spec, x.dtype, cd, x.device)
-    if spec.mode == "gemma":
-        y = (xf * rstd[..., None]) * wf
-    else:  # llama, none: normalize, round to x's dtype, then scale
-        y = _normalized_in_x_dtype(xf, rstd, spec, x.dtype, cd) * wf
-        if spec.mode == "none":
-            y = rd(rd(y, x.dtype), cd)
+    y = normalized_as_used(xf, rstd, spec, x.dtype, cd) * wf
+    if spec.mode == "none":  # every op in x's dtype
+        y = rd(rd(y, x.dtype), cd)
     return rd(y, spec.out_dtype), rstd
 
 
@@ -115,12 +115,7 @@ def dw_contributions(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, spec
                      ) -> torch.Tensor:
     """Each row's dW contribution (x.shape, fp32): f32(dy) times the normalized row as y used it."""
     cd = compute_dtype(x.dtype)
-    xf = x.to(cd)
-    if spec.mode == "gemma":
-        xn = xf * rstd[..., None]
-    else:
-        xn = _normalized_in_x_dtype(xf, rstd, spec, x.dtype, cd)
-    return dy.to(cd) * xn
+    return dy.to(cd) * normalized_as_used(x.to(cd), rstd, spec, x.dtype, cd)
 
 
 def rms_norm_backward_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,

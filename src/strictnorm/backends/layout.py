@@ -30,7 +30,7 @@ class RowLayout:
 
 
 def _coalesce(sizes: list[int], strides: list[int]) -> list[tuple[int, int]]:
-    dims = [(s, st) for s, st in zip(sizes, strides) if s != 1]
+    dims = [(s, st) for s, st in zip(sizes, strides, strict=True) if s != 1]
     out: list[tuple[int, int]] = []
     for size, stride in reversed(dims):
         if out and stride == out[-1][0] * out[-1][1]:
@@ -43,6 +43,8 @@ def _coalesce(sizes: list[int], strides: list[int]) -> list[tuple[int, int]]:
 
 def _fits(t: torch.Tensor, per_head: bool) -> RowLayout | None:
     n = t.shape[-1]
+    if t.numel() == 0:  # nothing to address (strides of empty tensors can be anything)
+        return RowLayout(rows=0, n=n, r1=1, g=1, s0=n, s1=0, sg=0)
     if n > 1 and t.stride(-1) != 1:
         return None
     lead = list(t.shape[:-1])

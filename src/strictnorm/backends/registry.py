@@ -29,6 +29,7 @@ _SPECS = {
 PREFERENCE = ("cuda", "triton", "torch")
 
 
+
 class BackendUnavailable(RuntimeError):
     """A backend was asked for that cannot run the op here; the message says why."""
 
@@ -49,6 +50,11 @@ def get_backend(name: str) -> Backend:
     return getattr(importlib.import_module(module), cls)()
 
 
+def clear_cache() -> None:
+    """Forget availability answers (they are cached per backend and device)."""
+    _reason.cache_clear()
+
+
 def names() -> tuple[str, ...]:
     return tuple(_SPECS)
 
@@ -64,6 +70,8 @@ def status(name: str, device: torch.device) -> BackendStatus:
     return BackendStatus(name, reason is None, reason or "", tuple(sorted(backend.ops)))
 
 
+# Evaluated once at trace time under torch.compile: a compiled graph keeps the backend it traced.
+@torch.compiler.assume_constant_result
 def resolve(requested: str | None, device: torch.device, op: str) -> str:
     """The name of the backend that runs `op` on `device` for this call."""
     source = "argument"
@@ -78,14 +86,16 @@ def resolve(requested: str | None, device: torch.device, op: str) -> str:
         if reason is not None:
             raise BackendUnavailable(f"backend {requested!r} (from the {source}) cannot run on {device}: {reason}")
         return requested
-    for name in PREFERENCE:
-        if op in get_backend(name).ops and _reason(name, device) is None:
-            return name
-    raise BackendUnavailable(f"no backend can run {op} on {device}")  # torch always can: unreachable
+    return automatic_choice(device, op)[0]
 
 
 def automatic_choice(device: torch.device, op: str) -> tuple[str, list[str]]:
-    """The automatic choice for op on device, and why each preferred backend before it was passed over."""
+    """The automatic choice for op on device, and why each preferred backend before it was passed over.
+
+    CPU tensors always get the reference: a Triton kernel on the CPU is the interpreter, a debugging tool.
+    """
+    if device.type == "cpu":
+        return "torch", ["on the CPU the reference backend serves"]
     skipped = []
     for name in PREFERENCE:
         backend = get_backend(name)

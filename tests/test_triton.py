@@ -1,0 +1,162 @@
+"""Triton backend, bit for bit against the reference. On a CPU machine these run under the Triton
+interpreter (TRITON_INTERPRET=1, set by conftest.py); on a GPU they run the compiled kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HAS_CUDA
+from helpers import bits_equal, randn
+
+import strictnorm as sn
+
+pytest.importorskip("triton")
+DEV = "cuda" if HAS_CUDA else "cpu"
+MODES = ["llama", "gemma", "none"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _run(backend, x, w, dy, *, mode, offset, dw, res=None, dres=None, qk=False, device="cpu"):
+    xs = x.to(device).requires_grad_(True)
+    ws = w.to(device).requires_grad_(True) if w is not None else None
+    kw = dict(offset=offset, casting_mode=mode, dw=dw, backend=backend)
+    if res is not None:
+        rs = res.to(device).requires_grad_(True)
+        y, z = sn.fused_add_rms_norm(xs, rs, ws, **kw)
+        torch.autograd.backward([y, z], [dy.to(device), dres.to(device)])
+        return {"y": y, "z": z, "dx": xs.grad, "dres": rs.grad, "dw": ws.grad}
+    if qk:
+        y = sn.qk_norm(xs, ws, **kw)
+        rstd = None
+    else:
+        y, rstd = sn.rms_norm_with_rstd(xs, ws, **kw)
+    y.backward(dy.to(device))
+    out = {"y": y, "dx": xs.grad}
+    if rstd is not None:
+        out["rstd"] = rstd
+    if ws is not None:
+        out["dw"] = ws.grad
+    return out
+
+
+def _assert_same(want, got, skip=()):
+    for k in want:
+        if k in skip:
+            continue
+        assert bits_equal(want[k], got[k]), f"{k} differs"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n", [(3, 1), (5, 7), (9, 64), (4, 100), (2, 1000)])
+def test_rms_norm_bitwise(mode, dtype, m, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = randn(m, n, dtype=dtype, gen=g)
+    w = randn(n, dtype=torch.bfloat16 if dtype != torch.float32 else torch.float32, gen=g, scale=0.1)
+    dy = randn(m, n, dtype=dtype, gen=g)
+    offset = 1.0 if mode == "gemma" else 0.0
+    want = _run("torch", x, w, dy, mode=mode, offset=offset, dw="strict")
+    got = _run("triton", x, w, dy, mode=mode, offset=offset, dw="strict", device=DEV)
+    _assert_same(want, got)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_add_bitwise_with_residual_gradient(mode, seed):
+    g = torch.Generator().manual_seed(seed)
+    m, n = 6, 48
+    x, res, dy, dres = (randn(m, n, dtype=torch.bfloat16, gen=g) for _ in range(4))
+    w = randn(n, gen=g)  # mixed: fp32 weight, bf16 activations
+    want = _run("torch", x, w, dy, mode=mode, offset=0.25, dw="strict", res=res, dres=dres)
+    got = _run("triton", x, w, dy, mode=mode, offset=0.25, dw="strict", res=res, dres=dres, device=DEV)
+    _assert_same(want, got)
+
+
+def test_fast_dw_is_deterministic_and_close(seed):
+    g = torch.Generator().manual_seed(seed)
+    m, n = 70, 96
+    x, dy = randn(m, n, dtype=torch.bfloat16, gen=g), randn(m, n, dtype=torch.bfloat16, gen=g)
+    w = randn(n, gen=g)
+    want = _run("torch", x, w, dy, mode="llama", offset=0.0, dw="strict")
+    a = _run("triton", x, w, dy, mode="llama", offset=0.0, dw="fast", device=DEV)
+    b = _run("triton", x, w, dy, mode="llama", offset=0.0, dw="fast", device=DEV)
+    _assert_same(want, a, skip=("dw",))
+    assert bits_equal(a["dw"], b["dw"])
+    rel = ((a["dw"].cpu().double() - want["dw"].double()).norm() / want["dw"].double().norm()).item()
+    assert rel < 1e-5
+
+
+def test_no_weight_and_offsets(seed):
+    g = torch.Generator().manual_seed(seed)
+    x, dy = randn(4, 33, dtype=torch.float16, gen=g), randn(4, 33, dtype=torch.float16, gen=g)
+    _assert_same(_run("torch", x, None, dy, mode="llama", offset=0.0, dw="strict"),
+                 _run("triton", x, None, dy, mode="llama", offset=0.0, dw="strict", device=DEV))
+    tiny = torch.full((33,), 0.00390625, dtype=torch.bfloat16)
+    want = _run("torch", x, tiny, dy, mode="gemma", offset=1.0, dw="strict")
+    got = _run("triton", x, tiny, dy, mode="gemma", offset=1.0, dw="strict", device=DEV)
+    _assert_same(want, got)
+
+
+def test_strided_multidim_input(seed):
+    g = torch.Generator().manual_seed(seed)
+    base = randn(3, 5, 2, 40, dtype=torch.bfloat16, gen=g)
+    x = base[:, 1:4, :, 3:33]  # non-contiguous in every leading dim, offset inside the row
+    w = randn(30, dtype=torch.bfloat16, gen=g)
+    dy = randn(3, 3, 2, 30, dtype=torch.bfloat16, gen=g)
+    want = _run("torch", x, w, dy, mode="llama", offset=0.0, dw="strict")
+    got = _run("triton", x, w, dy, mode="llama", offset=0.0, dw="strict", device=DEV)
+    _assert_same(want, got)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dw", ["strict", "fast"])
+def test_qk_norm_on_fused_qkv_view(per_head, dw, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, s, h, d = 2, 3, 4, 32
+    qkv = randn(b, s, 3 * h * d, dtype=torch.bfloat16, gen=g)
+    w = randn(h, d, gen=g) if per_head else randn(d, gen=g)
+    dy = randn(b, s, h, d, dtype=torch.bfloat16, gen=g)
+    k = qkv[..., h * d:2 * h * d].view(b, s, h, d)
+    want = _run("torch", k, w, dy, mode="gemma", offset=1.0, dw="strict", qk=True)
+    kd = qkv.to(DEV)[..., h * d:2 * h * d].view(b, s, h, d)
+    got = _run("triton", kd, w, dy, mode="gemma", offset=1.0, dw=dw, qk=True, device=DEV)
+    _assert_same(want, got, skip=() if dw == "strict" or per_head else ("dw",))
+
+
+def test_zero_rows(seed):
+    x = torch.empty(0, 16, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    w = torch.ones(16, device=DEV, requires_grad=True)
+    y = sn.rms_norm(x, w, dw="strict", backend="triton")
+    y.sum().backward()
+    assert y.shape == (0, 16) and bits_equal(w.grad, torch.zeros(16))
+
+
+def test_batch_invariance(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 200
+    x = randn(40, n, dtype=torch.bfloat16, gen=g).to(DEV)
+    w = randn(n, dtype=torch.bfloat16, gen=g).to(DEV)
+    full = sn.rms_norm(x, w, backend="triton")
+    for lo, hi in [(0, 1), (5, 6), (3, 40), (39, 40)]:
+        assert bits_equal(sn.rms_norm(x[lo:hi], w, backend="triton"), full[lo:hi])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_left_fold(dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = (randn(130, 7, 3, gen=g) * torch.logspace(-10, 10, 3)).to(dtype).transpose(1, 2)
+    want = sn.reduce_rows_left_fold(rows, backend="torch")
+    got = sn.reduce_rows_left_fold(rows.to(DEV), backend="triton")
+    assert bits_equal(want, got)
+    adversarial = torch.tensor([[1e20, float("inf")], [1.0, 1.0], [-1e20, -float("inf")], [1.0, 2.0]])
+    out = sn.reduce_rows_left_fold(adversarial.to(DEV), backend="triton").cpu()
+    assert out[0].item() == 1.0 and torch.isnan(out[1])
+
+
+def test_subnormal_and_extreme_values(seed):
+    """bf16 rounding of subnormals and near-overflow values goes through the integer path."""
+    x = torch.tensor([[1e-39, -3e-39, 1e-45, 2.0], [3e38, -3e38, 1.0, 0.5]], dtype=torch.float32)
+    w = torch.tensor([1.0, 0.5, 2.0, 1e-38])
+    for out in (torch.bfloat16, torch.float16, torch.float32):
+        want = sn.rms_norm(x, w, backend="torch", out_dtype=out)
+        got = sn.rms_norm(x.to(DEV), w.to(DEV), backend="triton", out_dtype=out)
+        assert bits_equal(want, got)
