@@ -38,12 +38,12 @@ def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def _row_tile(n: int, rows: int) -> tuple[int, int, int, int]:
-    """(ROWS, P, LOG2P, num_warps) for a row kernel. Any choice gives the same bits."""
+def _row_tile(n: int) -> tuple[int, int, int, int]:
+    """(ROWS, P, LOG2P, num_warps) for a row kernel: a function of N alone, so that one compiled
+    kernel serves every row count (any choice gives the same bits; the tree is fixed by N)."""
     p = _pow2(n)
-    rows_per_prog = max(1, min(_TILE_ELEMS // p, _pow2(max(rows, 1))))
-    elems = rows_per_prog * p
-    num_warps = max(1, min(16, elems // 512))
+    rows_per_prog = max(1, _TILE_ELEMS // p)
+    num_warps = max(1, min(32, rows_per_prog * p // 512))
     return rows_per_prog, p, p.bit_length() - 1, num_warps
 
 
@@ -90,7 +90,7 @@ class TritonBackend:
             rk, rlay = xk, lay
         if lay.rows == 0:
             return y, rstd, z
-        rows_per_prog, p, log2p, num_warps = _row_tile(n, lay.rows)
+        rows_per_prog, p, log2p, num_warps = _row_tile(n)
         norm_dtype = residual.dtype if residual is not None else x.dtype
         w = weight if weight is not None else xk
         grid = (triton_cdiv(lay.rows, rows_per_prog),)
@@ -128,7 +128,7 @@ class TritonBackend:
             if need_dw:
                 dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
             return dx, dw
-        rows_per_prog, p, log2p, num_warps = _row_tile(n, rows)
+        rows_per_prog, p, log2p, num_warps = _row_tile(n)
         blocks = triton_cdiv(rows, rows_per_prog)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
         part = torch.empty((nprog, n), dtype=torch.float32, device=z.device) if partials else rstd

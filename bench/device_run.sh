@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One GPU session in one go: environment, GPU test suite, verify, benchmark. Logs and JSON to $OUT.
+# Usage (from the project root, on the GPU machine): bash bench/device_run.sh [tests|bench|all] [bench args...]
+set -uo pipefail
+what=${1:-all}; shift || true
+OUT=${OUT:-/tmp/strictnorm-out}; mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
+[ -f /tmp/dw/env.sh ] && source /tmp/dw/env.sh
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -m strictnorm.cli info
+} 2>&1 | tee "$OUT/env.log"
+if [[ $what == tests || $what == all ]]; then
+  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -x -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
+    ${PYTEST_ARGS:-tests} 2>&1 | tail -n 60 | tee "$OUT/gpu-tests.log"
+  python3 -m strictnorm.cli verify --json "$OUT/verify.json" > "$OUT/verify.log" 2>&1; tail -n 3 "$OUT/verify.log"
+fi
+if [[ $what == bench || $what == all ]]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 -m strictnorm.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -n 45
+fi

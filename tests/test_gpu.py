@@ -1,0 +1,206 @@
+"""GPU tests (skipped without CUDA): the full shape grid bit for bit, batch invariance, determinism,
+CUDA graph replay, and the CUDA strict fold against the Python loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HAS_CUDA
+from helpers import bits_equal
+
+import strictnorm as sn
+from strictnorm.backends.registry import get_backend, status
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+GRID_N = [1, 7, 64, 127, 128, 512, 1000, 4096, 5120, 8192, 18432, 65536]
+
+
+def _rows_for(n: int) -> list[int]:
+    big = max(1, min(1 << 20, (1 << 25) // n))  # up to 1M rows, at most 32M elements
+    return sorted({1, 3, 255, min(4097, big), big})
+
+
+def _data(m, n, dtype, wdtype, seed, per_head=None):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, n, device=DEV, generator=g).to(dtype)
+    w = (torch.randn(n, device=DEV, generator=g) * 0.1).to(wdtype)
+    dy = torch.randn(m, n, device=DEV, generator=g).to(dtype)
+    return x, w, dy
+
+
+def _fwd_bwd(backend, x, w, dy, mode, dw, offset=0.0):
+    xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y, rstd = sn.rms_norm_with_rstd(xs, ws, offset=offset, casting_mode=mode, dw=dw, backend=backend)
+    y.backward(dy)
+    return y, rstd, xs.grad, ws.grad
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_reference_is_device_independent(seed):
+    x, w, dy = _data(300, 1000, torch.bfloat16, torch.bfloat16, seed)
+    gpu = _fwd_bwd("torch", x, w, dy, "llama", "strict", 1.0)
+    cpu = _fwd_bwd("torch", x.cpu(), w.cpu(), dy.cpu(), "llama", "strict", 1.0)
+    for a, b in zip(gpu, cpu, strict=True):
+        assert bits_equal(a, b)
+
+
+# Every N in every mode in bf16; fp16 and fp32 on a subset (each case compiles kernels: device time).
+GRID = [(n, torch.bfloat16, mode) for n in GRID_N for mode in ("llama", "gemma", "none")] + [
+    (n, dt, mode) for n in (7, 1000, 4096, 65536) for dt in (torch.float16, torch.float32)
+    for mode in ("llama", "none")]
+
+
+@pytest.mark.parametrize("n, dtype, mode", GRID)
+def test_triton_grid_bitwise(n, dtype, mode, seed):
+    for m in _rows_for(n):
+        x, w, dy = _data(m, n, dtype, torch.float32 if mode == "none" else dtype, seed + m)
+        offset = 1.0 if mode == "gemma" else 0.0
+        dw = "strict" if m <= 4097 else "fast"  # the reference's strict loop is one launch per row
+        want = _fwd_bwd("torch", x, w, dy, mode, dw, offset)
+        got = _fwd_bwd("triton", x, w, dy, mode, dw, offset)
+        for name, a, b in zip(("y", "rstd", "dx", "dw"), want, got, strict=True):
+            if name == "dw" and dw == "fast":
+                rel = ((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30)).item()
+                assert rel < 1e-4, f"{m}x{n} {mode} dw fast rel {rel}"
+            else:
+                assert bits_equal(a, b), f"{name} differs at {m}x{n} {dtype} {mode}"
+
+
+@pytest.mark.parametrize("n", [128, 4096, 8192])
+def test_strict_dw_large_rows_cuda_vs_triton_fold(n, seed):
+    """Two independent strict-fold implementations must agree at row counts the reference loop can't do."""
+    m = (1 << 22) // n * 4
+    x, w, dy = _data(m, n, torch.bfloat16, torch.bfloat16, seed)
+    tb = get_backend("triton")
+    via_cuda = _fwd_bwd("triton", x, w, dy, "llama", "strict")[3]
+    tb.use_cuda_fold = False
+    try:
+        via_triton = _fwd_bwd("triton", x, w, dy, "llama", "strict")[3]
+    finally:
+        tb.use_cuda_fold = True
+    assert bits_equal(via_cuda, via_triton)
+
+
+@pytest.mark.parametrize("n", [128, 1000, 4096])
+def test_batch_invariance(n, seed):
+    x, w, dy = _data(100_000, n, torch.bfloat16, torch.bfloat16, seed)
+    full = _fwd_bwd("triton", x, w, dy, "llama", "fast")
+    for lo, hi in [(0, 1), (12345, 12346), (99_999, 100_000), (7, 1007), (50, 60_000)]:
+        part = _fwd_bwd("triton", x[lo:hi], w, dy[lo:hi], "llama", "fast")
+        for a, b in zip(full[:3], part[:3], strict=True):
+            assert bits_equal(a[lo:hi], b), f"rows {lo}:{hi}"
+
+
+def test_run_to_run_determinism(seed):
+    x, w, dy = _data(32768, 4096, torch.bfloat16, torch.bfloat16, seed)
+    first = _fwd_bwd("triton", x, w, dy, "llama", "fast")
+    for _ in range(2):
+        again = _fwd_bwd("triton", x, w, dy, "llama", "fast")
+        for a, b in zip(first, again, strict=True):
+            assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("dw", ["fast", "strict"])
+def test_cuda_graph_replay_with_new_inputs(dw, seed):
+    m, n = 4096, 2048
+    x, w, dy = _data(m, n, torch.bfloat16, torch.bfloat16, seed)
+    sx, sdy = x.clone(), dy.clone()
+    sw = w.clone().requires_grad_(True)
+
+    def step():
+        xs = sx.detach().requires_grad_(True)
+        y, res = sn.fused_add_rms_norm(xs, sx, sw, casting_mode="gemma", offset=1.0, dw=dw, backend="triton")
+        torch.autograd.backward([y, res], [sdy, sdy])
+        return y, res, xs.grad
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            sw.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    sw.grad = None
+    with torch.cuda.graph(graph):
+        out = step()
+    for k in range(3):
+        nx, nw, ndy = _data(m, n, torch.bfloat16, torch.bfloat16, seed + 100 + k)
+        sx.copy_(nx)
+        sdy.copy_(ndy)
+        with torch.no_grad():
+            sw.copy_(nw)
+        graph.replay()
+        torch.cuda.synchronize()
+        ws = nw.clone().requires_grad_(True)
+        xs = nx.clone().requires_grad_(True)
+        rs = nx.clone().requires_grad_(True)
+        y, res = sn.fused_add_rms_norm(xs, rs, ws, casting_mode="gemma", offset=1.0, dw=dw, backend="torch")
+        torch.autograd.backward([y, res], [ndy, ndy])
+        assert bits_equal(out[0], y) and bits_equal(out[1], res) and bits_equal(out[2], xs.grad)
+        if dw == "strict":
+            assert bits_equal(sw.grad, ws.grad)
+
+
+def _loop(rows):
+    acc = torch.zeros(rows.shape[1:], device=rows.device)
+    for r in rows:
+        acc = acc + r.float()
+    return acc
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (100, 128), (16384, 128), (4096, 4096), (1024, 8192), (3, 5),
+                                   (5000, 33), (777, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fold_equals_python_loop(shape, dtype, seed):
+    assert status("cuda", torch.device(DEV)).available, status("cuda", torch.device(DEV)).reason
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    rows = (torch.randn(*shape, device=DEV, generator=g) * 1e3).to(dtype)
+    want = _loop(rows)
+    cb = get_backend("cuda")
+    assert bits_equal(cb.left_fold(rows), want)
+    assert bits_equal(cb.left_fold(rows, ring=False), want)
+    assert bits_equal(sn.reduce_rows_left_fold(rows), want)  # automatic choice on a GPU: cuda
+
+
+def test_cuda_fold_adversarial_rows():
+    cols = 40
+    rows = torch.zeros(9, cols, device=DEV)
+    rows[:, 0] = torch.tensor([1e20, 1.0, -1e20, 1.0, 0, 0, 0, 0, 0])
+    rows[:, 1] = torch.tensor([1e38, 1e38, -1e38, 0, 0, 0, 0, 0, 0])  # overflows to inf, stays inf
+    rows[:, 2] = torch.tensor([float("inf"), 1, float("-inf"), 0, 0, 0, 0, 0, 0])  # nan
+    rows[:, 3] = torch.tensor([1e-45, 1e-45, -1e-45, 3e-39, 0, 0, 0, 0, 0])  # subnormals
+    rows[:, 4] = torch.tensor([float("nan")] + [1.0] * 8)
+    rows[:, 5] = -0.0
+    rows[:, 6:] = torch.randn(9, cols - 6, device=DEV) * torch.logspace(-30, 30, cols - 6, device=DEV)
+    want = _loop(rows)
+    for ring in (True, False):
+        got = get_backend("cuda").left_fold(rows, ring=ring)
+        assert bits_equal(got, want)
+    strided = torch.randn(300, 64, device=DEV)[:, ::2]  # misaligned for cp.async: the simple kernel serves
+    assert bits_equal(get_backend("cuda").left_fold(strided), _loop(strided))
+
+
+def test_cuda_fold_zero_rows_and_multidim():
+    z = torch.empty(0, 3, 4, device=DEV)
+    assert bits_equal(sn.reduce_rows_left_fold(z, backend="cuda"), torch.zeros(3, 4, device=DEV))
+    r = torch.randn(1000, 3, 4, device=DEV).transpose(1, 2)
+    assert bits_equal(sn.reduce_rows_left_fold(r, backend="cuda"), _loop(r))
+
+
+def test_qk_norm_per_head_large(seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    b, s, h, d = 4, 2048, 8, 128
+    qkv = torch.randn(b, s, 3 * h * d, device=DEV, generator=g).bfloat16()
+    w = torch.randn(h, d, device=DEV, generator=g)
+    dy = torch.randn(b, s, h, d, device=DEV, generator=g).bfloat16()
+    outs = []
+    for be in ("torch", "triton"):
+        base = qkv.clone().requires_grad_(True)
+        ws = w.clone().requires_grad_(True)
+        y = sn.qk_norm(base[..., : h * d].view(b, s, h, d), ws, dw="strict", backend=be)
+        y.backward(dy)
+        outs.append((y, base.grad, ws.grad))
+    for a, c in zip(*outs, strict=True):
+        assert bits_equal(a, c)
