@@ -98,14 +98,13 @@ class KernelCache:
 
     def get(self, device_index: int, name: str, kernel: str, defines: dict[str, int]):
         key = (device_index, name, kernel, tuple(sorted(defines.items())))
-        k = self._kernels.get(key)
-        if k is None:
+        entry = self._kernels.get(key)
+        if entry is None:
             with self._lock:
-                k = self._kernels.get(key)
-                if k is None:
-                    k = self._load(device_index, name, kernel, defines)
-                    self._kernels[key] = k
-        return k
+                entry = self._kernels.get(key)
+                if entry is None:
+                    entry = self._kernels[key] = self._load(device_index, name, kernel, defines)
+        return entry[1]
 
     @staticmethod
     def _load(device_index: int, name: str, kernel: str, defines: dict[str, int]):
@@ -115,7 +114,8 @@ class KernelCache:
         dev.set_current()
         major, minor = dev.compute_capability
         cubin = compile_cubin(name, f"sm_{major}{minor}", defines)
-        return ObjectCode.from_cubin(cubin, name=name).get_kernel(kernel)
+        module = ObjectCode.from_cubin(cubin, name=name)
+        return module, module.get_kernel(kernel)  # the module stays referenced beside its kernel
 
     def launch(self, device_index: int, kernel, grid: tuple[int, ...], block: int, shmem: int, *args) -> None:
         import torch
