@@ -48,7 +48,8 @@ def _assert_same(want, got, skip=()):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m, n", [(3, 1), (5, 7), (9, 64), (4, 100), (2, 1000)])
+# On a GPU every case compiles kernels (device time); test_gpu.py's grid covers the shapes there.
+@pytest.mark.parametrize("m, n", [(3, 1), (5, 7), (9, 64), (4, 100), (2, 1000)] if not HAS_CUDA else [(4, 100)])
 def test_rms_norm_bitwise(mode, dtype, m, n, seed):
     g = torch.Generator().manual_seed(seed)
     x = randn(m, n, dtype=dtype, gen=g)

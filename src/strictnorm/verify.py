@@ -106,9 +106,9 @@ def _fold_case(backend: str, device: torch.device, seed: int) -> dict[str, int]:
 
 
 def _kernel_checks(backend: str, device: torch.device, quick: bool) -> Iterator[tuple[str, str, Callable]]:
-    shapes = [(5, 7), (33, 128), (4, 1000)] if quick else [(1, 1), (5, 7), (33, 128), (64, 1000), (8, 4096),
-                                                             (3, 5120), (2, 18432)]
-    dtypes = [torch.bfloat16, torch.float32] if quick else [torch.bfloat16, torch.float16, torch.float32]
+    # Each new (N, dtype, mode) compiles kernels on a GPU the first time (cached on disk after).
+    shapes = [(33, 128), (4, 1000)] if quick else [(1, 1), (5, 7), (33, 128), (64, 1000), (8, 4096), (2, 18432)]
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
     seed = int(time.time_ns() % 2**31)
     for i, (rows, n) in enumerate(shapes):
         for dtype in dtypes:

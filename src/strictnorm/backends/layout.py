@@ -54,7 +54,7 @@ def _fits(t: torch.Tensor, per_head: bool) -> RowLayout | None:
     else:
         g, sg = 1, 0
     outer = _coalesce(lead, strides)
-    if not per_head and outer:  # the innermost leading dim can serve as G
+    if not per_head and len(outer) == 3:  # a third non-mergeable leading dim: let G carry it
         g, sg = outer.pop()
     if len(outer) > 2:
         return None
