@@ -131,9 +131,9 @@ def norm_providers(compile_anchor: bool) -> tuple[dict[str, Callable], dict[str,
     return providers, skipped
 
 
-def bench_norm(timer: Timer, shapes, ceiling: float, compile_anchor: bool, log) -> tuple[list[dict], dict]:
+def bench_norm(timer: Timer, shapes, ceiling: float, compile_anchor: bool, log, rows: list[dict]) -> dict:
+    """Appends one row per (shape, provider) to rows as it goes; returns the anchors that are missing."""
     providers, skipped = norm_providers(compile_anchor)
-    rows = []
     for m, n in shapes:
         for name, fn in providers.items():
             row = {"provider": name, "M": m, "N": n}
@@ -145,7 +145,7 @@ def bench_norm(timer: Timer, shapes, ceiling: float, compile_anchor: bool, log) 
             log(row)
         torch.cuda.empty_cache()
     _ratios(rows)
-    return rows, skipped
+    return skipped
 
 
 def _norm_one(timer: Timer, fn: Callable, m: int, n: int, ceiling: float) -> dict:
@@ -214,13 +214,11 @@ def host_cost_us(n_calls: int = 2000) -> dict[str, float]:
     return out
 
 
-def bench_fold(timer: Timer, shapes, ceiling: float, log) -> list[dict]:
-    rows = []
+def bench_fold(timer: Timer, shapes, ceiling: float, log, rows: list[dict]) -> None:
     for m, n in shapes:
         row = _fold_one(timer, m, n, ceiling)
         rows.append(row)
         log(row)
-    return rows
 
 
 def _fold_one(timer: Timer, m: int, n: int, ceiling: float) -> dict:
@@ -326,11 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     norm_shapes = [(128, 4096), (2048, 4096)] if args.preset == "quick" else NORM_SHAPES
     fold_shapes = [(1024, 128), (1024, 4096)] if args.preset == "quick" else FOLD_SHAPES
     if args.preset in ("norm", "all", "quick"):
-        result["norm"], result["skipped_anchors"] = bench_norm(timer, norm_shapes, result["copy_GBps"],
-                                                               args.compile, log)
+        result["norm"] = []
+        result["skipped_anchors"] = bench_norm(timer, norm_shapes, result["copy_GBps"], args.compile, log,
+                                               result["norm"])
         result["host_us"] = host_cost_us()
     if args.preset in ("fold", "all", "quick"):
-        result["fold"] = bench_fold(timer, fold_shapes, result["copy_GBps"], log)
+        result["fold"] = []
+        bench_fold(timer, fold_shapes, result["copy_GBps"], log, result["fold"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
