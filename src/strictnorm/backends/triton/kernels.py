@@ -59,9 +59,11 @@ def store_rounded(ptr, v, mask, DT: tl.constexpr):
 @triton.jit
 def canon_sum(v, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr):
     """Sum over axis 1 of (ROWS, P) as the balanced adjacent-first pairwise tree. P = 2**LOG2P."""
+    # Each level sums pairs (2j, 2j+1): a reduction over an axis of size 2 is one exact add. A tl.split
+    # form of the same tree gives the same bits, but Triton 3.6 compiled it to 25x more PTX (48,598 lines
+    # against 1,909 at P = 4096) and it ran at ~0.2% of the copy bandwidth on an H200.
     for lvl in tl.static_range(LOG2P):
-        a, b = tl.split(tl.reshape(v, (ROWS, P >> (lvl + 1), 2)))
-        v = a + b
+        v = tl.sum(tl.reshape(v, (ROWS, P >> (lvl + 1), 2)), axis=2)
     return tl.reshape(v, (ROWS,))
 
 
