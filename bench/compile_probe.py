@@ -1,0 +1,62 @@
+"""Compile strictnorm's Triton kernels for sm_90 without a GPU and report what costs no device time:
+compile seconds, PTX size, shared-memory traffic, barriers, local-memory spills, per N.
+
+A pathological compile shows here before it burns device time (Triton 3.6 turned a tl.split tree
+into 25x more PTX than a reshape + sum tree). Usage: python bench/compile_probe.py [N ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from strictnorm.backends.triton import backend as tb
+from strictnorm.backends.triton import kernels as k
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, sig: dict, const: dict, num_warps: int):
+    sig = {**sig, **{name: "constexpr" for name in const}}
+    t0 = time.perf_counter()
+    c = triton.compile(ASTSource(fn, sig, const), target=TARGET,
+                       options={"num_warps": num_warps, "enable_fp_fusion": False})
+    return c, time.perf_counter() - t0
+
+
+def _stats(c) -> str:
+    ptx = c.asm["ptx"]
+    return (f"ptx {len(ptx.splitlines()):6d} lines  bar.sync {ptx.count('bar.sync'):3d}  "
+            f"ld.shared {ptx.count('ld.shared'):4d}  local {ptx.count('ld.local') + ptx.count('st.local'):3d}")
+
+
+def main(ns: list[int]) -> None:
+    ptr16, ptr32 = "*bf16", "*fp32"
+    fwd_sig = {"X": ptr16, "RES": ptr16, "Z": "*i16", "W": ptr16, "Y": "*i16", "RSTD": ptr32,
+               **{s: "i64" for s in ("xs0", "xs1", "xsg", "rs0", "rs1", "rsg", "wsg")},
+               **{s: "i32" for s in ("M", "N", "R1", "G")}, "eps": "fp32", "offset": "fp32"}
+    bwd_sig = {"DY": ptr16, "Z": ptr16, "W": ptr16, "RSTD": ptr32, "DRES": ptr16, "DX": "*i16", "DW_PART": ptr32,
+               **{s: "i64" for s in ("ds0", "ds1", "dsg", "zs0", "zs1", "zsg", "wsg", "es0", "es1", "esg",
+                                     "xs0", "xs1", "xsg")},
+               **{s: "i32" for s in ("M", "N", "R1", "G")}, "offset": "fp32"}
+    fold_sig = {"A": ptr16, "B": ptr16, "RSTD": ptr32, "OUT": ptr32,
+                **{s: "i64" for s in ("as0", "as1", "asg", "bs0", "bs1", "bsg")},
+                **{s: "i32" for s in ("ROWS_PER_GROUP", "N", "R1", "G", "GROUP_STEP")}}
+    print(f"triton {triton.__version__}, sm_90")
+    for n in ns:
+        rows, p, log2p, warps = tb._row_tile(n)
+        common = {"ROWS": rows, "P": p, "LOG2P": log2p, "MODE": 0, "XDT": 1, "HAS_W": True, "PER_HEAD": False}
+        c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False}, warps)
+        print(f"N={n:6d} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
+        c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True}, warps)
+        print(f"N={n:6d} bwd  {s:6.1f} s  {_stats(c)}", flush=True)
+    c, s = _compile(k.fold_kernel, fold_sig, {"BN": tb._FOLD_BN, "UNROLL": tb._FOLD_UNROLL, "WHAT": 1, "XDT": 1}, 2)
+    print(f"fold        {s:6.1f} s  {_stats(c)}")
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [1, 7, 128, 1000, 4096, 8192, 18432, 65536])
