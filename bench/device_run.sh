@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one go: environment, GPU test suite, verify, benchmark. Logs and JSON to $OUT.
 # Usage (from the project root, on the GPU machine): bash bench/device_run.sh [tests|bench|all] [bench args...]
+# e.g. bash bench/device_run.sh all --fold --compile   (at most 8 files come back from $OUT)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/strictnorm-out}; mkdir -p "$OUT"
@@ -15,12 +16,14 @@ export STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
 if [[ $what == tests || $what == all ]]; then
   # the every-configuration NVRTC compile test is CI's job; here it would only spend device time
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -v -rfE -p no:cacheprovider --timeout=150 --durations=15 \
-    --junitxml="$OUT/gpu-tests.xml" -k "not every_fold_configuration" ${PYTEST_ARGS:-tests} > "$OUT/gpu-tests.log" 2>&1
+    -k "not every_fold_configuration" ${PYTEST_ARGS:-tests} > "$OUT/gpu-tests.log" 2>&1
   tail -n 40 "$OUT/gpu-tests.log"
-  timeout ${VERIFY_TIMEOUT:-90} python3 -m strictnorm.cli verify --quick --json "$OUT/verify.json" > "$OUT/verify.log" 2>&1
+  timeout ${VERIFY_TIMEOUT:-90} python3 -m strictnorm.cli verify --quick > "$OUT/verify.log" 2>&1
   tail -n 3 "$OUT/verify.log"
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 -m strictnorm.bench --json "$OUT/bench.json" "$@" > "$OUT/bench.log" 2>&1
-  tail -n 50 "$OUT/bench.log"
+  # JSON rows go to stderr as they are measured (bench.log); the tables to stdout (bench.txt)
+  timeout ${BENCH_TIMEOUT:-300} python3 -m strictnorm.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" \
+    --plot "$OUT/bench.png" "$@" > "$OUT/bench.txt" 2> "$OUT/bench.log"
+  tail -n 50 "$OUT/bench.txt"
 fi

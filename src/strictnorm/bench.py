@@ -6,17 +6,22 @@ anchor figures in PERF.md) and eager time (triton.testing.do_bench: what a Pytho
 host cost included). Bytes are counted (forward: read x, write y; backward: read x, dy, write dx),
 and the device-to-device copy bandwidth is measured in the same run as the ceiling.
 
-Presets: `norm` (the PERF.md grid, bf16, llama casting), `fold` (the strict left fold on the seed's
-shapes, against the Python loop and a one-thread-per-column kernel), `quick` (a smoke test).
+Sections: norm (forward and backward, bf16, llama casting; presets: the PERF.md grid, Llama-3 and
+QK-norm shapes, or --shapes) with rounds in shuffled provider order and an A/A control (the same
+provider measured twice: the run's noise); fold (--fold: the strict left fold on the seed's shapes,
+against the Python loop and a one-thread-per-column kernel). On a CPU-only machine the reference
+backend and the torch anchors are timed by wall clock, labelled as such.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -59,18 +64,31 @@ def environment() -> dict:
 
 
 class Timer:
-    """Kernel-only time through torch.profiler, with the L2 flushed before every timed call."""
+    """Kernel-only and eager time of a callable on one device.
 
-    def __init__(self, iters: int) -> None:
+    CUDA: kernel-only time is the sum of the call's kernel durations from torch.profiler with the L2
+    flushed before every timed call (median over iterations); eager time is triton's do_bench median.
+    CPU: both figures are the wall-clock median of the call (there are no kernels to separate).
+    """
+
+    def __init__(self, device: torch.device, iters: int) -> None:
+        self.device = device
         self.iters = iters
-        self.flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+        self.cuda = device.type == "cuda"
+        self.flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=device) if self.cuda else None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def kernel_us(self, fn: Callable[[], object]) -> float:
+        for _ in range(2):
+            fn()
+        self.sync()
+        if not self.cuda:
+            return self._wall_us(fn)
         from torch.profiler import ProfilerActivity, profile
 
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
         per_iter = []
         for _ in range(self.iters):
             self.flush.zero_()
@@ -82,77 +100,133 @@ class Timer:
                                 if e.device_type == torch.autograd.DeviceType.CUDA))
         return statistics.median(per_iter)
 
-    @staticmethod
-    def eager_us(fn: Callable[[], object]) -> float:
+    def eager_us(self, fn: Callable[[], object]) -> float:
+        if not self.cuda:
+            return self._wall_us(fn)
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
+    def _wall_us(self, fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(self.iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
 
-def copy_ceiling_gbps() -> float:
-    from triton.testing import do_bench
 
-    x = torch.empty(1024**3, dtype=torch.bfloat16, device="cuda").normal_()
+def copy_ceiling_gbps(device: torch.device) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    numel = 1024**3 if device.type == "cuda" else 64 * 1024**2
+    x = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
     y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=10, rep=100, return_mode="median")
-    return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+    t = Timer(device, 9)
+    us = t.eager_us(lambda: y.copy_(x))
+    return 2 * x.numel() * x.element_size() / us / 1e3
 
 
-def norm_providers(compile_anchor: bool) -> tuple[dict[str, Callable], dict[str, str]]:
-    """name -> f(x, w, eps) returning y; and name -> reason for each anchor that is missing."""
+def norm_bytes(m: int, n: int, x_size: int = 2, w_size: int = 2) -> tuple[int, int]:
+    """(forward, backward) bytes moved at least: forward reads x and w, writes y (and rstd); backward
+    reads x, dy, w, rstd and writes dx and dW."""
+    fwd = 2 * m * n * x_size + n * w_size + 4 * m
+    bwd = 3 * m * n * x_size + 2 * n * w_size + 4 * m
+    return fwd, bwd
+
+
+def _hf_llama(eps: float) -> Callable:
+    def hf_llama(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    return hf_llama
+
+
+AA_CONTROL = "A/A: torch F.rms_norm"
+
+
+def norm_providers(device: torch.device, compile_anchor: bool) -> tuple[dict[str, Callable], dict[str, str]]:
+    """name -> f(x, w) returning y, and name -> why, for each anchor that is missing.
+
+    The A/A control is the same function as "torch F.rms_norm" measured as a separate provider: the
+    difference between the two is the noise of this run."""
     eps = 1e-6
-    providers: dict[str, Callable] = {
-        "torch F.rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps),
-    }
+    native = lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
+    providers: dict[str, Callable] = {"torch F.rms_norm": native, AA_CONTROL: native,
+                                      "HF llama eager": _hf_llama(eps)}
     skipped: dict[str, str] = {}
     if compile_anchor:
-        def hf_llama(x, w):
-            xf = x.float()
-            return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-        compiled = torch.compile(hf_llama)
-        providers["torch.compile"] = compiled
+        providers["torch.compile"] = torch.compile(_hf_llama(eps))
     else:
         skipped["torch.compile"] = "not requested (--compile)"
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    if device.type == "cuda":
+        try:
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-        providers["Liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
-    except Exception as e:  # an anchor that is not installed is reported, not fatal
-        skipped["Liger"] = repr(e)[:160]
-    try:
-        from quack.rmsnorm import rmsnorm as quack_rmsnorm
+            providers["Liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
+        except Exception as e:  # an anchor that is not installed is reported, not fatal
+            skipped["Liger"] = repr(e)[:160]
+        try:
+            from quack.rmsnorm import rmsnorm as quack_rmsnorm
 
-        providers["Quack"] = lambda x, w: quack_rmsnorm(x, w, eps=eps)
-    except Exception as e:
-        skipped["Quack"] = repr(e)[:160]
-    providers["strictnorm fast"] = lambda x, w: api.rms_norm(x, w, eps, dw="fast", backend="triton")
-    providers["strictnorm strict"] = lambda x, w: api.rms_norm(x, w, eps, dw="strict", backend="triton")
+            providers["Quack"] = lambda x, w: quack_rmsnorm(x, w, eps=eps)
+        except Exception as e:
+            skipped["Quack"] = repr(e)[:160]
+        for dw in ("fast", "strict"):
+            providers[f"strictnorm {dw}"] = (lambda x, w, dw=dw: api.rms_norm(x, w, eps, dw=dw, backend="triton"))
+    else:
+        skipped["Liger"] = skipped["Quack"] = "GPU only"
+        for dw in ("fast", "strict"):
+            providers[f"strictnorm torch {dw}"] = (lambda x, w, dw=dw: api.rms_norm(x, w, eps, dw=dw,
+                                                                                    backend="torch"))
     return providers, skipped
 
 
-def bench_norm(timer: Timer, shapes, ceiling: float, compile_anchor: bool, log, rows: list[dict]) -> dict:
-    """Appends one row per (shape, provider) to rows as it goes; returns the anchors that are missing."""
-    providers, skipped = norm_providers(compile_anchor)
+def bench_norm(timer: Timer, shapes, ceiling: float, providers: dict[str, Callable], rounds: int, log,
+               rows: list[dict], seed: int = 0) -> None:
+    """Per shape: `rounds` rounds, providers in a fresh random order each round; each figure is the
+    median over rounds. Appends one row per (shape, provider) as it goes."""
+    rng = random.Random(seed)
     for m, n in shapes:
-        for name, fn in providers.items():
-            row = {"provider": name, "M": m, "N": n}
-            try:
-                row.update(_norm_one(timer, fn, m, n, ceiling))
-            except Exception as e:  # a provider that raises is reported, not fatal
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
+        inputs = _norm_inputs(timer.device, m, n)
+        per: dict[str, list[dict]] = {name: [] for name in providers}
+        errors: dict[str, str] = {}
+        for _ in range(rounds):
+            order = list(providers)
+            rng.shuffle(order)
+            for name in order:
+                if name in errors:
+                    continue
+                try:
+                    per[name].append(_norm_once(timer, providers[name], *inputs))
+                except Exception as e:  # a provider that raises is reported, not fatal
+                    errors[name] = f"{type(e).__name__}: {e}"[:300]
+        for name in providers:
+            row = {"provider": name, "M": m, "N": n, "device": timer.device.type}
+            if name in errors:
+                row["error"] = errors[name]
+            else:
+                for key in per[name][0]:
+                    row[key] = statistics.median(r[key] for r in per[name])
+                row.update(_derived(row, m, n, ceiling))
+                row["peak_MB_fwdbwd"] = _peak_mb(timer.device, providers[name], *inputs)
             rows.append(row)
             log(row)
-        torch.cuda.empty_cache()
-    _ratios(rows)
-    return skipped
+        del inputs
+        if timer.cuda:
+            torch.cuda.empty_cache()
+    ratios(rows)
 
 
-def _norm_one(timer: Timer, fn: Callable, m: int, n: int, ceiling: float) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
-    x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
-    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
-    dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+def _norm_inputs(device: torch.device, m: int, n: int):
+    g = torch.Generator(device=device).manual_seed(m * 7 + n)
+    x = torch.randn(m, n, device=device, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(n, device=device, generator=g)).bfloat16()
+    dy = torch.randn(m, n, device=device, generator=g).bfloat16()
+    return x, w, dy
+
+
+def _norm_once(timer: Timer, fn: Callable, x, w, dy) -> dict:
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
 
     def fwd():
@@ -161,31 +235,39 @@ def _norm_one(timer: Timer, fn: Callable, m: int, n: int, ceiling: float) -> dic
     def fwd_bwd():
         torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
 
-    row = {"fwd_us": timer.kernel_us(fwd)}
-    row["bwd_us"] = timer.kernel_us(fwd_bwd) - row["fwd_us"]
-    row["fwd_eager_us"] = timer.eager_us(fwd)
-    row["fwdbwd_eager_us"] = timer.eager_us(fwd_bwd)
-    fwd_bytes = 4 * m * n + 2 * n
-    bwd_bytes = 6 * m * n + 4 * n + 4 * m
-    row["fwd_GBps"] = fwd_bytes / row["fwd_us"] / 1e3
-    row["bwd_GBps"] = bwd_bytes / row["bwd_us"] / 1e3 if row["bwd_us"] > 0 else None
-    row["fwd_frac_copy"] = row["fwd_GBps"] / ceiling
-    row["bwd_frac_copy"] = row["bwd_GBps"] / ceiling if row["bwd_GBps"] else None
+    fwd_us = timer.kernel_us(fwd)
+    return {"fwd_us": fwd_us, "bwd_us": timer.kernel_us(fwd_bwd) - fwd_us,
+            "fwd_eager_us": timer.eager_us(fwd), "fwdbwd_eager_us": timer.eager_us(fwd_bwd)}
+
+
+def _derived(row: dict, m: int, n: int, ceiling: float) -> dict:
+    fwd_bytes, bwd_bytes = norm_bytes(m, n)
+    out = {"fwd_GBps": fwd_bytes / row["fwd_us"] / 1e3 if row["fwd_us"] > 0 else None,
+           "bwd_GBps": bwd_bytes / row["bwd_us"] / 1e3 if row["bwd_us"] > 0 else None}
+    out["fwd_frac_copy"] = out["fwd_GBps"] / ceiling if out["fwd_GBps"] else None
+    out["bwd_frac_copy"] = out["bwd_GBps"] / ceiling if out["bwd_GBps"] else None
+    return out
+
+
+def _peak_mb(device: torch.device, fn: Callable, x, w, dy) -> float | None:
+    if device.type != "cuda":
+        return None
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fwd_bwd()
+    torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
     torch.cuda.synchronize()
-    row["peak_MB_fwdbwd"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return row
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _ratios(rows: list[dict]) -> None:
-    """Each row's speed-up over the best anchor at its shape (anchor time / own time; > 1 is faster)."""
+def ratios(rows: list[dict]) -> None:
+    """Each row's speed-up over the best anchor at its shape: best anchor time / own time (> 1: faster).
+    Anchors are the providers not named strictnorm, the A/A control excluded."""
     for key in ("fwd_us", "bwd_us"):
         best: dict[tuple, float] = {}
         for r in rows:
-            if not r["provider"].startswith("strictnorm") and r.get(key, 0) > 0:
+            if not r["provider"].startswith("strictnorm") and r["provider"] != AA_CONTROL and r.get(key, 0) > 0:
                 k = (r["M"], r["N"])
                 best[k] = min(best.get(k, float("inf")), r[key])
         for r in rows:
@@ -194,21 +276,41 @@ def _ratios(rows: list[dict]) -> None:
                 r[f"{key[:3]}_speedup_vs_best_anchor"] = best[k] / r[key]
 
 
-def host_cost_us(n_calls: int = 2000) -> dict[str, float]:
-    providers, _ = norm_providers(False)
-    x = torch.randn(4, 4096, device="cuda").bfloat16()
-    w = torch.ones(4096, device="cuda").bfloat16()
+def aa_spread(rows: list[dict]) -> dict[str, float]:
+    """Largest relative difference between the A/A control and its twin, per figure: the run's noise."""
+    out = {}
+    for key in ("fwd_us", "bwd_us", "fwd_eager_us", "fwdbwd_eager_us"):
+        diffs = []
+        for a in rows:
+            if a["provider"] != AA_CONTROL or key not in a:
+                continue
+            for b in rows:
+                if b["provider"] == "torch F.rms_norm" and (b["M"], b["N"]) == (a["M"], a["N"]) and b.get(key):
+                    diffs.append(abs(a[key] - b[key]) / b[key])
+        if diffs:
+            out[key] = max(diffs)
+    return out
+
+
+def host_cost_us(device: torch.device, providers: dict[str, Callable], n_calls: int = 2000) -> dict[str, float]:
+    """Host time of one eager forward call on a tiny input (no synchronization inside the loop)."""
+    x = torch.randn(4, 4096, device=device).bfloat16()
+    w = torch.ones(4096, device=device).bfloat16()
     out = {}
     for name, fn in providers.items():
+        if name == AA_CONTROL:
+            continue
         try:
             for _ in range(50):
                 fn(x, w)
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(n_calls):
                 fn(x, w)
             out[name] = (time.perf_counter() - t0) / n_calls * 1e6
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         except Exception as e:
             out[name] = f"{type(e).__name__}: {e}"[:200]
     return out
@@ -270,71 +372,153 @@ def _triton_fold(tb, c):
         tb.use_cuda_fold = old
 
 
-def _print_tables(result: dict) -> None:
-    print(f"\ncopy ceiling {result['copy_GBps']:.0f} GB/s  ({result['env'].get('gpu')})")
+def print_tables(result: dict, out=sys.stdout) -> None:
+    dev = result["env"].get("gpu") or "cpu (wall-clock timings)"
+    print(f"\ncopy ceiling {result['copy_GBps']:.0f} GB/s  ({dev})", file=out)
+    nan = float("nan")
     if result.get("norm"):
-        print(f"\n{'provider':18s} {'M x N':>13s} {'fwd us':>8s} {'%copy':>6s} {'bwd us':>8s} {'%copy':>6s}"
-              f" {'fwd x':>6s} {'bwd x':>6s} {'eager f':>8s} {'eager fb':>8s}")
+        print(f"\n{'provider':22s} {'M x N':>13s} {'fwd us':>9s} {'%copy':>6s} {'bwd us':>9s} {'%copy':>6s}"
+              f" {'fwd x':>6s} {'bwd x':>6s} {'eager f':>9s} {'eager fb':>9s}", file=out)
         for r in result["norm"]:
             if "error" in r:
-                print(f"{r['provider']:18s} {r['M']:>6d}x{r['N']:<6d} ERROR {r['error'][:70]}")
+                print(f"{r['provider']:22s} {r['M']:>6d}x{r['N']:<6d} ERROR {r['error'][:70]}", file=out)
                 continue
-            print(f"{r['provider']:18s} {r['M']:>6d}x{r['N']:<6d} {r['fwd_us']:8.1f} {100 * r['fwd_frac_copy']:5.0f}%"
-                  f" {r['bwd_us']:8.1f} {100 * (r['bwd_frac_copy'] or 0):5.0f}%"
-                  f" {r.get('fwd_speedup_vs_best_anchor', 0):6.2f} {r.get('bwd_speedup_vs_best_anchor', 0):6.2f}"
-                  f" {r['fwd_eager_us']:8.1f} {r['fwdbwd_eager_us']:8.1f}")
+            print(f"{r['provider']:22s} {r['M']:>6d}x{r['N']:<6d} {r['fwd_us']:9.1f}"
+                  f" {100 * (r['fwd_frac_copy'] or 0):5.0f}% {r['bwd_us']:9.1f} {100 * (r['bwd_frac_copy'] or 0):5.0f}%"
+                  f" {r.get('fwd_speedup_vs_best_anchor', nan):6.2f} {r.get('bwd_speedup_vs_best_anchor', nan):6.2f}"
+                  f" {r['fwd_eager_us']:9.1f} {r['fwdbwd_eager_us']:9.1f}", file=out)
+        print("(fwd x / bwd x: best anchor's time over this provider's; > 1 is faster)", file=out)
+    if result.get("aa_spread"):
+        print("A/A control, largest relative difference: "
+              + ", ".join(f"{k} {100 * v:.1f}%" for k, v in result["aa_spread"].items()), file=out)
+    if result.get("skipped_anchors"):
+        print("skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped_anchors"].items()), file=out)
     if result.get("host_us"):
-        print("\nhost us per eager forward call:",
-              ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in result["host_us"].items()))
+        print("host us per eager forward call: " + ", ".join(
+            f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in result["host_us"].items()), file=out)
     if result.get("fold"):
         print(f"\n{'rows x cols':>13s} {'loop us':>9s} {'1thr/col':>9s} {'triton':>9s} {'strictnorm':>10s}"
-              f" {'floor':>7s} {'x floor':>7s} bitwise")
+              f" {'floor':>7s} {'x floor':>7s} bitwise", file=out)
         for r in result["fold"]:
             floor = max(r["bytes_floor_us"], r["chain_floor_us"])
             bw = all(v for k, v in r.items() if k.endswith("_bitwise"))
-            nan = float("nan")
             print(f"{r['M']:>6d}x{r['N']:<6d} {r.get('python_loop_us', nan):9.0f}"
                   f" {r.get('cuda_one_thread_per_column_us', nan):9.1f} {r.get('triton_fold_us', nan):9.1f}"
                   f" {r.get('strictnorm_cuda_fold_us', nan):10.1f} {floor:7.1f} {r.get('fold_over_floor', nan):7.2f}"
-                  f" {bw}")
+                  f" {bw}", file=out)
+
+
+def write_csv(result: dict, path: str) -> None:
+    """One line per (section, shape, provider) with every numeric figure as a column."""
+    rows = [dict(section="norm", **r) for r in result.get("norm", [])]
+    rows += [dict(section="fold", provider="fold", **r) for r in result.get("fold", [])]
+    columns: list[str] = []
+    for r in rows:
+        columns += [k for k in r if k not in columns]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_plot(result: dict, path: str) -> None:
+    """GB/s per provider and shape, forward and backward, against the copy ceiling (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.get("norm", []) if "error" not in r and r["provider"] != AA_CONTROL]
+    shapes = list(dict.fromkeys((r["M"], r["N"]) for r in rows))
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
+    for ax, key, title in ((axes[0], "fwd_GBps", "forward"), (axes[1], "bwd_GBps", "backward (dx + dW)")):
+        width = 0.8 / max(1, len(providers))
+        for i, prov in enumerate(providers):
+            vals = [next((r[key] or 0 for r in rows if r["provider"] == prov and (r["M"], r["N"]) == s), 0)
+                    for s in shapes]
+            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=prov)
+        ax.axhline(result["copy_GBps"], color="k", linestyle="--", linewidth=1, label="copy ceiling")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+        ax.set_xticklabels([f"{m}x{n}" for m, n in shapes], rotation=30, fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel("GB/s (counted bytes)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"strictnorm bench, {result['env'].get('gpu') or 'cpu'}, {result['env']['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"128x4096,2048x4096" -> [(128, 4096), (2048, 4096)]."""
+    out = []
+    for part in text.split(","):
+        m, n = part.lower().split("x")
+        out.append((int(m), int(n)))
+    return out
+
+
+PRESETS = {
+    "perf": NORM_SHAPES,  # the PERF.md grid
+    "llama": [(4096, 4096), (4096, 8192)],  # Llama-3 8B / 70B hidden sizes, 4096 tokens
+    "qknorm": [(4096 * 32, 128), (4096 * 16, 256)],  # Qwen3 (head_dim 128) / Gemma 3 (256) q-norm rows
+    "quick": [(64, 512), (256, 1000)],
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="strictnorm bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=("norm", "fold", "all", "quick"), default="all")
-    p.add_argument("--iters", type=int, default=15, help="timed iterations per measurement (median)")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="perf", help="shapes for the norm section")
+    p.add_argument("--shapes", help="MxN list instead of the preset, e.g. 128x4096,2048x4096")
+    p.add_argument("--fold", action="store_true", help="also the strict-fold section (GPU)")
+    p.add_argument("--no-norm", action="store_true", help="skip the norm section")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per shape, providers shuffled each round")
+    p.add_argument("--iters", type=int, default=9, help="timed iterations per measurement (median)")
     p.add_argument("--compile", action="store_true", help="include the torch.compile anchor (slow to build)")
-    p.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--csv", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="PNG of GB/s per provider (needs matplotlib)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("strictnorm bench needs a CUDA GPU (kernel timings); nothing measured", file=sys.stderr)
-        return 2
-    result: dict = {"env": environment(), "method": __doc__}
-    print(json.dumps(result["env"]), flush=True)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    result: dict = {"env": environment(), "method": __doc__, "device": device.type}
+    if device.type == "cpu":
+        result["note"] = "CPU run: wall-clock timings of the reference backend and torch anchors, not GPU figures"
+    print(json.dumps(result["env"]), file=sys.stderr, flush=True)
 
-    def log(row):
-        print(json.dumps(row), flush=True)
+    def save(row=None):
+        if row is not None:
+            print(json.dumps(row), file=sys.stderr, flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    timer = Timer(args.iters)
-    result["copy_GBps"] = copy_ceiling_gbps()
-    norm_shapes = [(128, 4096), (2048, 4096)] if args.preset == "quick" else NORM_SHAPES
-    fold_shapes = [(1024, 128), (1024, 4096)] if args.preset == "quick" else FOLD_SHAPES
-    if args.preset in ("norm", "all", "quick"):
+    timer = Timer(device, args.iters)
+    result["copy_GBps"] = copy_ceiling_gbps(device)
+    if not args.no_norm:
+        shapes = parse_shapes(args.shapes) if args.shapes else PRESETS[args.preset]
+        providers, result["skipped_anchors"] = norm_providers(device, args.compile)
         result["norm"] = []
-        result["skipped_anchors"] = bench_norm(timer, norm_shapes, result["copy_GBps"], args.compile, log,
-                                               result["norm"])
-        result["host_us"] = host_cost_us()
-    if args.preset in ("fold", "all", "quick"):
-        result["fold"] = []
-        bench_fold(timer, fold_shapes, result["copy_GBps"], log, result["fold"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    _print_tables(result)
+        bench_norm(timer, shapes, result["copy_GBps"], providers, args.rounds, save, result["norm"])
+        result["aa_spread"] = aa_spread(result["norm"])
+        result["host_us"] = host_cost_us(device, providers)
+    if args.fold:
+        if device.type != "cuda":
+            result["fold_skipped"] = "the fold section times GPU kernels"
+        else:
+            result["fold"] = []
+            bench_fold(timer, FOLD_SHAPES, result["copy_GBps"], save, result["fold"])
+    save()
+    if args.csv:
+        write_csv(result, args.csv)
+    if args.plot:
+        try:
+            write_plot(result, args.plot)
+        except ImportError as e:
+            print(f"no plot: {e} (pip install 'strictnorm[bench]')", file=sys.stderr)
+    print_tables(result)
     return 0
 
 

@@ -54,13 +54,16 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(argv: list[str]) -> int:
     from .bench import main as bench_main
 
-    return bench_main(args.rest)
+    return bench_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser: `strictnorm bench --help`
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="strictnorm", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="device, backends, what is available and why not").set_defaults(fn=_info)
@@ -69,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--quick", action="store_true", help="fewer shapes and dtypes")
     v.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     v.set_defaults(fn=_verify)
-    b = sub.add_parser("bench", help="benchmark backends and anchors side by side (see bench --help)",
-                       add_help=False)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(fn=_bench)
+    sub.add_parser("bench", help="strictnorm and anchors side by side (strictnorm bench --help)")
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -1,0 +1,76 @@
+"""The benchmark's arithmetic and its CLI, end to end on the CPU (tiny shapes)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from strictnorm import bench
+
+
+def test_byte_counts():
+    fwd, bwd = bench.norm_bytes(8, 16)
+    assert fwd == 2 * 8 * 16 * 2 + 16 * 2 + 4 * 8  # read x, write y, read w, write rstd
+    assert bwd == 3 * 8 * 16 * 2 + 2 * 16 * 2 + 4 * 8  # read x, dy, write dx, read w, write dW, read rstd
+    assert bench.norm_bytes(8, 16, x_size=4, w_size=4)[0] == 2 * 8 * 16 * 4 + 16 * 4 + 4 * 8
+
+
+def test_ratios_against_best_anchor_excluding_aa_control():
+    rows = [dict(provider="Quack", M=1, N=2, fwd_us=4.0, bwd_us=10.0),
+            dict(provider="Liger", M=1, N=2, fwd_us=5.0, bwd_us=8.0),
+            dict(provider=bench.AA_CONTROL, M=1, N=2, fwd_us=1.0, bwd_us=1.0),
+            dict(provider="strictnorm fast", M=1, N=2, fwd_us=2.0, bwd_us=4.0),
+            dict(provider="strictnorm fast", M=3, N=4, error="boom")]
+    bench.ratios(rows)
+    assert rows[3]["fwd_speedup_vs_best_anchor"] == 2.0  # best anchor 4.0 (the A/A control is no anchor)
+    assert rows[3]["bwd_speedup_vs_best_anchor"] == 2.0  # best anchor 8.0
+    assert rows[0]["fwd_speedup_vs_best_anchor"] == 1.0
+    assert "fwd_speedup_vs_best_anchor" not in rows[4]
+
+
+def test_aa_spread():
+    rows = [dict(provider="torch F.rms_norm", M=1, N=2, fwd_us=10.0),
+            dict(provider=bench.AA_CONTROL, M=1, N=2, fwd_us=11.0)]
+    assert bench.aa_spread(rows) == {"fwd_us": pytest.approx(0.1)}
+
+
+def test_parse_shapes():
+    assert bench.parse_shapes("128x4096,2048X18432") == [(128, 4096), (2048, 18432)]
+
+
+def test_a_provider_that_raises_is_reported_not_fatal():
+    timer = bench.Timer(torch.device("cpu"), iters=2)
+
+    def broken(x, w):
+        raise RuntimeError("no kernel for you")
+
+    rows: list[dict] = []
+    providers = {"torch F.rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w),
+                 "broken": broken}
+    bench.bench_norm(timer, [(4, 32)], 10.0, providers, rounds=2, log=lambda r: None, rows=rows)
+    assert "no kernel for you" in rows[1]["error"]
+    assert rows[0]["fwd_us"] > 0 and "error" not in rows[0]
+
+
+def test_cli_end_to_end_on_cpu(tmp_path):
+    pytest.importorskip("matplotlib")
+    j, c, png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
+    p = subprocess.run([sys.executable, "-m", "strictnorm.cli", "bench", "--device", "cpu", "--shapes", "16x64",
+                        "--rounds", "2", "--iters", "2", "--json", str(j), "--csv", str(c), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    data = json.loads(j.read_text())
+    assert data["device"] == "cpu" and "wall-clock" in data["note"]
+    names = {r["provider"] for r in data["norm"]}
+    assert {"torch F.rms_norm", bench.AA_CONTROL, "strictnorm torch fast", "strictnorm torch strict"} <= names
+    assert all(r["fwd_us"] > 0 for r in data["norm"])
+    assert data["copy_GBps"] > 0 and "fwd_us" in data["aa_spread"]
+    with open(c) as f:
+        assert len(list(csv.DictReader(f))) == len(data["norm"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "copy ceiling" in p.stdout and "A/A control" in p.stdout
