@@ -35,7 +35,7 @@ def _norm(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor |
         check_same(x, residual, "x and residual")
     name = resolve(backend, x.device, "rms_norm")
     _check_backend_dtypes(name, x, weight, residual)
-    return ops.rms_norm_fwd(x, weight, residual, eps, offset, casting_mode, out_dtype, dw, in_place, name)
+    return ops.rms_norm(x, weight, residual, eps, offset, casting_mode, out_dtype, dw, in_place, name)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,

@@ -7,6 +7,7 @@ docs/contract.md is the prose form of what this module and reference.py implemen
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ def fp32_value(value: float, what: str) -> float:
     return rounded
 
 
+@functools.lru_cache(maxsize=1024)
 def validated_spec(norm_dtype: torch.dtype, eps: float, offset: float, mode: str,
                    out_dtype: torch.dtype | None, dw: str, has_weight: bool, in_place: bool) -> NormSpec:
     """Checks the non-tensor arguments of a norm call and rounds eps and offset to fp32.

@@ -1,8 +1,9 @@
-"""torch.library custom ops and their autograd: the one path every public function goes through.
+"""torch.library custom ops and their autograd, plus the eager fast path that shares their code.
 
-Custom ops make strictnorm opaque to torch.compile (no graph break, no retracing into kernels)
-and capturable in CUDA graphs. The backend is resolved in Python before the op is called and
-travels as a string argument, so a compiled graph keeps the backend it was traced with.
+Custom ops make strictnorm opaque to torch.compile (no graph break, no retracing into kernels).
+The backend is resolved in Python before the op is called and travels as a string argument, so a
+compiled graph keeps the backend it was traced with. In eager mode `rms_norm` below skips the
+custom-op dispatcher (an autograd.Function calling the same backend functions).
 """
 
 from __future__ import annotations
@@ -78,37 +79,92 @@ def _(dy, z, weight, rstd, dres, offset, mode, dw_mode, need_dw, backend):
     return weight.new_empty(weight.shape) if need_dw else z.new_empty(0)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, residual, eps, offset, mode, out_dtype, dw_mode, in_place, backend = inputs
-    y, rstd, z = output
+def _save(ctx, x, weight, residual, z, rstd, spec: NormSpec, dw_mode: str, in_place: bool, backend: str) -> None:
     fused = residual is not None
     ctx.save_for_backward(z if fused else x, weight, rstd)
     ctx.fused = fused
     ctx.x_dtype = x.dtype
-    norm_dtype = z.dtype if fused else x.dtype
-    spec = validated_spec(norm_dtype, eps, offset, mode, out_dtype, dw_mode, weight is not None, in_place)
-    ctx.args = (spec.offset, mode, dw_mode, in_place, backend)
+    ctx.args = (spec.offset, spec.mode, dw_mode, in_place, backend)
 
 
-def _backward(ctx, dy, _drstd, dres):
+def _grads(ctx, dy, dres, bwd, bwd_inplace):
+    """(dx, dw, dresidual) from the saved forward; bwd/bwd_inplace run the backward (as custom ops
+    under torch.compile, as direct backend calls in eager mode)."""
     z, weight, rstd = ctx.saved_tensors
     offset, mode, dw_mode, in_place, backend = ctx.args
     need_dw = weight is not None and ctx.needs_input_grad[1]
     dres = dres if ctx.fused else None
     # In place only into a dense buffer of dz's dtype (autograd may hand over an expanded dy).
     if in_place and dy.is_contiguous() and dy.dtype == z.dtype:
-        dw = rms_norm_bwd_inplace(dy, z, weight, rstd, dres, offset, mode, dw_mode, need_dw, backend)
+        dw = bwd_inplace(dy, z, weight, rstd, dres, offset, mode, dw_mode, need_dw, backend)
         dz = dy
     else:
-        dz, dw = rms_norm_bwd(dy, z, weight, rstd, dres, offset, mode, dw_mode, need_dw, backend)
+        dz, dw = bwd(dy, z, weight, rstd, dres, offset, mode, dw_mode, need_dw, backend)
     dw = dw if need_dw else None
     if ctx.fused:
-        dx = dz if ctx.x_dtype == dz.dtype else dz.to(ctx.x_dtype)
-        return dx, dw, dz, None, None, None, None, None, None, None
-    return dz, dw, None, None, None, None, None, None, None, None
+        return (dz if ctx.x_dtype == dz.dtype else dz.to(ctx.x_dtype)), dw, dz
+    return dz, dw, None
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, residual, eps, offset, mode, out_dtype, dw_mode, in_place, backend = inputs
+    y, rstd, z = output
+    norm_dtype = residual.dtype if residual is not None else x.dtype
+    spec = validated_spec(norm_dtype, eps, offset, mode, out_dtype, dw_mode, weight is not None, in_place)
+    _save(ctx, x, weight, residual, z, rstd, spec, dw_mode, in_place, backend)
+
+
+def _backward(ctx, dy, _drstd, dres):
+    return *_grads(ctx, dy, dres, rms_norm_bwd, rms_norm_bwd_inplace), None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(f"{_LIB}::rms_norm_fwd", _backward, setup_context=_setup_context)
+
+
+# ---- eager fast path -----------------------------------------------------------------------------
+# Dispatching through a custom op costs tens of microseconds of Python per call. Outside
+# torch.compile and tensor subclasses (fake tensors, ...), the same backend functions run through
+# a plain autograd.Function instead: identical kernels and bits, a fraction of the host time.
+
+def _direct_bwd(dy, z, weight, rstd, dres, offset, mode, dw_mode, need_dw, backend):
+    spec = _spec(0.0, offset, mode, dy.dtype, z.dtype)
+    return get_backend(backend).rms_norm_bwd(dy, z, weight, rstd, dres, spec, dw_mode, need_dw, None)
+
+
+def _direct_bwd_inplace(dy, z, weight, rstd, dres, offset, mode, dw_mode, need_dw, backend):
+    spec = _spec(0.0, offset, mode, dy.dtype, z.dtype)
+    return get_backend(backend).rms_norm_bwd(dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dy)[1]
+
+
+class _EagerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual, spec, dw_mode, in_place, backend):
+        y, rstd, z = get_backend(backend).rms_norm_fwd(x, weight, residual, spec)
+        _save(ctx, x, weight, residual, z, rstd, spec, dw_mode, in_place, backend)
+        ctx.mark_non_differentiable(rstd)
+        return y, rstd, (z if z is not None else x.new_empty(0))
+
+    @staticmethod
+    def backward(ctx, dy, _drstd, dres):
+        return *_grads(ctx, dy, dres, _direct_bwd, _direct_bwd_inplace), None, None, None, None
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    return t is None or (type(t) is torch.Tensor and t.device.type != "meta")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float,
+             offset: float, mode: str, out_dtype: torch.dtype | None, dw_mode: str, in_place: bool,
+             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, rstd, residual_out or an empty tensor): the custom op under torch.compile, else the eager path."""
+    if torch.compiler.is_compiling() or not (_plain(x) and _plain(weight) and _plain(residual)):
+        return rms_norm_fwd(x, weight, residual, eps, offset, mode, out_dtype, dw_mode, in_place, backend)
+    norm_dtype = residual.dtype if residual is not None else x.dtype
+    spec = validated_spec(norm_dtype, eps, offset, mode, out_dtype, dw_mode, weight is not None, in_place)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
+        return _EagerNorm.apply(x, weight, residual, spec, dw_mode, in_place, backend)
+    y, rstd, z = get_backend(backend).rms_norm_fwd(x, weight, residual, spec)  # inference: no autograd node
+    return y, rstd, (z if z is not None else x.new_empty(0))
 
 
 @torch.library.custom_op(f"{_LIB}::left_fold", mutates_args=())
