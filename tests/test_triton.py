@@ -161,3 +161,20 @@ def test_subnormal_and_extreme_values(seed):
         want = sn.rms_norm(x, w, backend="torch", out_dtype=out)
         got = sn.rms_norm(x.to(DEV), w.to(DEV), backend="triton", out_dtype=out)
         assert bits_equal(want, got)
+
+
+def test_strided_weight_and_mixed_residual_dtype(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 40
+    x, dy, dres = (randn(6, n, dtype=torch.bfloat16, gen=g) for _ in range(3))
+    res = randn(6, n, gen=g)  # fp32 residual stream beside bf16 activations
+    w = randn(2 * n, gen=g)[::2]  # a weight view with stride 2
+    want = _run("torch", x, w, dy, mode="llama", offset=0.0, dw="strict", res=res, dres=dres.float())
+    got = _run("triton", x, w, dy, mode="llama", offset=0.0, dw="strict", res=res, dres=dres.float(), device=DEV)
+    _assert_same(want, got)
+    assert want["z"].dtype == torch.float32 and want["dx"].dtype == torch.bfloat16
+    wh = randn(4, 2 * 16, gen=g)[:, ::2]  # per-head weight, strided
+    q = randn(2, 3, 4, 16, dtype=torch.bfloat16, gen=g)
+    dq = randn(2, 3, 4, 16, dtype=torch.bfloat16, gen=g)
+    _assert_same(_run("torch", q, wh, dq, mode="gemma", offset=1.0, dw="strict", qk=True),
+                 _run("triton", q, wh, dq, mode="gemma", offset=1.0, dw="strict", qk=True, device=DEV))

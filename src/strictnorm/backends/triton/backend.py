@@ -47,6 +47,13 @@ def _row_tile(n: int) -> tuple[int, int, int, int]:
     return rows_per_prog, p, p.bit_length() - 1, num_warps
 
 
+def _unit_stride(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """Kernels index the weight's last dimension with unit stride (a copy of N values otherwise)."""
+    if weight is None or weight.stride(-1) == 1 or weight.shape[-1] == 1:
+        return weight
+    return weight.contiguous()
+
+
 def _launch_opts(num_warps: int) -> dict:
     return {"num_warps": num_warps, "enable_fp_fusion": False}
 
@@ -74,6 +81,7 @@ class TritonBackend:
     # ---- forward -------------------------------------------------------------------------------
     def rms_norm_fwd(self, x, weight, residual, spec: NormSpec):
         k = _kernels()
+        weight = _unit_stride(weight)
         per_head = weight is not None and weight.dim() == 2
         xk, lay = row_layout(x, per_head)
         n = lay.n
@@ -106,6 +114,7 @@ class TritonBackend:
     # ---- backward ------------------------------------------------------------------------------
     def rms_norm_bwd(self, dy, z, weight, rstd, dres, spec: NormSpec, dw_mode, need_dw, dx_out):
         k = _kernels()
+        weight = _unit_stride(weight)
         per_head = weight is not None and weight.dim() == 2
         zk, lay = row_layout(z, per_head)
         dyk, dlay = row_layout(dy, per_head)
