@@ -204,3 +204,16 @@ def test_qk_norm_per_head_large(seed):
         outs.append((y, base.grad, ws.grad))
     for a, c in zip(*outs, strict=True):
         assert bits_equal(a, c)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_hf_training_loop_on_triton(family):
+    pytest.importorskip("transformers")
+    from test_hf import _train
+
+    base, _ = _train(family, patched=False, device=DEV)
+    a, params_a = _train(family, patched=True, backend="triton", device=DEV)
+    b, params_b = _train(family, patched=True, backend="triton", device=DEV)
+    assert ((a - base).abs() / base.abs()).max() < 1e-4
+    assert bits_equal(a, b)
+    assert all(bits_equal(p, q) for p, q in zip(params_a, params_b, strict=True))
