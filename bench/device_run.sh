@@ -24,6 +24,6 @@ fi
 if [[ $what == bench || $what == all ]]; then
   # JSON rows go to stderr as they are measured (bench.log); the tables to stdout (bench.txt)
   timeout ${BENCH_TIMEOUT:-300} python3 -m strictnorm.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" \
-    --plot "$OUT/bench.png" "$@" > "$OUT/bench.txt" 2> "$OUT/bench.log"
+    --plot "$OUT/bench.png" --markdown "$OUT/bench.md" "$@" > "$OUT/bench.txt" 2> "$OUT/bench.log"
   tail -n 50 "$OUT/bench.txt"
 fi

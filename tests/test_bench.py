@@ -59,9 +59,10 @@ def test_a_provider_that_raises_is_reported_not_fatal():
 
 def test_cli_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("matplotlib")
-    j, c, png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
+    j, c, png, md = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png", tmp_path / "b.md"
     p = subprocess.run([sys.executable, "-m", "strictnorm.cli", "bench", "--device", "cpu", "--shapes", "16x64",
-                        "--rounds", "2", "--iters", "2", "--json", str(j), "--csv", str(c), "--plot", str(png)],
+                        "--rounds", "2", "--iters", "2", "--json", str(j), "--csv", str(c), "--plot", str(png),
+                        "--markdown", str(md)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     data = json.loads(j.read_text())
@@ -74,3 +75,5 @@ def test_cli_end_to_end_on_cpu(tmp_path):
         assert len(list(csv.DictReader(f))) == len(data["norm"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "copy ceiling" in p.stdout and "A/A control" in p.stdout
+    text = md.read_text()
+    assert "| strictnorm torch strict | 16 × 64 |" in text and "Copy ceiling" in text

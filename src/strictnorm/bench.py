@@ -450,6 +450,45 @@ def write_plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def write_markdown(result: dict, path: str) -> None:
+    """The tables of a run as markdown, for bench/results/ and the README to link to."""
+    env = result["env"]
+    lines = [f"# strictnorm bench, {env.get('gpu') or 'cpu (wall-clock timings)'}, {env['date']}", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in env.items() if v and k not in ("date", "gpu")), "",
+             f"Copy ceiling measured in the same run: {result['copy_GBps']:.0f} GB/s.", ""]
+    if result.get("norm"):
+        lines += ["| provider | M × N | fwd µs | fwd % copy | bwd µs | bwd % copy | fwd vs best anchor |"
+                  " bwd vs best anchor | eager fwd µs | eager fwd+bwd µs |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["norm"]:
+            if "error" in r:
+                lines.append(f"| {r['provider']} | {r['M']} × {r['N']} | error: {r['error'][:80]} |")
+                continue
+            lines.append(
+                f"| {r['provider']} | {r['M']} × {r['N']} | {r['fwd_us']:.1f} | {100 * (r['fwd_frac_copy'] or 0):.0f}%"
+                f" | {r['bwd_us']:.1f} | {100 * (r['bwd_frac_copy'] or 0):.0f}%"
+                f" | {r.get('fwd_speedup_vs_best_anchor', float('nan')):.2f}×"
+                f" | {r.get('bwd_speedup_vs_best_anchor', float('nan')):.2f}×"
+                f" | {r['fwd_eager_us']:.1f} | {r['fwdbwd_eager_us']:.1f} |")
+        lines.append("")
+    if result.get("aa_spread"):
+        lines += ["A/A control (the same provider twice), largest relative difference: "
+                  + ", ".join(f"{k} {100 * v:.1f}%" for k, v in result["aa_spread"].items()), ""]
+    if result.get("fold"):
+        lines += ["| rows × cols | Python loop µs | one thread per column µs | Triton fold µs | strictnorm µs |"
+                  " floor µs | × floor | bitwise |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in result["fold"]:
+            floor = max(r["bytes_floor_us"], r["chain_floor_us"])
+            bw = all(v for k, v in r.items() if k.endswith("_bitwise"))
+            cells = [r.get(k) for k in ("python_loop_us", "cuda_one_thread_per_column_us", "triton_fold_us",
+                                        "strictnorm_cuda_fold_us")]
+            text = " | ".join("–" if c is None else f"{c:.1f}" for c in cells)
+            lines.append(f"| {r['M']} × {r['N']} | {text} | {floor:.1f} | {r.get('fold_over_floor', float('nan')):.2f}"
+                         f" | {'yes' if bw else 'NO'} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """"128x4096,2048x4096" -> [(128, 4096), (2048, 4096)]."""
     out = []
@@ -481,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--csv", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="PNG of GB/s per provider (needs matplotlib)")
+    p.add_argument("--markdown", metavar="PATH", help="the tables as markdown")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     result: dict = {"env": environment(), "method": __doc__, "device": device.type}
@@ -513,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if args.csv:
         write_csv(result, args.csv)
+    if args.markdown:
+        write_markdown(result, args.markdown)
     if args.plot:
         try:
             write_plot(result, args.plot)
