@@ -22,8 +22,8 @@ if [[ $what == tests || $what == all ]]; then
   tail -n 3 "$OUT/verify.log"
 fi
 if [[ $what == bench || $what == all ]]; then
-  # JSON rows go to stderr as they are measured (bench.log); the tables to stdout (bench.txt)
+  # JSON rows are logged as they are measured, the tables last (bench.log); at most 8 files come back
   timeout ${BENCH_TIMEOUT:-300} python3 -m strictnorm.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" \
-    --plot "$OUT/bench.png" --markdown "$OUT/bench.md" "$@" > "$OUT/bench.txt" 2> "$OUT/bench.log"
-  tail -n 50 "$OUT/bench.txt"
+    --plot "$OUT/bench.png" --markdown "$OUT/bench.md" "$@" > "$OUT/bench.log" 2>&1
+  tail -n 50 "$OUT/bench.log"
 fi
