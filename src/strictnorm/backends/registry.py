@@ -50,11 +50,6 @@ def get_backend(name: str) -> Backend:
     return getattr(importlib.import_module(module), cls)()
 
 
-def clear_cache() -> None:
-    """Forget availability answers (they are cached per backend and device)."""
-    _reason.cache_clear()
-
-
 def names() -> tuple[str, ...]:
     return tuple(_SPECS)
 

@@ -101,7 +101,7 @@ class TritonBackend:
         rows_per_prog, p, log2p, num_warps = _row_tile(n)
         norm_dtype = residual.dtype if residual is not None else x.dtype
         w = weight if weight is not None else xk
-        grid = (triton_cdiv(lay.rows, rows_per_prog),)
+        grid = (_cdiv(lay.rows, rows_per_prog),)
         k.rms_fwd_kernel[grid](
             xk, *lay.args(), rk, *rlay.args(), _store_view(z) if z is not None else y,
             w, (weight.stride(0) if per_head else 0), _store_view(y), rstd,
@@ -131,6 +131,8 @@ class TritonBackend:
             lay = dlay = xlay = elay = contiguous_layout(lay.rows, lay.n)
         n, rows = lay.n, lay.rows
         rstd = rstd.contiguous()
+        # fast dW: per-program fp32 partials in the dx pass (shared weight). Per-head weights take the
+        # strict fold for both modes (it satisfies "fast" too: deterministic, fixed order).
         partials = need_dw and dw_mode == "fast" and not per_head
         dw = None
         if rows == 0:
@@ -138,9 +140,9 @@ class TritonBackend:
                 dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
             return dx, dw
         rows_per_prog, p, log2p, num_warps = _row_tile(n)
-        blocks = triton_cdiv(rows, rows_per_prog)
+        blocks = _cdiv(rows, rows_per_prog)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
-        part = torch.empty((nprog, n), dtype=torch.float32, device=z.device) if partials else rstd
+        part = torch.empty((nprog, n), dtype=torch.float32, device=z.device) if partials else rstd  # unused then
         k.rms_bwd_kernel[(nprog,)](
             dyk, *dlay.args(), zk, *lay.args(), weight if weight is not None else zk,
             (weight.stride(0) if per_head else 0), rstd, dresk, *elay.args(),
@@ -163,10 +165,10 @@ class TritonBackend:
         if self.use_cuda_fold and a.device.type == "cuda" and status("cuda", a.device).available:
             return get_backend("cuda").fold(a, alay, b, blay, rstd, what, groups)
         out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)
-        grid = (triton_cdiv(alay.n, _FOLD_BN), groups)
+        grid = (_cdiv(alay.n, _FOLD_BN), groups)
         _kernels().fold_kernel[grid](
             a, *alay.args(), b, *blay.args(), rstd, out, alay.rows // groups, alay.n, alay.r1, alay.g,
-            groups if groups > 1 else 1, BN=_FOLD_BN, UNROLL=_FOLD_UNROLL, WHAT=what, XDT=xdt,
+            groups, BN=_FOLD_BN, UNROLL=_FOLD_UNROLL, WHAT=what, XDT=xdt,
             **_launch_opts(2))
         return out
 
@@ -178,7 +180,7 @@ class TritonBackend:
         return self._fold(ak, lay, ak, lay, ak, 0, 0, 1).reshape(rows.shape[1:])
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
