@@ -16,12 +16,18 @@ MODES = ["llama", "gemma", "none"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+def _leaf(t, device):
+    """A fresh leaf on device: `t.to(device)` alone returns t itself on the CPU, and gradients of two
+    runs would then accumulate into one tensor (and compare equal to themselves)."""
+    return t.detach().to(device).clone().requires_grad_(True)
+
+
 def _run(backend, x, w, dy, *, mode, offset, dw, res=None, dres=None, qk=False, device="cpu"):
-    xs = x.to(device).requires_grad_(True)
-    ws = w.to(device).requires_grad_(True) if w is not None else None
+    xs = _leaf(x, device)
+    ws = _leaf(w, device) if w is not None else None
     kw = dict(offset=offset, casting_mode=mode, dw=dw, backend=backend)
     if res is not None:
-        rs = res.to(device).requires_grad_(True)
+        rs = _leaf(res, device)
         y, z = sn.fused_add_rms_norm(xs, rs, ws, **kw)
         torch.autograd.backward([y, z], [dy.to(device), dres.to(device)])
         return {"y": y, "z": z, "dx": xs.grad, "dres": rs.grad, "dw": ws.grad}
@@ -178,3 +184,14 @@ def test_strided_weight_and_mixed_residual_dtype(seed):
     dq = randn(2, 3, 4, 16, dtype=torch.bfloat16, gen=g)
     _assert_same(_run("torch", q, wh, dq, mode="gemma", offset=1.0, dw="strict", qk=True),
                  _run("triton", q, wh, dq, mode="gemma", offset=1.0, dw="strict", qk=True, device=DEV))
+
+
+def test_in_place_backward(seed):
+    g = torch.Generator().manual_seed(seed)
+    x, dy = randn(6, 48, dtype=torch.bfloat16, gen=g), randn(6, 48, dtype=torch.bfloat16, gen=g)
+    w = randn(48, dtype=torch.bfloat16, gen=g)
+    want = _run("torch", x, w, dy, mode="llama", offset=0.0, dw="strict")
+    buf = dy.clone().to(DEV)
+    xs, ws = _leaf(x, DEV), _leaf(w, DEV)
+    sn.rms_norm(xs, ws, dw="strict", in_place=True, backend="triton").backward(buf)
+    assert bits_equal(buf, want["dx"]) and bits_equal(xs.grad, want["dx"]) and bits_equal(ws.grad, want["dw"])

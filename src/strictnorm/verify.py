@@ -49,6 +49,11 @@ class Check:
     seconds: float = 0.0
 
 
+def _leaf(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fresh leaf (t.to(device) alone is t itself on the CPU: gradients of two runs would share it)."""
+    return t.detach().to(device).clone().requires_grad_(True)
+
+
 def _norm_case(backend: str, device: torch.device, *, rows: int, n: int, dtype: torch.dtype, mode: str,
                offset: float, wdtype: torch.dtype, fused: bool, seed: int) -> dict[str, int]:
     """Runs forward + backward (dw strict) on backend/device and on the CPU reference; returns the
@@ -61,11 +66,10 @@ def _norm_case(backend: str, device: torch.device, *, rows: int, n: int, dtype: 
     dz = torch.randn(rows, n, generator=g).to(dtype) if fused else None
 
     def run(be: str, dev: torch.device):
-        xx = x.to(dev).requires_grad_(True)
-        ww = w.to(dev).requires_grad_(True)
+        xx, ww = _leaf(x, dev), _leaf(w, dev)
         kw = dict(offset=offset, casting_mode=mode, dw="strict", backend=be)
         if fused:
-            rr = res.to(dev).requires_grad_(True)
+            rr = _leaf(res, dev)
             y, z = api.fused_add_rms_norm(xx, rr, ww, 1e-6, **kw)
             torch.autograd.backward([y, z], [dy.to(dev), dz.to(dev)])
             return {"y": y, "residual_out": z, "dx": xx.grad, "dresidual": rr.grad, "dw": ww.grad}
@@ -85,8 +89,7 @@ def _qk_case(backend: str, device: torch.device, seed: int) -> dict[str, int]:
     dy = torch.randn(b, s, h, d, generator=g).to(torch.bfloat16)
 
     def run(be: str, dev: torch.device):
-        base = qkv.to(dev).requires_grad_(True)
-        ww = w.to(dev).requires_grad_(True)
+        base, ww = _leaf(qkv, dev), _leaf(w, dev)
         q = base[..., h * d:2 * h * d].view(b, s, h, d)  # a strided view, as from a fused projection
         y = api.qk_norm(q, ww, 1e-6, casting_mode="gemma", offset=1.0, dw="strict", backend=be)
         y.backward(dy.to(dev))

@@ -139,6 +139,9 @@ class TritonBackend:
             if need_dw:
                 dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
             return dx, dw
+        if need_dw and not partials:  # before the dx pass: in place, dx overwrites dy
+            dw = self._fold(dyk, dlay, zk, lay, rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
+                            weight.shape[0] if per_head else 1).reshape(weight.shape).to(weight.dtype)
         rows_per_prog, p, log2p, num_warps = _row_tile(n)
         blocks = _cdiv(rows, rows_per_prog)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
@@ -152,12 +155,8 @@ class TritonBackend:
             DW_PARTIALS=partials, **_launch_opts(num_warps))
         if dxk is not dx:
             dx.copy_(dxk)
-        if need_dw:
-            if partials:
-                dw = part.sum(0).to(weight.dtype)
-            else:
-                dw = self._fold(dyk, dlay, zk, lay, rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
-                                weight.shape[0] if per_head else 1).reshape(weight.shape).to(weight.dtype)
+        if partials:
+            dw = part.sum(0).to(weight.dtype)
         return dx, dw
 
     # ---- strict fold ---------------------------------------------------------------------------
