@@ -26,8 +26,12 @@ class CudaCompileError(RuntimeError):
     """NVRTC rejected a source; the message carries its log."""
 
 
+def _kernel_dir():
+    return resources.files("strictnorm.backends.cuda").joinpath("kernels")
+
+
 def source(name: str) -> str:
-    return resources.files("strictnorm.backends.cuda").joinpath("kernels", name).read_text()
+    return _kernel_dir().joinpath(name).read_text()
 
 
 def source_names() -> list[str]:
@@ -50,7 +54,8 @@ def _cache_dir() -> Path:
 
 
 def _key(src: str, arch: str, defines: dict[str, int]) -> str:
-    blob = json.dumps([src, arch, sorted(defines.items()), sorted(_BASE_OPTIONS.items()), nvrtc_version()])
+    headers = sorted((p.name, p.read_text()) for p in _kernel_dir().iterdir() if p.name.endswith(".cuh"))
+    blob = json.dumps([src, headers, arch, sorted(defines.items()), sorted(_BASE_OPTIONS.items()), nvrtc_version()])
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -63,7 +68,7 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], use_cache: bool
     if use_cache and path.exists():
         return path.read_bytes()
     options = ProgramOptions(arch=arch, name=name, define_macro=[(k, str(v)) for k, v in sorted(defines.items())],
-                             **_BASE_OPTIONS)
+                             include_path=[str(_kernel_dir())], **_BASE_OPTIONS)
     log = _Log()
     try:
         code = bytes(Program(src, code_type="c++", options=options).compile("cubin", logs=log).code)

@@ -12,39 +12,7 @@
 //   g = r % G; t = r / G; offset = (t / R1) * s0 + (t % R1) * s1 + g * sg.
 // Group h (program y) folds logical rows t * group_step + h, t = 0, 1, ... (per-head weights).
 
-template <int CODE> struct Elem;
-template <> struct Elem<0> {
-    typedef float T;
-    static __device__ __forceinline__ float widen(float v) { return v; }
-};
-template <> struct Elem<1> {  // bf16, stored as its 16-bit pattern
-    typedef unsigned short T;
-    static __device__ __forceinline__ float widen(unsigned short v) {
-        return __uint_as_float(static_cast<unsigned int>(v) << 16);
-    }
-};
-template <> struct Elem<2> {  // fp16, stored as its 16-bit pattern
-    typedef unsigned short T;
-    static __device__ __forceinline__ float widen(unsigned short v) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-        return f;
-    }
-};
-
-// rd(v, CODE) widened back to fp32: round to nearest even.
-template <int CODE> __device__ __forceinline__ float round_f32(float v);
-template <> __device__ __forceinline__ float round_f32<0>(float v) { return v; }
-template <> __device__ __forceinline__ float round_f32<1>(float v) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    return Elem<1>::widen(h);
-}
-template <> __device__ __forceinline__ float round_f32<2>(float v) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    return Elem<2>::widen(h);
-}
+#include "common.cuh"
 
 typedef Elem<A_CODE>::T a_t;
 typedef Elem<B_CODE>::T b_t;
@@ -62,17 +30,11 @@ __device__ __forceinline__ float contribution(float dy, float x, float rstd) {
 #endif
 }
 
-struct Layout {
-    long long s0, s1, sg, r1, g;
-};
-
-__device__ __forceinline__ long long row_offset(long long r, const Layout& l) {
+__device__ __forceinline__ long long fold_row_offset(long long r, const Layout& l) {
 #if SIMPLE_ROWS
-    return r * l.s0;
+    return r * l.s0;  // plain rows: no divisions on the producers' path
 #else
-    const long long g = r % l.g;
-    const long long t = r / l.g;
-    return (t / l.r1) * l.s0 + (t % l.r1) * l.s1 + g * l.sg;
+    return row_offset(r, l);
 #endif
 }
 
@@ -92,9 +54,9 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
     float acc = 0.0f;
     for (long long t = 0; t < rows_per_group; ++t) {
         const long long r = t * group_step + h;
-        float v = Elem<A_CODE>::widen(a[row_offset(r, la) + col]);
+        float v = Elem<A_CODE>::widen(a[fold_row_offset(r, la) + col]);
 #if WHAT != 0
-        v = contribution(v, Elem<B_CODE>::widen(b[row_offset(r, lb) + col]), rstd[r]);
+        v = contribution(v, Elem<B_CODE>::widen(b[fold_row_offset(r, lb) + col]), rstd[r]);
 #endif
         acc = __fadd_rn(acc, v);
     }
@@ -144,7 +106,7 @@ __device__ __forceinline__ void issue_tile(unsigned char* slot, const T* src, co
         const int c = col0 + ch * PER_CHUNK;
         const int valid = n - c;
         const int bytes = valid >= PER_CHUNK ? 16 : (valid > 0 ? valid * ESIZE : 0);
-        const T* g = bytes ? src + row_offset(t * group_step + h, l) + c : src;
+        const T* g = bytes ? src + fold_row_offset(t * group_step + h, l) + c : src;
         cp_async16(slot + row * ROW_BYTES + ch * 16, g, bytes);
     }
 }

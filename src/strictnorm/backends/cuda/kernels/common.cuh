@@ -1,0 +1,50 @@
+// strictnorm: element types, exact widening and rounding, and the row layout, shared by the kernels.
+// Dtype codes: 0 fp32, 1 bf16, 2 fp16 (16-bit types are handled as their bit patterns).
+#pragma once
+
+template <int CODE> struct Elem;
+template <> struct Elem<0> {
+    typedef float T;
+    static __device__ __forceinline__ float widen(float v) { return v; }
+    static __device__ __forceinline__ float narrow(float v) { return v; }
+};
+template <> struct Elem<1> {  // bf16
+    typedef unsigned short T;
+    static __device__ __forceinline__ float widen(unsigned short v) {
+        return __uint_as_float(static_cast<unsigned int>(v) << 16);
+    }
+    static __device__ __forceinline__ unsigned short narrow(float v) {  // round to nearest even
+        unsigned short h;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        return h;
+    }
+};
+template <> struct Elem<2> {  // fp16
+    typedef unsigned short T;
+    static __device__ __forceinline__ float widen(unsigned short v) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+        return f;
+    }
+    static __device__ __forceinline__ unsigned short narrow(float v) {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        return h;
+    }
+};
+
+// rd(v, CODE) widened back to fp32 (exact).
+template <int CODE> __device__ __forceinline__ float round_f32(float v) {
+    return Elem<CODE>::widen(Elem<CODE>::narrow(v));
+}
+
+// Logical row r of a view with leading dims (R0, R1, G) and strides (s0, s1, sg); see ../../layout.py.
+struct Layout {
+    long long s0, s1, sg, r1, g;
+};
+
+__device__ __forceinline__ long long row_offset(long long r, const Layout& l) {
+    const long long g = r % l.g;
+    const long long t = r / l.g;
+    return (t / l.r1) * l.s0 + (t % l.r1) * l.s1 + g * l.sg;
+}
