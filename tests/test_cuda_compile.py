@@ -69,3 +69,21 @@ def test_sources_are_packaged():
 def test_backend_reports_unavailable_without_gpu():
     st = status("cuda", torch.device("cpu"))
     assert not st.available and "NVIDIA" in st.reason
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_rms_norm_forward_configurations_compile(arch, tmp_path, monkeypatch):
+    from strictnorm.backends.cuda.backend import norm_launch
+
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    bf16, f32, f16 = torch.bfloat16, torch.float32, torch.float16
+    cases = [(n, mode, x, r, w, y, ph) for n in (1, 7, 128, 1000, 4096, 8192, 65536)
+             for mode in ("llama", "gemma", "none")
+             for x, r, w, y, ph in ((bf16, None, bf16, bf16, False), (f16, f32, f32, f32, False),
+                                    (bf16, None, None, bf16, False), (bf16, None, f32, bf16, True))]
+    for n, mode, x, r, w, y, ph in cases:
+        fl = norm_launch(n, x, r, w, y, mode, ph)
+        assert fl.threads % 32 == 0 and fl.threads <= 1024
+        d = fl.defines
+        assert d["CHUNK"] * d["ROW_THREADS"] >= n and d["ROW_THREADS"] * d["ROWS_PER_BLOCK"] == fl.threads
+        assert nvrtc.compile_cubin("rms_norm.cu", arch, d, use_cache=False)[:4] == b"\x7fELF"
