@@ -72,8 +72,8 @@ def test_backend_reports_unavailable_without_gpu():
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_rms_norm_forward_configurations_compile(arch, tmp_path, monkeypatch):
-    from strictnorm.backends.cuda.backend import norm_launch
+def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
+    from strictnorm.backends.cuda.backend import norm_bwd_launch, norm_launch
 
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     bf16, f32, f16 = torch.bfloat16, torch.float32, torch.float16
@@ -87,3 +87,6 @@ def test_rms_norm_forward_configurations_compile(arch, tmp_path, monkeypatch):
         d = fl.defines
         assert d["CHUNK"] * d["ROW_THREADS"] >= n and d["ROW_THREADS"] * d["ROWS_PER_BLOCK"] == fl.threads
         assert nvrtc.compile_cubin("rms_norm.cu", arch, d, use_cache=False)[:4] == b"\x7fELF"
+        if r is None:  # the backward of the same configuration
+            bl = norm_bwd_launch(n, x, y, w, mode, ph, has_dres=ph, dw_partials=not ph)
+            assert nvrtc.compile_cubin("rms_norm.cu", arch, bl.defines, use_cache=False)[:4] == b"\x7fELF"

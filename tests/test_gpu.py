@@ -260,3 +260,34 @@ def test_cuda_forward_strided_per_head_view(seed):
     want = get_backend("torch").rms_norm_fwd(k, w, None, spec)
     got = get_backend("cuda").rms_norm_fwd(k, w, None, spec)
     assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
+
+
+@pytest.mark.parametrize("n", GRID_N)
+def test_cuda_backward_bitwise(n, seed):
+    """The CUDA backward (kernels/rms_norm.cu, BACKWARD) against the reference: dx bitwise with and
+    without a residual gradient, strict dW bitwise, fast dW close and deterministic, in place."""
+    from strictnorm.contract import make_spec
+
+    cb, tr = get_backend("cuda"), get_backend("torch")
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    for m in (1, 37, max(1, (1 << 21) // n)):
+        for mode in ("llama", "gemma", "none"):
+            z = torch.randn(m, n, device=DEV, generator=g).bfloat16()
+            w = (torch.randn(n, device=DEV, generator=g) * 0.1).bfloat16()
+            dy = torch.randn(m, n, device=DEV, generator=g).bfloat16()
+            dres = torch.randn(m, n, device=DEV, generator=g).bfloat16() if m != 37 else None
+            spec = make_spec(torch.bfloat16, 1e-6, 0.5, mode, torch.bfloat16)
+            _, rstd, _ = tr.rms_norm_fwd(z, w, None, spec)
+            strict = m <= 4096  # the reference's strict loop launches once per row
+            want_dx, want_dw = tr.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict" if strict else "fast", True, None)
+            got_dx, got_dw = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
+            assert bits_equal(want_dx, got_dx), f"dx at {m}x{n} {mode}"
+            if strict:
+                assert bits_equal(want_dw, got_dw), f"dw at {m}x{n} {mode}"
+            fast1 = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "fast", True, None)[1]
+            fast2 = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "fast", True, None)[1]
+            assert bits_equal(fast1, fast2)
+            assert ((fast1.double() - got_dw.double()).norm() / got_dw.double().norm().clamp_min(1e-30)) < 1e-2
+            buf = dy.clone()
+            _, in_place_dw = cb.rms_norm_bwd(buf, z, w, rstd, dres, spec, "strict", True, buf)
+            assert bits_equal(buf, want_dx) and bits_equal(in_place_dw, got_dw)

@@ -66,7 +66,7 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     8 bf16 lanes up), ROW_THREADS = P / CHUNK threads per row (at most 1024), rows packed so that a
     block has at least 128 threads. Any choice gives the same bits: the tree is fixed by P."""
     p = 1 if n <= 1 else 1 << (n - 1).bit_length()
-    chunk = max(min(p, 8), min(32, p // 256))
+    chunk = max(min(p, 8), min(32, p // 512))
     chunk = max(chunk, p // 1024)
     row_threads = p // chunk
     rows = max(1, 128 // row_threads)
@@ -76,6 +76,14 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "CHUNK": chunk, "ROW_THREADS": row_threads, "ROWS_PER_BLOCK": rows}
     return NormLaunch(defines, rows, row_threads * rows)
+
+
+def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype: torch.dtype | None, mode: str,
+                    per_head: bool, has_dres: bool, dw_partials: bool) -> NormLaunch:
+    """rms_norm.cu's backward kernel for one call: the forward's block shape, BACKWARD set."""
+    fl = norm_launch(n, z_dtype, None, w_dtype, z_dtype, mode, per_head)
+    defines = dict(fl.defines, BACKWARD=1, DYC=_CODE[dy_dtype], HAS_DRES=int(has_dres), DW_PARTIALS=int(dw_partials))
+    return NormLaunch(defines, fl.rows_per_block, fl.threads)
 
 
 def _aligned16(*tensors_and_layouts) -> bool:
@@ -98,8 +106,8 @@ def _simple_rows(lay: RowLayout) -> bool:
 
 class CudaBackend:
     name = "cuda"
-    # rms_norm_fwd below is written and compiled in CI but has not run on a GPU yet: it joins `ops`
-    # (and automatic selection) once tests/test_gpu.py::test_cuda_forward_bitwise passes on one.
+    # rms_norm_fwd/rms_norm_bwd below are written and compiled in CI but have not run on a GPU yet:
+    # "rms_norm" joins `ops` (and automatic selection) once tests/test_gpu.py's CUDA norm tests pass.
     ops = frozenset({"left_fold"})
 
     def __init__(self) -> None:
@@ -185,6 +193,57 @@ class CudaBackend:
                   y.data_ptr(), rstd.data_ptr(), i64(lay.rows), np.int32(n), i64(lay.r1), i64(lay.g),
                   np.float32(spec.eps), np.float32(spec.offset), np.int32(aligned))
         return y, rstd, z
+
+    def rms_norm_bwd(self, dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dx_out):
+        """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD)."""
+        per_head = weight is not None and weight.dim() == 2
+        if weight is not None and weight.stride(-1) != 1:
+            weight = weight.contiguous()
+        zk, lay = row_layout(z, per_head)
+        dyk, dlay = row_layout(dy, per_head)
+        dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        dxk, xlay = row_layout(dx, per_head)
+        dresk, elay = row_layout(dres, per_head) if dres is not None else (dyk, dlay)
+        if dxk is not dx or any((q.r1, q.g) != (lay.r1, lay.g) for q in (dlay, xlay, elay)):
+            zk, dyk = z.contiguous(), dy.contiguous()  # layouts the kernel cannot share: dense copies
+            dresk = dres.contiguous() if dres is not None else dyk
+            dxk = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+            lay = dlay = xlay = elay = contiguous_layout(lay.rows, lay.n)
+        n, rows = lay.n, lay.rows
+        rstd = rstd.contiguous()
+        partials = need_dw and dw_mode == "fast" and not per_head
+        dw = None
+        if need_dw and not partials:  # strict (or per-head): fold first, as dx may overwrite dy
+            groups = weight.shape[0] if per_head else 1
+            dw = self.fold(dyk, dlay, zk, lay, rstd, _MODES[spec.mode] + 1, groups).reshape(weight.shape)
+            dw = dw.to(weight.dtype)
+        if rows == 0:
+            if need_dw:
+                dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
+            return dx, dw
+        fl = norm_bwd_launch(n, z.dtype, dy.dtype, weight.dtype if weight is not None else None, spec.mode,
+                             per_head, dres is not None, partials)
+        dev = z.device.index if z.device.index is not None else torch.cuda.current_device()
+        blocks = -(-rows // fl.rows_per_block)
+        grid = min(blocks, torch.cuda.get_device_properties(dev).multi_processor_count * 4) if partials else blocks
+        part = torch.empty((grid * fl.rows_per_block, n), dtype=torch.float32, device=z.device) if partials else rstd
+        wsg = weight.stride(0) if per_head else 0
+        aligned = _aligned16((zk, lay.args()), (dyk, dlay.args()), (dresk, elay.args()), (dxk, xlay.args()),
+                             *(((weight, (wsg,)),) if weight is not None else ()))
+        kc = self._kernels()
+        kernel = kc.get(dev, "rms_norm.cu", "rms_bwd", fl.defines)
+        i64 = np.int64
+        kc.launch(dev, kernel, (grid, 1, 1), fl.threads, 0,
+                  dyk.data_ptr(), *map(i64, dlay.args()), zk.data_ptr(), *map(i64, lay.args()),
+                  (weight if weight is not None else zk).data_ptr(), i64(wsg), rstd.data_ptr(),
+                  dresk.data_ptr(), *map(i64, elay.args()), dxk.data_ptr(), *map(i64, xlay.args()),
+                  part.data_ptr(), i64(rows), np.int32(n), i64(lay.r1), i64(lay.g), np.float32(spec.offset),
+                  np.int32(aligned))
+        if dxk is not dx:
+            dx.copy_(dxk)
+        if partials:
+            dw = part.sum(0).to(weight.dtype)
+        return dx, dw
 
     def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:
         if rows.numel() == 0:

@@ -10,7 +10,7 @@
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE
 // (0 llama, 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, CHUNK (lanes per thread), ROW_THREADS,
-// ROWS_PER_BLOCK.
+// ROWS_PER_BLOCK; BACKWARD selects the backward kernel (below) instead of the forward.
 #include "common.cuh"
 
 typedef Elem<XC>::T x_t;
@@ -111,6 +111,7 @@ __device__ __forceinline__ float normalized(float x, float rstd) {
 #endif
 }
 
+#ifndef BACKWARD
 extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     const x_t* __restrict__ x, long long xs0, long long xs1, long long xsg,
     const r_t* __restrict__ res, long long rs0, long long rs1, long long rsg, n_t* __restrict__ z,
@@ -165,3 +166,92 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     }
     store_chunk<YC>(y + r * n + c0, out, valid, aligned);
 }
+#endif  // !BACKWARD
+
+#ifdef BACKWARD
+// Backward: dx = rd((g - xh * c) * rstd [+ f32(dres)], NC) per row with g = f32(dy) * wf,
+// xh = z * rstd, c = canon_sum(xh * g) / N (contract, backward). Blocks stride over the rows; with
+// DW_PARTIALS each row slot of a block also sums its rows' dW contributions (in row order) into
+// dw_part[slot], reduced afterwards in a fixed order ("fast" dW). dx may alias dy (in place): each
+// thread reads its lanes of dy before it writes them.
+// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS.
+typedef Elem<DYC>::T dy_t;
+
+extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
+    const dy_t* dy, long long ds0, long long ds1, long long dsg,
+    const n_t* __restrict__ zin, long long zs0, long long zs1, long long zsg,
+    const w_t* __restrict__ w, long long wsg, const float* __restrict__ rstd_in,
+    const n_t* __restrict__ dres, long long es0, long long es1, long long esg,
+    n_t* dx, long long xs0, long long xs1, long long xsg, float* __restrict__ dw_part,
+    long long rows, int n, long long r1, long long g, float offset, int aligned) {
+    __shared__ float scratch[THREADS / WARP_SIZE + 1];
+    const int t = threadIdx.x % ROW_THREADS;
+    const int slot = threadIdx.x / ROW_THREADS;
+    const int c0 = t * CHUNK;
+    float wf[CHUNK];
+#if DW_PARTIALS
+    float dw_acc[CHUNK];
+#pragma unroll
+    for (int i = 0; i < CHUNK; ++i) dw_acc[i] = 0.0f;
+#endif
+    const long long stride = static_cast<long long>(gridDim.x) * ROWS_PER_BLOCK;
+    // every thread runs the same number of iterations (row_tree synchronizes the block)
+    const long long iters = (rows + stride - 1) / stride;
+    for (long long k = 0; k < iters; ++k) {
+        const long long row = k * stride + static_cast<long long>(blockIdx.x) * ROWS_PER_BLOCK + slot;
+        const bool live = row < rows;
+        const long long r = live ? row : 0;
+        const int valid = live ? max(0, min(CHUNK, n - c0)) : 0;
+        float x[CHUNK], d[CHUNK];
+        load_chunk<NC>(x, zin + row_offset(r, Layout{zs0, zs1, zsg, r1, g}) + c0, valid, aligned);
+        load_chunk<DYC>(d, dy + row_offset(r, Layout{ds0, ds1, dsg, r1, g}) + c0, valid, aligned);
+        const float rstd = live ? rstd_in[r] : 0.0f;
+#if HAS_W
+        const long long wrow = PER_HEAD ? r % g : 0;
+        load_chunk<WC>(wf, w + wrow * wsg + c0, valid, aligned);
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) {
+            wf[i] = __fadd_rn(wf[i], offset);
+#if MODE == 2
+            wf[i] = round_f32<NC>(wf[i]);
+#endif
+        }
+#endif
+        float xh[CHUNK], gr[CHUNK], prod[CHUNK];
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) {
+            xh[i] = __fmul_rn(x[i], rstd);
+#if HAS_W
+            gr[i] = __fmul_rn(d[i], wf[i]);
+#else
+            gr[i] = d[i];
+#endif
+            prod[i] = __fmul_rn(xh[i], gr[i]);
+        }
+        const float c = __fdiv_rn(row_tree(chunk_tree<CHUNK>(prod), scratch), static_cast<float>(n));
+        float out[CHUNK];
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) out[i] = __fmul_rn(__fsub_rn(gr[i], __fmul_rn(xh[i], c)), rstd);
+#if HAS_DRES
+        float e[CHUNK];
+        load_chunk<NC>(e, dres + row_offset(r, Layout{es0, es1, esg, r1, g}) + c0, valid, aligned);
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) out[i] = __fadd_rn(out[i], e[i]);
+#endif
+        store_chunk<NC>(dx + row_offset(r, Layout{xs0, xs1, xsg, r1, g}) + c0, out, valid, aligned);
+#if DW_PARTIALS
+        if (live) {
+#pragma unroll
+            for (int i = 0; i < CHUNK; ++i) dw_acc[i] = __fadd_rn(dw_acc[i], __fmul_rn(d[i], normalized(x[i], rstd)));
+        }
+#endif
+    }
+#if DW_PARTIALS
+    const long long part_row = static_cast<long long>(blockIdx.x) * ROWS_PER_BLOCK + slot;
+    const int cols = max(0, min(CHUNK, n - c0));
+#pragma unroll
+    for (int i = 0; i < CHUNK; ++i)
+        if (i < cols) dw_part[part_row * n + c0 + i] = dw_acc[i];
+#endif
+}
+#endif  // BACKWARD
