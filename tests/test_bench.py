@@ -18,6 +18,7 @@ def test_byte_counts():
     assert fwd == 2 * 8 * 16 * 2 + 16 * 2 + 4 * 8  # read x, write y, read w, write rstd
     assert bwd == 3 * 8 * 16 * 2 + 2 * 16 * 2 + 4 * 8  # read x, dy, write dx, read w, write dW, read rstd
     assert bench.norm_bytes(8, 16, x_size=4, w_size=4)[0] == 2 * 8 * 16 * 4 + 16 * 4 + 4 * 8
+    assert bench.norm_bytes(8, 16, fused=True)[0] == 4 * 8 * 16 * 2 + 16 * 2 + 4 * 8  # + residual in and out
 
 
 def test_ratios_against_best_anchor_excluding_aa_control():
@@ -50,8 +51,8 @@ def test_a_provider_that_raises_is_reported_not_fatal():
         raise RuntimeError("no kernel for you")
 
     rows: list[dict] = []
-    providers = {"torch F.rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w),
-                 "broken": broken}
+    providers = {"torch F.rms_norm": lambda x, w, r: torch.nn.functional.rms_norm(x, (x.shape[-1],), w),
+                 "broken": lambda x, w, r: broken(x, w)}
     bench.bench_norm(timer, [(4, 32)], 10.0, providers, rounds=2, log=lambda r: None, rows=rows)
     assert "no kernel for you" in rows[1]["error"]
     assert rows[0]["fwd_us"] > 0 and "error" not in rows[0]
@@ -77,3 +78,17 @@ def test_cli_end_to_end_on_cpu(tmp_path):
     assert "copy ceiling" in p.stdout and "A/A control" in p.stdout
     text = md.read_text()
     assert "| strictnorm torch strict | 16 × 64 |" in text and "Copy ceiling" in text
+
+
+def test_fused_add_section_on_cpu():
+    providers, _ = bench.norm_providers(torch.device("cpu"), False, "fused_add")
+    x, r = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()
+    w = torch.randn(32).bfloat16()
+    want = torch.nn.functional.rms_norm(x + r, (32,), w, 1e-6)
+    assert torch.equal(providers["torch F.rms_norm"](x, w, r), want)
+    y = providers["strictnorm torch strict"](x, w, r)
+    assert y.shape == x.shape and ((y.float() - want.float()).abs().max() < 0.05)
+    rows: list[dict] = []
+    bench.bench_norm(bench.Timer(torch.device("cpu"), 2), [(4, 32)], 10.0, providers, 1, lambda r: None, rows,
+                     op="fused_add")
+    assert all(r["op"] == "fused_add" and "error" not in r for r in rows)

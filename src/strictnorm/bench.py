@@ -126,10 +126,11 @@ def copy_ceiling_gbps(device: torch.device) -> float:
     return 2 * x.numel() * x.element_size() / us / 1e3
 
 
-def norm_bytes(m: int, n: int, x_size: int = 2, w_size: int = 2) -> tuple[int, int]:
-    """(forward, backward) bytes moved at least: forward reads x and w, writes y (and rstd); backward
-    reads x, dy, w, rstd and writes dx and dW."""
-    fwd = 2 * m * n * x_size + n * w_size + 4 * m
+def norm_bytes(m: int, n: int, x_size: int = 2, w_size: int = 2, fused: bool = False) -> tuple[int, int]:
+    """(forward, backward) bytes moved at least: forward reads x and w, writes y (and rstd), and with
+    the fused add also reads the residual and writes residual_out; backward reads x (or residual_out),
+    dy, w, rstd and writes dx (one gradient serves x and the residual) and dW."""
+    fwd = (4 if fused else 2) * m * n * x_size + n * w_size + 4 * m
     bwd = 3 * m * n * x_size + 2 * n * w_size + 4 * m
     return fwd, bwd
 
@@ -145,45 +146,54 @@ def _hf_llama(eps: float) -> Callable:
 AA_CONTROL = "A/A: torch F.rms_norm"
 
 
-def norm_providers(device: torch.device, compile_anchor: bool) -> tuple[dict[str, Callable], dict[str, str]]:
-    """name -> f(x, w) returning y, and name -> why, for each anchor that is missing.
-
-    The A/A control is the same function as "torch F.rms_norm" measured as a separate provider: the
-    difference between the two is the noise of this run."""
+def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_norm"
+                   ) -> tuple[dict[str, Callable], dict[str, str]]:
+    """name -> f(x, w, r) returning y (r: the residual, used by op "fused_add"), and name -> why, for
+    each anchor that is missing. The A/A control is the first provider measured a second time under
+    another name: the difference between the two is the noise of this run."""
     eps = 1e-6
     native = lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
-    providers: dict[str, Callable] = {"torch F.rms_norm": native, AA_CONTROL: native,
-                                      "HF llama eager": _hf_llama(eps)}
+    base = {"torch F.rms_norm": native, "HF llama eager": _hf_llama(eps)}
     skipped: dict[str, str] = {}
     if compile_anchor:
-        providers["torch.compile"] = torch.compile(_hf_llama(eps))
+        base["torch.compile"] = torch.compile(_hf_llama(eps))
     else:
         skipped["torch.compile"] = "not requested (--compile)"
-    if device.type == "cuda":
+    if device.type == "cuda" and op == "rms_norm":
         try:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-            providers["Liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
+            base["Liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
         except Exception as e:  # an anchor that is not installed is reported, not fatal
             skipped["Liger"] = repr(e)[:160]
         try:
             from quack.rmsnorm import rmsnorm as quack_rmsnorm
 
-            providers["Quack"] = lambda x, w: quack_rmsnorm(x, w, eps=eps)
+            base["Quack"] = lambda x, w: quack_rmsnorm(x, w, eps=eps)
         except Exception as e:
             skipped["Quack"] = repr(e)[:160]
-        for dw in ("fast", "strict"):
-            providers[f"strictnorm {dw}"] = (lambda x, w, dw=dw: api.rms_norm(x, w, eps, dw=dw, backend="triton"))
     else:
-        skipped["Liger"] = skipped["Quack"] = "GPU only"
-        for dw in ("fast", "strict"):
-            providers[f"strictnorm torch {dw}"] = (lambda x, w, dw=dw: api.rms_norm(x, w, eps, dw=dw,
-                                                                                    backend="torch"))
+        skipped["Liger"] = skipped["Quack"] = "GPU only" if device.type != "cuda" else f"not measured for {op}"
+    # anchors as f(x, w, r): for the fused op, the add then the norm, as an eager model runs them
+    if op == "fused_add":
+        providers = {name: (lambda x, w, r, f=f: f(x + r, w)) for name, f in base.items()}
+    else:
+        providers = {name: (lambda x, w, r, f=f: f(x, w)) for name, f in base.items()}
+    providers = {"torch F.rms_norm": providers["torch F.rms_norm"], AA_CONTROL: providers["torch F.rms_norm"],
+                 **providers}
+    backend = "triton" if device.type == "cuda" else "torch"
+    label = "strictnorm" if device.type == "cuda" else "strictnorm torch"
+    for dw in ("fast", "strict"):
+        if op == "fused_add":
+            providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw: api.fused_add_rms_norm(
+                x, r, w, eps, dw=dw, backend=backend)[0])
+        else:
+            providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw: api.rms_norm(x, w, eps, dw=dw, backend=backend))
     return providers, skipped
 
 
 def bench_norm(timer: Timer, shapes, ceiling: float, providers: dict[str, Callable], rounds: int, log,
-               rows: list[dict], seed: int = 0) -> None:
+               rows: list[dict], seed: int = 0, op: str = "rms_norm") -> None:
     """Per shape: `rounds` rounds, providers in a fresh random order each round; each figure is the
     median over rounds. Appends one row per (shape, provider) as it goes."""
     rng = random.Random(seed)
@@ -202,13 +212,13 @@ def bench_norm(timer: Timer, shapes, ceiling: float, providers: dict[str, Callab
                 except Exception as e:  # a provider that raises is reported, not fatal
                     errors[name] = f"{type(e).__name__}: {e}"[:300]
         for name in providers:
-            row = {"provider": name, "M": m, "N": n, "device": timer.device.type}
+            row = {"provider": name, "op": op, "M": m, "N": n, "device": timer.device.type}
             if name in errors:
                 row["error"] = errors[name]
             else:
                 for key in per[name][0]:
                     row[key] = statistics.median(r[key] for r in per[name])
-                row.update(_derived(row, m, n, ceiling))
+                row.update(_derived(row, m, n, ceiling, op == "fused_add"))
                 row["peak_MB_fwdbwd"] = _peak_mb(timer.device, providers[name], *inputs)
             rows.append(row)
             log(row)
@@ -223,25 +233,26 @@ def _norm_inputs(device: torch.device, m: int, n: int):
     x = torch.randn(m, n, device=device, generator=g).bfloat16()
     w = (1 + 0.1 * torch.randn(n, device=device, generator=g)).bfloat16()
     dy = torch.randn(m, n, device=device, generator=g).bfloat16()
-    return x, w, dy
+    r = torch.randn(m, n, device=device, generator=g).bfloat16()
+    return x, w, dy, r
 
 
-def _norm_once(timer: Timer, fn: Callable, x, w, dy) -> dict:
-    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+def _norm_once(timer: Timer, fn: Callable, x, w, dy, r) -> dict:
+    xg, wg, rg = (t.clone().requires_grad_(True) for t in (x, w, r))
 
     def fwd():
-        return fn(x, w)
+        return fn(x, w, r)
 
     def fwd_bwd():
-        torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+        torch.autograd.grad(fn(xg, wg, rg), (xg, wg, rg), dy, allow_unused=True)
 
     fwd_us = timer.kernel_us(fwd)
     return {"fwd_us": fwd_us, "bwd_us": timer.kernel_us(fwd_bwd) - fwd_us,
             "fwd_eager_us": timer.eager_us(fwd), "fwdbwd_eager_us": timer.eager_us(fwd_bwd)}
 
 
-def _derived(row: dict, m: int, n: int, ceiling: float) -> dict:
-    fwd_bytes, bwd_bytes = norm_bytes(m, n)
+def _derived(row: dict, m: int, n: int, ceiling: float, fused: bool) -> dict:
+    fwd_bytes, bwd_bytes = norm_bytes(m, n, fused=fused)
     out = {"fwd_GBps": fwd_bytes / row["fwd_us"] / 1e3 if row["fwd_us"] > 0 else None,
            "bwd_GBps": bwd_bytes / row["bwd_us"] / 1e3 if row["bwd_us"] > 0 else None}
     out["fwd_frac_copy"] = out["fwd_GBps"] / ceiling if out["fwd_GBps"] else None
@@ -249,14 +260,14 @@ def _derived(row: dict, m: int, n: int, ceiling: float) -> dict:
     return out
 
 
-def _peak_mb(device: torch.device, fn: Callable, x, w, dy) -> float | None:
+def _peak_mb(device: torch.device, fn: Callable, x, w, dy, r) -> float | None:
     if device.type != "cuda":
         return None
-    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    xg, wg, rg = (t.clone().requires_grad_(True) for t in (x, w, r))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+    torch.autograd.grad(fn(xg, wg, rg), (xg, wg, rg), dy, allow_unused=True)
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
@@ -302,12 +313,12 @@ def host_cost_us(device: torch.device, providers: dict[str, Callable], n_calls: 
             continue
         try:
             for _ in range(50):
-                fn(x, w)
+                fn(x, w, None)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(n_calls):
-                fn(x, w)
+                fn(x, w, None)
             out[name] = (time.perf_counter() - t0) / n_calls * 1e6
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -510,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="strictnorm bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=tuple(PRESETS), default="perf", help="shapes for the norm section")
+    p.add_argument("--op", choices=("rms_norm", "fused_add"), default="rms_norm",
+                   help="the norm section's op: RMSNorm, or residual add + RMSNorm")
     p.add_argument("--shapes", help="MxN list instead of the preset, e.g. 128x4096,2048x4096")
     p.add_argument("--fold", action="store_true", help="also the strict-fold section (GPU)")
     p.add_argument("--no-norm", action="store_true", help="skip the norm section")
@@ -539,11 +552,11 @@ def main(argv: list[str] | None = None) -> int:
     result["copy_GBps"] = copy_ceiling_gbps(device)
     if not args.no_norm:
         shapes = parse_shapes(args.shapes) if args.shapes else PRESETS[args.preset]
-        providers, result["skipped_anchors"] = norm_providers(device, args.compile)
+        providers, result["skipped_anchors"] = norm_providers(device, args.compile, args.op)
         result["norm"] = []
-        bench_norm(timer, shapes, result["copy_GBps"], providers, args.rounds, save, result["norm"])
+        bench_norm(timer, shapes, result["copy_GBps"], providers, args.rounds, save, result["norm"], op=args.op)
         result["aa_spread"] = aa_spread(result["norm"])
-        result["host_us"] = host_cost_us(device, providers)
+        result["host_us"] = host_cost_us(device, norm_providers(device, False)[0])
     if args.fold:
         if device.type != "cuda":
             result["fold_skipped"] = "the fold section times GPU kernels"
