@@ -52,3 +52,15 @@ def test_empty_and_single_row():
     assert row_layout(torch.empty(0, 8))[1].rows == 0
     assert row_layout(torch.empty(0, 8).expand(0, 8))[1].rows == 0
     assert _check(torch.randn(9)).rows == 1
+
+
+def test_shared_layouts_fall_back_to_dense_copies():
+    from strictnorm.backends.layout import shared_layouts
+
+    a = torch.randn(6, 4, 8)  # coalesces to one leading dim
+    b = torch.randn(4, 6, 8).transpose(0, 1)  # the same shape, two leading dims
+    (ak, bk), lay, lays = shared_layouts(a, b)
+    assert ak is a and bk is not b and bk.is_contiguous() and torch.equal(bk, b)
+    assert all((q.r1, q.g) == (lay.r1, lay.g) for q in lays)
+    (ak, none), _, _ = shared_layouts(a, None)
+    assert ak is a and none is None

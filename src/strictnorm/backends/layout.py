@@ -75,3 +75,19 @@ def row_layout(t: torch.Tensor, per_head: bool = False) -> tuple[torch.Tensor, R
 
 def contiguous_layout(rows: int, n: int) -> RowLayout:
     return RowLayout(rows=rows, n=n, r1=1, g=1, s0=n, s1=0, sg=0)
+
+
+def shared_layouts(*tensors: torch.Tensor | None, per_head: bool = False
+                   ) -> tuple[list[torch.Tensor | None], RowLayout, list[RowLayout]]:
+    """Views of same-shaped tensors that one kernel can address with one (R1, G) and its own strides.
+
+    Returns (tensors to pass, the first one's layout, each one's layout); None entries stay None. When
+    the tensors' leading dims coalesce differently, all are made contiguous (a copy, never other bits).
+    A returned tensor that is not the one given is a copy: outputs written there must be copied back.
+    """
+    views = [row_layout(t, per_head) if t is not None else (None, None) for t in tensors]
+    lays = [lay for _, lay in views if lay is not None]
+    if any((q.r1, q.g) != (lays[0].r1, lays[0].g) for q in lays):
+        dense = contiguous_layout(lays[0].rows, lays[0].n)
+        views = [(t.contiguous(), dense) if t is not None else (None, None) for t in tensors]
+    return [t for t, _ in views], views[0][1], [lay for _, lay in views]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..layout import RowLayout, contiguous_layout, row_layout
+from ..layout import RowLayout, row_layout, shared_layouts
 
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODES = {"llama": 0, "gemma": 1, "none": 2}
@@ -166,15 +166,12 @@ class CudaBackend:
         per_head = weight is not None and weight.dim() == 2
         if weight is not None and weight.stride(-1) != 1:
             weight = weight.contiguous()
-        xk, lay = row_layout(x, per_head)
+        (xk, rk), lay, (_, rlay) = shared_layouts(x, residual, per_head=per_head)
+        rk, rlay = (rk, rlay) if residual is not None else (xk, lay)
         n = lay.n
         y = torch.empty(x.shape, dtype=spec.out_dtype, device=x.device)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         z = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
-        rk, rlay = (row_layout(residual, per_head) if residual is not None else (xk, lay))
-        if (rlay.r1, rlay.g) != (lay.r1, lay.g):  # leading dims coalesced differently: dense copies
-            xk, rk = x.contiguous(), residual.contiguous()
-            lay = rlay = contiguous_layout(lay.rows, n)
         if lay.rows == 0:
             return y, rstd, z
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
@@ -199,16 +196,9 @@ class CudaBackend:
         per_head = weight is not None and weight.dim() == 2
         if weight is not None and weight.stride(-1) != 1:
             weight = weight.contiguous()
-        zk, lay = row_layout(z, per_head)
-        dyk, dlay = row_layout(dy, per_head)
         dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        dxk, xlay = row_layout(dx, per_head)
-        dresk, elay = row_layout(dres, per_head) if dres is not None else (dyk, dlay)
-        if dxk is not dx or any((q.r1, q.g) != (lay.r1, lay.g) for q in (dlay, xlay, elay)):
-            zk, dyk = z.contiguous(), dy.contiguous()  # layouts the kernel cannot share: dense copies
-            dresk = dres.contiguous() if dres is not None else dyk
-            dxk = torch.empty(z.shape, dtype=z.dtype, device=z.device)
-            lay = dlay = xlay = elay = contiguous_layout(lay.rows, lay.n)
+        (zk, dyk, dxk, dresk), lay, (_, dlay, xlay, elay) = shared_layouts(z, dy, dx, dres, per_head=per_head)
+        dresk, elay = (dresk, elay) if dres is not None else (dyk, dlay)
         n, rows = lay.n, lay.rows
         rstd = rstd.contiguous()
         partials = need_dw and dw_mode == "fast" and not per_head

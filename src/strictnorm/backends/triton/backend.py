@@ -7,7 +7,7 @@ import os
 import torch
 
 from ...contract import NormSpec
-from ..layout import RowLayout, contiguous_layout, row_layout
+from ..layout import RowLayout, row_layout, shared_layouts
 from ..registry import get_backend, status
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -83,19 +83,12 @@ class TritonBackend:
         k = _kernels()
         weight = _unit_stride(weight)
         per_head = weight is not None and weight.dim() == 2
-        xk, lay = row_layout(x, per_head)
+        (xk, rk), lay, (_, rlay) = shared_layouts(x, residual, per_head=per_head)
+        rk, rlay = (rk, rlay) if residual is not None else (xk, lay)
         n = lay.n
         y = torch.empty(x.shape, dtype=spec.out_dtype, device=x.device)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        z = None
-        if residual is not None:
-            z = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
-            rk, rlay = row_layout(residual, per_head)
-            if (rlay.r1, rlay.g) != (lay.r1, lay.g):  # leading dims coalesced differently: use dense copies
-                xk, lay = x.contiguous(), contiguous_layout(lay.rows, n)
-                rk, rlay = residual.contiguous(), lay
-        else:
-            rk, rlay = xk, lay
+        z = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
         if lay.rows == 0:
             return y, rstd, z
         rows_per_prog, p, log2p, num_warps = _row_tile(n)
@@ -116,19 +109,9 @@ class TritonBackend:
         k = _kernels()
         weight = _unit_stride(weight)
         per_head = weight is not None and weight.dim() == 2
-        zk, lay = row_layout(z, per_head)
-        dyk, dlay = row_layout(dy, per_head)
         dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        dxk, xlay = row_layout(dx, per_head)
-        dresk, elay = row_layout(dres, per_head) if dres is not None else (dyk, dlay)
-        if dxk is not dx:  # in-place target that kernels cannot address: compute out of place, then copy
-            dxk, xlay = torch.empty(z.shape, dtype=z.dtype, device=z.device), contiguous_layout(lay.rows, lay.n)
-        layouts = (lay, dlay, xlay, elay)
-        if any((q.r1, q.g) != (lay.r1, lay.g) for q in layouts):  # mismatched coalescing: dense copies
-            zk, dyk = z.contiguous(), dy.contiguous()
-            dresk = dres.contiguous() if dres is not None else dyk
-            dxk = dx if dx.is_contiguous() else torch.empty(z.shape, dtype=z.dtype, device=z.device)
-            lay = dlay = xlay = elay = contiguous_layout(lay.rows, lay.n)
+        (zk, dyk, dxk, dresk), lay, (_, dlay, xlay, elay) = shared_layouts(z, dy, dx, dres, per_head=per_head)
+        dresk, elay = (dresk, elay) if dres is not None else (dyk, dlay)
         n, rows = lay.n, lay.rows
         rstd = rstd.contiguous()
         # fast dW: per-program fp32 partials in the dx pass (shared weight). Per-head weights take the
