@@ -90,3 +90,39 @@ def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
         if r is None:  # the backward of the same configuration
             bl = norm_bwd_launch(n, x, y, w, mode, ph, has_dres=ph, dw_partials=not ph)
             assert nvrtc.compile_cubin("rms_norm.cu", arch, bl.defines, use_cache=False)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("n", [1, 7, 100, 128, 1000, 4096, 8192, 18432, 65536])
+def test_cuda_reduction_mapping_is_canon_sum(n, seed):
+    """Emulates rms_norm.cu's reduction (chunk tree per thread, xor shuffles 1..16 within a warp,
+    then a tree over the row's warps) with the block shape the backend picks, and checks it gives
+    canon_sum's bits: the mapping itself, independent of any GPU."""
+    from strictnorm.backends.cuda.backend import norm_launch
+    from strictnorm.reference import canon_sum
+
+    d = norm_launch(n, torch.bfloat16, None, torch.bfloat16, torch.bfloat16, "llama", False).defines
+    chunk, threads = d["CHUNK"], d["ROW_THREADS"]
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randn(n, generator=g) * torch.logspace(-5, 5, n)
+    lanes = torch.zeros(chunk * threads)
+    lanes[:n] = row
+    v = lanes.view(threads, chunk)
+    while v.shape[1] > 1:  # chunk_tree: (2j, 2j+1) -> j
+        v = v[:, 0::2] + v[:, 1::2]
+    v = v[:, 0].clone()
+    lane = torch.arange(threads)
+    off = 1
+    while off < min(threads, 32):  # __shfl_xor_sync: v + v[lane ^ off] (commutative: same on both lanes)
+        v = v + v[lane ^ off]
+        off *= 2
+    if threads > 32:
+        u = v[::32].clone()  # one value per warp, in warp order
+        w = torch.arange(u.numel())
+        off = 1
+        while off < u.numel():
+            u = u + u[w ^ off]
+            off *= 2
+        total = u[0]
+    else:
+        total = v[0]
+    assert total.item() == canon_sum(row[None])[0].item() or (total.isnan() and canon_sum(row[None])[0].isnan())
