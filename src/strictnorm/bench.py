@@ -361,6 +361,7 @@ def _fold_one(timer: Timer, m: int, n: int, ceiling: float) -> dict:
         cb = get_backend("cuda")
         variants["cuda_one_thread_per_column"] = lambda: cb.left_fold(c, ring=False)
         variants["strictnorm_cuda_fold"] = lambda: cb.left_fold(c)
+        variants["cuda_fold_prefetch_candidate"] = lambda: cb.left_fold(c, prefetch=True)
     for name, fn in variants.items():
         try:
             out = fn()

@@ -41,14 +41,16 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int) -> tu
 
 
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
-                ring: bool, num_sms: int) -> FoldLaunch:
-    """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel."""
+                ring: bool, num_sms: int, prefetch: bool = False) -> FoldLaunch:
+    """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel;
+    prefetch=True the ring with a software-pipelined consumer (a candidate: same bits, speed not yet
+    measured on a GPU, so not the default)."""
     defines = {"A_CODE": _CODE[a_dtype], "B_CODE": _CODE[b_dtype], "WHAT": what, "SIMPLE_ROWS": int(simple_rows)}
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     a_size, b_size = a_dtype.itemsize, b_dtype.itemsize
     cols, rps, stages = _ring_shape(n, a_size, b_size, what, num_sms)
-    defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS)
+    defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, PREFETCH=int(prefetch))
     stage_bytes = rps * cols * (a_size + (b_size if what else 0)) + (rps * 4 if what else 0)
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, stages * stage_bytes)
 
@@ -140,7 +142,7 @@ class CudaBackend:
         return self._cache
 
     def fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
-             what: int, groups: int, ring: bool = True) -> torch.Tensor:
+             what: int, groups: int, ring: bool = True, prefetch: bool = False) -> torch.Tensor:
         """(groups, N) fp32: group h folds logical rows t * groups + h (see fold.cu)."""
         n = alay.n
         out = torch.empty((groups, n), dtype=torch.float32, device=a.device)
@@ -151,7 +153,7 @@ class CudaBackend:
         simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
         dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        fl = fold_launch(n, a.dtype, b.dtype, what, simple, ring, num_sms)
+        fl = fold_launch(n, a.dtype, b.dtype, what, simple, ring, num_sms, prefetch)
         kc = self._kernels()
         kernel = kc.get(dev, _SOURCE, fl.kernel, fl.defines)
         i64 = np.int64
@@ -235,9 +237,9 @@ class CudaBackend:
             dw = part.sum(0).to(weight.dtype)
         return dx, dw
 
-    def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:
+    def left_fold(self, rows: torch.Tensor, ring: bool = True, prefetch: bool = False) -> torch.Tensor:
         if rows.numel() == 0:
             return torch.zeros(rows.shape[1:], dtype=torch.float32, device=rows.device)
         flat = rows.reshape(rows.shape[0], -1)
         ak, lay = row_layout(flat)
-        return self.fold(ak, lay, ak, lay, ak, 0, 1, ring).reshape(rows.shape[1:])
+        return self.fold(ak, lay, ak, lay, ak, 0, 1, ring, prefetch).reshape(rows.shape[1:])

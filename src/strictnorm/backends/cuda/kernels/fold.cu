@@ -6,7 +6,8 @@
 // contraction, no reassociation, no atomics, and the order is the rows' logical order.
 //
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), WHAT,
-// SIMPLE_ROWS (row r lives at r * s0), and for fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS.
+// SIMPLE_ROWS (row r lives at r * s0), and for fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
+// PREFETCH (1: the software-pipelined consumer, a candidate not yet measured on a GPU).
 //
 // Rows are addressed through the layout of ../layout.py: for logical row r,
 //   g = r % G; t = r / G; offset = (t / R1) * s0 + (t % R1) * s1 + g * sg.
@@ -154,16 +155,44 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
             const b_t* tb = reinterpret_cast<const b_t*>(slot + A_TILE);
             const float* tr = reinterpret_cast<const float*>(slot + A_TILE + B_TILE);
 #endif
-            const long long left = rows_per_group - s * ROWS_PER_STAGE;
-            const int rows = left < ROWS_PER_STAGE ? static_cast<int>(left) : ROWS_PER_STAGE;
-#pragma unroll 16
-            for (int i = 0; i < rows; ++i) {
+            // row i of the stage as this lane adds it
+            auto value = [&](int i) {
                 float v = Elem<A_CODE>::widen(ta[i * COLS + lane]);
 #if WHAT != 0
                 v = contribution(v, Elem<B_CODE>::widen(tb[i * COLS + lane]), tr[i]);
 #endif
-                acc = __fadd_rn(acc, v);
+                return v;
+            };
+            const long long left = rows_per_group - s * ROWS_PER_STAGE;
+            const int rows = left < ROWS_PER_STAGE ? static_cast<int>(left) : ROWS_PER_STAGE;
+#if PREFETCH
+            // Software pipeline (candidate, same adds in the same order): the next block's values are
+            // loaded and computed while the current block's dependent adds run.
+            constexpr int U = 16;
+            const int full = rows / U * U;
+            float cur[U], nxt[U];
+            if (full > 0) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) cur[u] = value(u);
             }
+            for (int b = 0; b < full; b += U) {
+                const bool more = b + U < full;
+                if (more) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) nxt[u] = value(b + U + u);
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) acc = __fadd_rn(acc, cur[u]);
+                if (more) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) cur[u] = nxt[u];
+                }
+            }
+            for (int i = full; i < rows; ++i) acc = __fadd_rn(acc, value(i));
+#else
+#pragma unroll 16
+            for (int i = 0; i < rows; ++i) acc = __fadd_rn(acc, value(i));
+#endif
         }
     }
     if (consumer && lane < COLS && col0 + lane < n) out[static_cast<long long>(h) * n + col0 + lane] = acc;
