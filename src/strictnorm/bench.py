@@ -417,14 +417,14 @@ def print_tables(result: dict, out=sys.stdout) -> None:
             f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in result["host_us"].items()), file=out)
     if result.get("fold"):
         print(f"\n{'rows x cols':>13s} {'loop us':>9s} {'1thr/col':>9s} {'triton':>9s} {'strictnorm':>10s}"
-              f" {'floor':>7s} {'x floor':>7s} bitwise", file=out)
+              f" {'prefetch?':>9s} {'floor':>7s} {'x floor':>7s} bitwise", file=out)
         for r in result["fold"]:
             floor = max(r["bytes_floor_us"], r["chain_floor_us"])
             bw = all(v for k, v in r.items() if k.endswith("_bitwise"))
             print(f"{r['M']:>6d}x{r['N']:<6d} {r.get('python_loop_us', nan):9.0f}"
                   f" {r.get('cuda_one_thread_per_column_us', nan):9.1f} {r.get('triton_fold_us', nan):9.1f}"
-                  f" {r.get('strictnorm_cuda_fold_us', nan):10.1f} {floor:7.1f} {r.get('fold_over_floor', nan):7.2f}"
-                  f" {bw}", file=out)
+                  f" {r.get('strictnorm_cuda_fold_us', nan):10.1f} {r.get('cuda_fold_prefetch_candidate_us', nan):9.1f}"
+                  f" {floor:7.1f} {r.get('fold_over_floor', nan):7.2f} {bw}", file=out)
 
 
 def write_csv(result: dict, path: str) -> None:
@@ -495,12 +495,13 @@ def write_markdown(result: dict, path: str) -> None:
                   + ", ".join(f"{k} {100 * v:.1f}%" for k, v in result["aa_spread"].items()), ""]
     if result.get("fold"):
         lines += ["| rows × cols | Python loop µs | one thread per column µs | Triton fold µs | strictnorm µs |"
-                  " floor µs | × floor | bitwise |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  " prefetch candidate µs | floor µs | × floor | bitwise |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in result["fold"]:
             floor = max(r["bytes_floor_us"], r["chain_floor_us"])
             bw = all(v for k, v in r.items() if k.endswith("_bitwise"))
             cells = [r.get(k) for k in ("python_loop_us", "cuda_one_thread_per_column_us", "triton_fold_us",
-                                        "strictnorm_cuda_fold_us")]
+                                        "strictnorm_cuda_fold_us", "cuda_fold_prefetch_candidate_us")]
             text = " | ".join("–" if c is None else f"{c:.1f}" for c in cells)
             lines.append(f"| {r['M']} × {r['N']} | {text} | {floor:.1f} | {r.get('fold_over_floor', float('nan')):.2f}"
                          f" | {'yes' if bw else 'NO'} |")
