@@ -26,6 +26,12 @@ def _info(args: argparse.Namespace) -> int:
     for name in registry.names():
         st = registry.status(name, device)
         print(f"{name:8s} {'available' if st.available else 'unavailable':12s} {','.join(st.ops):22s} {st.reason}")
+    try:
+        from .backends.cuda.nvrtc import cache_dir, nvrtc_version
+
+        print(f"NVRTC {nvrtc_version()}; compiled kernels cached in {cache_dir()}")
+    except Exception as e:  # cuda-core or the NVRTC library missing: the cuda backend line says so too
+        print(f"NVRTC not usable: {type(e).__name__}: {e}"[:200])
     for op in ("rms_norm", "left_fold"):
         chosen, skipped = registry.automatic_choice(device, op)
         why = f" (passed over: {'; '.join(skipped)})" if skipped else ""

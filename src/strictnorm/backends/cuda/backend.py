@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import Tensor
 
+from ...contract import NormSpec
 from ..layout import RowLayout, row_layout, shared_layouts
 
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -163,7 +165,8 @@ class CudaBackend:
                   np.int32(n), i64(groups))
         return out
 
-    def rms_norm_fwd(self, x, weight, residual, spec):
+    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """(y, rstd, residual_out), as the Backend protocol says; see kernels/rms_norm.cu."""
         per_head = weight is not None and weight.dim() == 2
         if weight is not None and weight.stride(-1) != 1:
@@ -193,7 +196,9 @@ class CudaBackend:
                   np.float32(spec.eps), np.float32(spec.offset), np.int32(aligned))
         return y, rstd, z
 
-    def rms_norm_bwd(self, dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dx_out):
+    def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
+                     spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
+                     ) -> tuple[Tensor, Tensor | None]:
         """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD)."""
         per_head = weight is not None and weight.dim() == 2
         if weight is not None and weight.stride(-1) != 1:

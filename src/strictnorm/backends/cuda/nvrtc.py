@@ -49,7 +49,7 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     return Path(os.environ.get("STRICTNORM_CACHE_DIR") or Path.home() / ".cache" / "strictnorm") / "cubin"
 
 
@@ -64,7 +64,7 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], use_cache: bool
     from cuda.core import Program, ProgramOptions
 
     src = source(name)
-    path = _cache_dir() / f"{Path(name).stem}-{arch}-{_key(src, arch, defines)}.cubin"
+    path = cache_dir() / f"{Path(name).stem}-{arch}-{_key(src, arch, defines)}.cubin"
     if use_cache and path.exists():
         return path.read_bytes()
     options = ProgramOptions(arch=arch, name=name, define_macro=[(k, str(v)) for k, v in sorted(defines.items())],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import Tensor
 
 from ...contract import NormSpec
 from ..layout import RowLayout, row_layout, shared_layouts
@@ -79,7 +80,8 @@ class TritonBackend:
         return None
 
     # ---- forward -------------------------------------------------------------------------------
-    def rms_norm_fwd(self, x, weight, residual, spec: NormSpec):
+    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
         k = _kernels()
         weight = _unit_stride(weight)
         per_head = weight is not None and weight.dim() == 2
@@ -105,7 +107,9 @@ class TritonBackend:
         return y, rstd, z
 
     # ---- backward ------------------------------------------------------------------------------
-    def rms_norm_bwd(self, dy, z, weight, rstd, dres, spec: NormSpec, dw_mode, need_dw, dx_out):
+    def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
+                     spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
+                     ) -> tuple[Tensor, Tensor | None]:
         k = _kernels()
         weight = _unit_stride(weight)
         per_head = weight is not None and weight.dim() == 2
@@ -143,7 +147,8 @@ class TritonBackend:
         return dx, dw
 
     # ---- strict fold ---------------------------------------------------------------------------
-    def _fold(self, a, alay: RowLayout, b, blay: RowLayout, rstd, what: int, xdt: int, groups: int):
+    def _fold(self, a: Tensor, alay: RowLayout, b: Tensor, blay: RowLayout, rstd: Tensor, what: int, xdt: int,
+              groups: int) -> Tensor:
         if self.use_cuda_fold and a.device.type == "cuda" and status("cuda", a.device).available:
             return get_backend("cuda").fold(a, alay, b, blay, rstd, what, groups)
         out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)
@@ -154,7 +159,7 @@ class TritonBackend:
             **_launch_opts(2))
         return out
 
-    def left_fold(self, rows):
+    def left_fold(self, rows: Tensor) -> Tensor:
         if rows.numel() == 0:
             return torch.zeros(rows.shape[1:], dtype=torch.float32, device=rows.device)
         flat = rows.reshape(rows.shape[0], -1)
