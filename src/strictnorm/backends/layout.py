@@ -1,4 +1,5 @@
-"""Row layouts shared by the kernel backends: any (..., N) tensor as rows, read in place.
+"""What the kernel backends share: any (..., N) tensor as rows read in place, and the views and
+output buffers a forward or backward pass needs around its kernels.
 
 A kernel addresses row r (logical row-major index over the leading dims) of a view with leading
 dims coalesced into (R0, R1, G) and strides (s0, s1, sg), unit stride along N:
@@ -91,3 +92,69 @@ def shared_layouts(*tensors: torch.Tensor | None, per_head: bool = False
         dense = contiguous_layout(lays[0].rows, lays[0].n)
         views = [(t.contiguous(), dense) if t is not None else (None, None) for t in tensors]
     return [t for t, _ in views], views[0][1], [lay for _, lay in views]
+
+
+def unit_stride(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """Kernels index the weight's last dimension with unit stride (a copy of N values otherwise)."""
+    if weight is None or weight.stride(-1) == 1 or weight.shape[-1] == 1:
+        return weight
+    return weight.contiguous()
+
+
+@dataclass
+class ForwardViews:
+    """What a kernel backend's forward needs besides its kernel: addressable views and outputs."""
+
+    weight: torch.Tensor | None
+    per_head: bool
+    x: torch.Tensor
+    lay: RowLayout
+    res: torch.Tensor  # x itself when there is no residual
+    rlay: RowLayout
+    y: torch.Tensor
+    rstd: torch.Tensor
+    z: torch.Tensor | None  # residual_out
+
+
+def forward_views(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> ForwardViews:
+    weight = unit_stride(weight)
+    per_head = weight is not None and weight.dim() == 2
+    (xk, rk), lay, (_, rlay) = shared_layouts(x, residual, per_head=per_head)
+    if residual is None:
+        rk, rlay = xk, lay
+    return ForwardViews(
+        weight, per_head, xk, lay, rk, rlay,
+        y=torch.empty(x.shape, dtype=out_dtype, device=x.device),
+        rstd=torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device),
+        z=torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None)
+
+
+@dataclass
+class BackwardViews:
+    """Addressable views for a backward pass; dx_kernel is where the kernel writes dx (copy it into dx
+    afterwards when they differ)."""
+
+    weight: torch.Tensor | None
+    per_head: bool
+    z: torch.Tensor
+    lay: RowLayout
+    dy: torch.Tensor
+    dlay: RowLayout
+    dx: torch.Tensor
+    dx_kernel: torch.Tensor
+    xlay: RowLayout
+    dres: torch.Tensor  # dy when there is no residual gradient
+    elay: RowLayout
+    rstd: torch.Tensor
+
+
+def backward_views(dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+                   dres: torch.Tensor | None, dx_out: torch.Tensor | None) -> BackwardViews:
+    weight = unit_stride(weight)
+    per_head = weight is not None and weight.dim() == 2
+    dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    (zk, dyk, dxk, dresk), lay, (_, dlay, xlay, elay) = shared_layouts(z, dy, dx, dres, per_head=per_head)
+    if dres is None:
+        dresk, elay = dyk, dlay
+    return BackwardViews(weight, per_head, zk, lay, dyk, dlay, dx, dxk, xlay, dresk, elay, rstd.contiguous())

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ...contract import NormSpec
-from ..layout import RowLayout, row_layout, shared_layouts
+from ..layout import RowLayout, backward_views, forward_views, row_layout
 
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODES = {"llama": 0, "gemma": 1, "none": 2}
@@ -104,6 +104,10 @@ def _ring_ok(t: torch.Tensor, lay: RowLayout) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % per == 0 for s in lay.args())
 
 
+def _device_index(t: Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 def _simple_rows(lay: RowLayout) -> bool:
     return lay.g == 1 and lay.r1 == 1
 
@@ -153,7 +157,7 @@ class CudaBackend:
             return out.zero_()
         ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
         simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
-        dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        dev = _device_index(a)
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         fl = fold_launch(n, a.dtype, b.dtype, what, simple, ring, num_sms, prefetch)
         kc = self._kernels()
@@ -168,79 +172,65 @@ class CudaBackend:
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
         """(y, rstd, residual_out), as the Backend protocol says; see kernels/rms_norm.cu."""
-        per_head = weight is not None and weight.dim() == 2
-        if weight is not None and weight.stride(-1) != 1:
-            weight = weight.contiguous()
-        (xk, rk), lay, (_, rlay) = shared_layouts(x, residual, per_head=per_head)
-        rk, rlay = (rk, rlay) if residual is not None else (xk, lay)
-        n = lay.n
-        y = torch.empty(x.shape, dtype=spec.out_dtype, device=x.device)
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        z = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
-        if lay.rows == 0:
-            return y, rstd, z
+        v = forward_views(x, weight, residual, spec.out_dtype)
+        if v.lay.rows == 0:
+            return v.y, v.rstd, v.z
+        n = v.lay.n
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
-                         weight.dtype if weight is not None else None, spec.out_dtype, spec.mode, per_head)
-        wsg = weight.stride(0) if per_head else 0
-        aligned = _aligned16((xk, lay.args()), (rk, rlay.args()), (y, (n,)),
-                             *(((z, (n,)),) if z is not None else ()),
-                             *(((weight, (wsg,)),) if weight is not None else ()))
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+                         v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head)
+        wsg = v.weight.stride(0) if v.per_head else 0
+        aligned = _aligned16((v.x, v.lay.args()), (v.res, v.rlay.args()), (v.y, (n,)),
+                             *(((v.z, (n,)),) if v.z is not None else ()),
+                             *(((v.weight, (wsg,)),) if v.weight is not None else ()))
+        dev = _device_index(x)
         kc = self._kernels()
-        kernel = kc.get(dev, "rms_norm.cu", "rms_fwd", fl.defines)
         i64 = np.int64
-        kc.launch(dev, kernel, (-(-lay.rows // fl.rows_per_block), 1, 1), fl.threads, 0,
-                  xk.data_ptr(), *map(i64, lay.args()), rk.data_ptr(), *map(i64, rlay.args()),
-                  (z if z is not None else y).data_ptr(), (weight if weight is not None else xk).data_ptr(), i64(wsg),
-                  y.data_ptr(), rstd.data_ptr(), i64(lay.rows), np.int32(n), i64(lay.r1), i64(lay.g),
+        kc.launch(dev, kc.get(dev, "rms_norm.cu", "rms_fwd", fl.defines), (-(-v.lay.rows // fl.rows_per_block), 1, 1),
+                  fl.threads, 0, v.x.data_ptr(), *map(i64, v.lay.args()), v.res.data_ptr(), *map(i64, v.rlay.args()),
+                  (v.z if v.z is not None else v.y).data_ptr(),
+                  (v.weight if v.weight is not None else v.x).data_ptr(), i64(wsg), v.y.data_ptr(),
+                  v.rstd.data_ptr(), i64(v.lay.rows), np.int32(n), i64(v.lay.r1), i64(v.lay.g),
                   np.float32(spec.eps), np.float32(spec.offset), np.int32(aligned))
-        return y, rstd, z
+        return v.y, v.rstd, v.z
 
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
         """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD)."""
-        per_head = weight is not None and weight.dim() == 2
-        if weight is not None and weight.stride(-1) != 1:
-            weight = weight.contiguous()
-        dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        (zk, dyk, dxk, dresk), lay, (_, dlay, xlay, elay) = shared_layouts(z, dy, dx, dres, per_head=per_head)
-        dresk, elay = (dresk, elay) if dres is not None else (dyk, dlay)
-        n, rows = lay.n, lay.rows
-        rstd = rstd.contiguous()
-        partials = need_dw and dw_mode == "fast" and not per_head
+        v = backward_views(dy, z, weight, rstd, dres, dx_out)
+        n, rows = v.lay.n, v.lay.rows
+        partials = need_dw and dw_mode == "fast" and not v.per_head
         dw = None
-        if need_dw and not partials:  # strict (or per-head): fold first, as dx may overwrite dy
-            groups = weight.shape[0] if per_head else 1
-            dw = self.fold(dyk, dlay, zk, lay, rstd, _MODES[spec.mode] + 1, groups).reshape(weight.shape)
-            dw = dw.to(weight.dtype)
         if rows == 0:
             if need_dw:
                 dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
-            return dx, dw
-        fl = norm_bwd_launch(n, z.dtype, dy.dtype, weight.dtype if weight is not None else None, spec.mode,
-                             per_head, dres is not None, partials)
-        dev = z.device.index if z.device.index is not None else torch.cuda.current_device()
+            return v.dx, dw
+        if need_dw and not partials:  # strict (or per-head): fold first, as dx may overwrite dy
+            groups = weight.shape[0] if v.per_head else 1
+            dw = self.fold(v.dy, v.dlay, v.z, v.lay, v.rstd, _MODES[spec.mode] + 1, groups)
+            dw = dw.reshape(weight.shape).to(weight.dtype)
+        fl = norm_bwd_launch(n, z.dtype, dy.dtype, v.weight.dtype if v.weight is not None else None, spec.mode,
+                             v.per_head, dres is not None, partials)
+        dev = _device_index(z)
         blocks = -(-rows // fl.rows_per_block)
         grid = min(blocks, torch.cuda.get_device_properties(dev).multi_processor_count * 4) if partials else blocks
-        part = torch.empty((grid * fl.rows_per_block, n), dtype=torch.float32, device=z.device) if partials else rstd
-        wsg = weight.stride(0) if per_head else 0
-        aligned = _aligned16((zk, lay.args()), (dyk, dlay.args()), (dresk, elay.args()), (dxk, xlay.args()),
-                             *(((weight, (wsg,)),) if weight is not None else ()))
+        part = torch.empty((grid * fl.rows_per_block, n), dtype=torch.float32, device=z.device) if partials else v.rstd
+        wsg = v.weight.stride(0) if v.per_head else 0
+        aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
+                             (v.dx_kernel, v.xlay.args()), *(((v.weight, (wsg,)),) if v.weight is not None else ()))
         kc = self._kernels()
-        kernel = kc.get(dev, "rms_norm.cu", "rms_bwd", fl.defines)
         i64 = np.int64
-        kc.launch(dev, kernel, (grid, 1, 1), fl.threads, 0,
-                  dyk.data_ptr(), *map(i64, dlay.args()), zk.data_ptr(), *map(i64, lay.args()),
-                  (weight if weight is not None else zk).data_ptr(), i64(wsg), rstd.data_ptr(),
-                  dresk.data_ptr(), *map(i64, elay.args()), dxk.data_ptr(), *map(i64, xlay.args()),
-                  part.data_ptr(), i64(rows), np.int32(n), i64(lay.r1), i64(lay.g), np.float32(spec.offset),
+        kc.launch(dev, kc.get(dev, "rms_norm.cu", "rms_bwd", fl.defines), (grid, 1, 1), fl.threads, 0,
+                  v.dy.data_ptr(), *map(i64, v.dlay.args()), v.z.data_ptr(), *map(i64, v.lay.args()),
+                  (v.weight if v.weight is not None else v.z).data_ptr(), i64(wsg), v.rstd.data_ptr(),
+                  v.dres.data_ptr(), *map(i64, v.elay.args()), v.dx_kernel.data_ptr(), *map(i64, v.xlay.args()),
+                  part.data_ptr(), i64(rows), np.int32(n), i64(v.lay.r1), i64(v.lay.g), np.float32(spec.offset),
                   np.int32(aligned))
-        if dxk is not dx:
-            dx.copy_(dxk)
+        if v.dx_kernel is not v.dx:
+            v.dx.copy_(v.dx_kernel)
         if partials:
             dw = part.sum(0).to(weight.dtype)
-        return dx, dw
+        return v.dx, dw
 
     def left_fold(self, rows: torch.Tensor, ring: bool = True, prefetch: bool = False) -> torch.Tensor:
         if rows.numel() == 0:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ...contract import NormSpec
-from ..layout import RowLayout, row_layout, shared_layouts
+from ..layout import RowLayout, backward_views, forward_views, row_layout
 from ..registry import get_backend, status
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -48,13 +48,6 @@ def _row_tile(n: int) -> tuple[int, int, int, int]:
     return rows_per_prog, p, p.bit_length() - 1, num_warps
 
 
-def _unit_stride(weight: torch.Tensor | None) -> torch.Tensor | None:
-    """Kernels index the weight's last dimension with unit stride (a copy of N values otherwise)."""
-    if weight is None or weight.stride(-1) == 1 or weight.shape[-1] == 1:
-        return weight
-    return weight.contiguous()
-
-
 def _launch_opts(num_warps: int) -> dict:
     return {"num_warps": num_warps, "enable_fp_fusion": False}
 
@@ -82,69 +75,54 @@ class TritonBackend:
     # ---- forward -------------------------------------------------------------------------------
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
-        k = _kernels()
-        weight = _unit_stride(weight)
-        per_head = weight is not None and weight.dim() == 2
-        (xk, rk), lay, (_, rlay) = shared_layouts(x, residual, per_head=per_head)
-        rk, rlay = (rk, rlay) if residual is not None else (xk, lay)
-        n = lay.n
-        y = torch.empty(x.shape, dtype=spec.out_dtype, device=x.device)
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        z = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
-        if lay.rows == 0:
-            return y, rstd, z
+        v = forward_views(x, weight, residual, spec.out_dtype)
+        if v.lay.rows == 0:
+            return v.y, v.rstd, v.z
+        n = v.lay.n
         rows_per_prog, p, log2p, num_warps = _row_tile(n)
         norm_dtype = residual.dtype if residual is not None else x.dtype
-        w = weight if weight is not None else xk
-        grid = (_cdiv(lay.rows, rows_per_prog),)
-        k.rms_fwd_kernel[grid](
-            xk, *lay.args(), rk, *rlay.args(), _store_view(z) if z is not None else y,
-            w, (weight.stride(0) if per_head else 0), _store_view(y), rstd,
-            lay.rows, n, lay.r1, lay.g, spec.eps, spec.offset,
+        _kernels().rms_fwd_kernel[(_cdiv(v.lay.rows, rows_per_prog),)](
+            v.x, *v.lay.args(), v.res, *v.rlay.args(), _store_view(v.z) if v.z is not None else v.y,
+            v.weight if v.weight is not None else v.x, (v.weight.stride(0) if v.per_head else 0),
+            _store_view(v.y), v.rstd, v.lay.rows, n, v.lay.r1, v.lay.g, spec.eps, spec.offset,
             ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[norm_dtype],
-            YDT=_DT[spec.out_dtype], HAS_W=weight is not None, PER_HEAD=per_head,
+            YDT=_DT[spec.out_dtype], HAS_W=v.weight is not None, PER_HEAD=v.per_head,
             HAS_RES=residual is not None, **_launch_opts(num_warps))
-        return y, rstd, z
+        return v.y, v.rstd, v.z
 
     # ---- backward ------------------------------------------------------------------------------
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
-        k = _kernels()
-        weight = _unit_stride(weight)
-        per_head = weight is not None and weight.dim() == 2
-        dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        (zk, dyk, dxk, dresk), lay, (_, dlay, xlay, elay) = shared_layouts(z, dy, dx, dres, per_head=per_head)
-        dresk, elay = (dresk, elay) if dres is not None else (dyk, dlay)
-        n, rows = lay.n, lay.rows
-        rstd = rstd.contiguous()
+        v = backward_views(dy, z, weight, rstd, dres, dx_out)
+        n, rows = v.lay.n, v.lay.rows
         # fast dW: per-program fp32 partials in the dx pass (shared weight). Per-head weights take the
         # strict fold for both modes (it satisfies "fast" too: deterministic, fixed order).
-        partials = need_dw and dw_mode == "fast" and not per_head
+        partials = need_dw and dw_mode == "fast" and not v.per_head
         dw = None
         if rows == 0:
             if need_dw:
                 dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
-            return dx, dw
+            return v.dx, dw
         if need_dw and not partials:  # before the dx pass: in place, dx overwrites dy
-            dw = self._fold(dyk, dlay, zk, lay, rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
-                            weight.shape[0] if per_head else 1).reshape(weight.shape).to(weight.dtype)
+            dw = self._fold(v.dy, v.dlay, v.z, v.lay, v.rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
+                            weight.shape[0] if v.per_head else 1).reshape(weight.shape).to(weight.dtype)
         rows_per_prog, p, log2p, num_warps = _row_tile(n)
         blocks = _cdiv(rows, rows_per_prog)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
-        part = torch.empty((nprog, n), dtype=torch.float32, device=z.device) if partials else rstd  # unused then
-        k.rms_bwd_kernel[(nprog,)](
-            dyk, *dlay.args(), zk, *lay.args(), weight if weight is not None else zk,
-            (weight.stride(0) if per_head else 0), rstd, dresk, *elay.args(),
-            _store_view(dxk), *xlay.args(), part, rows, n, lay.r1, lay.g, spec.offset,
+        part = torch.empty((nprog, n), dtype=torch.float32, device=z.device) if partials else v.rstd  # unused then
+        _kernels().rms_bwd_kernel[(nprog,)](
+            v.dy, *v.dlay.args(), v.z, *v.lay.args(), v.weight if v.weight is not None else v.z,
+            (v.weight.stride(0) if v.per_head else 0), v.rstd, v.dres, *v.elay.args(),
+            _store_view(v.dx_kernel), *v.xlay.args(), part, rows, n, v.lay.r1, v.lay.g, spec.offset,
             ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[z.dtype],
-            HAS_W=weight is not None, PER_HEAD=per_head, HAS_DRES=dres is not None,
+            HAS_W=v.weight is not None, PER_HEAD=v.per_head, HAS_DRES=dres is not None,
             DW_PARTIALS=partials, **_launch_opts(num_warps))
-        if dxk is not dx:
-            dx.copy_(dxk)
+        if v.dx_kernel is not v.dx:
+            v.dx.copy_(v.dx_kernel)
         if partials:
             dw = part.sum(0).to(weight.dtype)
-        return dx, dw
+        return v.dx, dw
 
     # ---- strict fold ---------------------------------------------------------------------------
     def _fold(self, a: Tensor, alay: RowLayout, b: Tensor, blay: RowLayout, rstd: Tensor, what: int, xdt: int,
