@@ -14,6 +14,7 @@ import torch
 import strictnorm as sn
 from strictnorm.backends.triton import backend as tb
 from strictnorm.bench import NORM_SHAPES, Timer
+from strictnorm.reference import next_pow2
 
 
 def _measure(timer: Timer, x, w, xg, wg, dy) -> tuple[float, float]:
@@ -35,7 +36,7 @@ def main() -> None:
         for tile in (1024, 2048, 4096, 8192, 16384):
             for elems_per_warp in (256, 512, 1024):
                 def row_tile(n_, tile=tile, epw=elems_per_warp):
-                    p = tb._pow2(n_)
+                    p = next_pow2(n_)
                     rows = max(1, tile // p)
                     return rows, p, p.bit_length() - 1, max(1, min(32, rows * p // epw))
 

@@ -143,10 +143,14 @@ def left_fold_rows(rows: torch.Tensor) -> torch.Tensor:
     out_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
     acc = torch.zeros(rows.shape[1:], dtype=out_dtype, device=rows.device)
     for start in range(0, rows.shape[0], _CHUNK_ROWS):
-        chunk = rows[start:start + _CHUNK_ROWS].to(out_dtype)
-        for r in range(chunk.shape[0]):
-            acc.add_(chunk[r])
+        _fold_into(acc, rows[start:start + _CHUNK_ROWS].to(out_dtype))
     return acc
+
+
+def _fold_into(acc: torch.Tensor, rows: torch.Tensor) -> None:
+    """acc = acc + rows[r] for r ascending, each add one rounded op (the strict fold's step)."""
+    for r in range(rows.shape[0]):
+        acc.add_(rows[r])
 
 
 def reduce_dw(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, spec: NormSpec,
@@ -168,8 +172,7 @@ def reduce_dw(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, spec: NormS
         sl = slice(start, start + _CHUNK_ROWS)
         contrib = dw_contributions(dy_rows[sl], x_rows[sl], rstd_rows[sl], spec)
         if dw_mode == "strict":
-            for r in range(contrib.shape[0]):
-                acc.add_(contrib[r])
+            _fold_into(acc, contrib)
         else:
             acc.add_(contrib.sum(0))
     return acc.reshape(weight.shape).to(weight.dtype)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ...contract import NormSpec
+from ...reference import next_pow2
 from ..layout import RowLayout, backward_views, forward_views, row_layout
 
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -69,7 +70,7 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     """Macros and block shape of rms_norm.cu for one call. CHUNK lanes per thread (16-byte loads from
     8 bf16 lanes up), ROW_THREADS = P / CHUNK threads per row (at most 1024), rows packed so that a
     block has at least 128 threads. Any choice gives the same bits: the tree is fixed by P."""
-    p = 1 if n <= 1 else 1 << (n - 1).bit_length()
+    p = next_pow2(n)
     chunk = max(min(p, 8), min(32, p // 512))
     chunk = max(chunk, p // 1024)
     row_threads = p // chunk

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ...contract import NormSpec
+from ...reference import next_pow2
 from ..layout import RowLayout, backward_views, forward_views, row_layout
 from ..registry import get_backend, status
 
@@ -35,14 +36,10 @@ def _store_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 def _row_tile(n: int) -> tuple[int, int, int, int]:
     """(ROWS, P, LOG2P, num_warps) for a row kernel: a function of N alone, so that one compiled
     kernel serves every row count (any choice gives the same bits; the tree is fixed by N)."""
-    p = _pow2(n)
+    p = next_pow2(n)
     rows_per_prog = max(1, _TILE_ELEMS // p)
     num_warps = max(1, min(32, rows_per_prog * p // 512))
     return rows_per_prog, p, p.bit_length() - 1, num_warps
