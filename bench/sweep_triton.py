@@ -24,7 +24,7 @@ def _measure(timer: Timer, x, w, xg, wg, dy) -> tuple[float, float]:
 
 
 def main() -> None:
-    timer = Timer(iters=9)
+    timer = Timer(torch.device("cuda"), 9)
     original = tb._row_tile
     results = []
     for m, n in NORM_SHAPES:
@@ -33,8 +33,8 @@ def main() -> None:
         dy = torch.randn(m, n, device="cuda").bfloat16()
         xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         want = None
-        for tile in (1024, 2048, 4096, 8192, 16384):
-            for elems_per_warp in (256, 512, 1024):
+        for tile in (2048, 4096, 8192, 16384):
+            for elems_per_warp in (256, 512, 1024, 2048):
                 def row_tile(n_, tile=tile, epw=elems_per_warp):
                     p = next_pow2(n_)
                     rows = max(1, tile // p)

@@ -7,6 +7,7 @@ import torch
 
 from strictnorm.backends.cuda.backend import fold_launch
 from strictnorm.backends.registry import status
+from strictnorm.reference import next_pow2
 
 nvrtc = pytest.importorskip("strictnorm.backends.cuda.nvrtc")
 try:
@@ -77,7 +78,7 @@ def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
 
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     bf16, f32, f16 = torch.bfloat16, torch.float32, torch.float16
-    cases = [(n, mode, x, r, w, y, ph) for n in (1, 7, 128, 1000, 4096, 8192, 65536)
+    cases = [(n, mode, x, r, w, y, ph) for n in (7, 1000, 18432)
              for mode in ("llama", "gemma", "none")
              for x, r, w, y, ph in ((bf16, None, bf16, bf16, False), (f16, f32, f32, f32, False),
                                     (bf16, None, None, bf16, False), (bf16, None, f32, bf16, True))]
@@ -85,44 +86,79 @@ def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
         fl = norm_launch(n, x, r, w, y, mode, ph)
         assert fl.threads % 32 == 0 and fl.threads <= 1024
         d = fl.defines
-        assert d["CHUNK"] * d["ROW_THREADS"] >= n and d["ROW_THREADS"] * d["ROWS_PER_BLOCK"] == fl.threads
+        assert d["PIECE"] * d["TPR"] * d["K"] == next_pow2(n) and d["TPR"] * d["RPB"] == fl.threads
         assert nvrtc.compile_cubin("rms_norm.cu", arch, d, use_cache=False)[:4] == b"\x7fELF"
         if r is None:  # the backward of the same configuration
             bl = norm_bwd_launch(n, x, y, w, mode, ph, has_dres=ph, dw_partials=not ph)
             assert nvrtc.compile_cubin("rms_norm.cu", arch, bl.defines, use_cache=False)[:4] == b"\x7fELF"
 
 
+def _emulate_row_sum(row: torch.Tensor, piece: int, tpr: int, k: int) -> torch.Tensor:
+    """rms_norm.cu's reduction, step by step on the CPU: piece trees, xor shuffles within a warp,
+    then the subtrees k * warps + warp (in-thread, or through shared memory by runs and shuffles)."""
+    p = piece * tpr * k
+    lanes = torch.zeros(p)
+    lanes[: row.numel()] = row
+    # thread t, slot k holds piece k * tpr + t
+    v = lanes.view(k, tpr, piece)
+    while v.shape[2] > 1:  # pair_tree over the piece: (2j, 2j+1) -> j
+        v = v[:, :, 0::2] + v[:, :, 1::2]
+    part = v[:, :, 0].clone()  # (k, tpr)
+    t = torch.arange(tpr)
+    off = 1
+    while off < min(tpr, 32):  # __shfl_xor_sync within the warp: both lanes get the same sum
+        part = part + part[:, t ^ off]
+        off *= 2
+    if tpr <= 32:
+        u = part[:, 0]  # subtree k
+        while u.numel() > 1:
+            u = u[0::2] + u[1::2]
+        return u[0]
+    s = part[:, ::32].reshape(-1)  # shared memory: index k * (tpr // 32) + warp
+    if s.numel() >= 32:
+        u = s.view(32, -1)
+        while u.shape[1] > 1:
+            u = u[:, 0::2] + u[:, 1::2]
+        u = u[:, 0].clone()
+        lane = torch.arange(32)
+        off = 1
+        while off < 32:
+            u = u + u[lane ^ off]
+            off *= 2
+    else:
+        u = torch.cat([s, torch.zeros(32 - s.numel())])
+        lane = torch.arange(32)
+        off = 1
+        while off < s.numel():
+            u = u + u[lane ^ off]
+            off *= 2
+    return u[0]
+
+
 @pytest.mark.parametrize("n", [1, 7, 100, 128, 1000, 4096, 8192, 18432, 65536])
 def test_cuda_reduction_mapping_is_canon_sum(n, seed):
-    """Emulates rms_norm.cu's reduction (chunk tree per thread, xor shuffles 1..16 within a warp,
-    then a tree over the row's warps) with the block shape the backend picks, and checks it gives
-    canon_sum's bits: the mapping itself, independent of any GPU."""
-    from strictnorm.backends.cuda.backend import norm_launch
+    """The reduction of rms_norm.cu, emulated with every block shape the tuning knobs can give,
+    gives canon_sum's bits: the mapping itself, independent of any GPU."""
+    from strictnorm.backends.cuda.backend import NormTuning, norm_launch
     from strictnorm.reference import canon_sum
 
-    d = norm_launch(n, torch.bfloat16, None, torch.bfloat16, torch.bfloat16, "llama", False).defines
-    chunk, threads = d["CHUNK"], d["ROW_THREADS"]
     g = torch.Generator().manual_seed(seed)
     row = torch.randn(n, generator=g) * torch.logspace(-5, 5, n)
-    lanes = torch.zeros(chunk * threads)
-    lanes[:n] = row
-    v = lanes.view(threads, chunk)
-    while v.shape[1] > 1:  # chunk_tree: (2j, 2j+1) -> j
-        v = v[:, 0::2] + v[:, 1::2]
-    v = v[:, 0].clone()
-    lane = torch.arange(threads)
-    off = 1
-    while off < min(threads, 32):  # __shfl_xor_sync: v + v[lane ^ off] (commutative: same on both lanes)
-        v = v + v[lane ^ off]
-        off *= 2
-    if threads > 32:
-        u = v[::32].clone()  # one value per warp, in warp order
-        w = torch.arange(u.numel())
-        off = 1
-        while off < u.numel():
-            u = u + u[w ^ off]
-            off *= 2
-        total = u[0]
-    else:
-        total = v[0]
-    assert total.item() == canon_sum(row[None])[0].item() or (total.isnan() and canon_sum(row[None])[0].isnan())
+    want = canon_sum(row[None])[0]
+    shapes = set()
+    for values in (8, 16, 32):
+        for hold_max_p in (0, 1 << 16):
+            for stream_threads in (128, 256, 1024):
+                tu = NormTuning(values=values, hold_max_p=hold_max_p, stream_threads=stream_threads)
+                for dt in (torch.bfloat16, torch.float32):
+                    d = norm_launch(n, dt, None, dt, dt, "llama", False, tu).defines
+                    shapes.add((d["PIECE"], d["TPR"], d["K"]))
+    for piece, tpr, k in sorted(shapes):
+        got = _emulate_row_sum(row, piece, tpr, k)
+        assert torch.equal(got, want), f"piece {piece} tpr {tpr} k {k}"
+    if n >= 1000:  # the check can fail: the same values one lane over give other bits
+        piece, tpr, k = max(shapes)
+        plain = torch.zeros(n)
+        plain[:4] = torch.tensor([2.0**24, 1.0, 1.0, -(2.0**24)])  # (2^24 + 1) + (1 - 2^24) = 1
+        assert _emulate_row_sum(plain, piece, tpr, k).item() == canon_sum(plain[None])[0].item() == 1.0
+        assert _emulate_row_sum(plain.roll(1), piece, tpr, k).item() == 2.0

@@ -228,13 +228,29 @@ def _cuda_fwd_cases():
             yield mode, x_dt, r_dt, w_dt, y_dt
 
 
+# The default block shapes, rows always read twice (no register hold), and held without prefetch.
+CUDA_TUNINGS = {"default": {}, "stream": {"hold_max_p": 0, "stream_threads": 128},
+                "hold8": {"values": 8, "prefetch": False}}
+
+
+@pytest.fixture(params=list(CUDA_TUNINGS))
+def cuda_backend(request):
+    from strictnorm.backends.cuda.backend import BWD_TUNING, FWD_TUNING, NormTuning
+
+    cb = get_backend("cuda")
+    cb.fwd_tuning = cb.bwd_tuning = NormTuning(**CUDA_TUNINGS[request.param])
+    yield cb
+    cb.fwd_tuning, cb.bwd_tuning = FWD_TUNING, BWD_TUNING
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", GRID_N)
-def test_cuda_forward_bitwise(n, seed):
+def test_cuda_forward_bitwise(n, cuda_backend, seed):
     """The CUDA forward (kernels/rms_norm.cu) against the reference: every mode, fused add, no weight,
-    mixed dtypes, rows 1 to many. The gate for adding rms_norm to the CUDA backend's ops."""
+    mixed dtypes, rows 1 to many, each block-shape family."""
     from strictnorm.contract import make_spec
 
-    cb, tr = get_backend("cuda"), get_backend("torch")
+    cb, tr = cuda_backend, get_backend("torch")
     g = torch.Generator(device=DEV).manual_seed(seed)
     for m in (1, 37, max(1, (1 << 22) // n)):
         for mode, x_dt, r_dt, w_dt, y_dt in _cuda_fwd_cases():
@@ -263,13 +279,15 @@ def test_cuda_forward_strided_per_head_view(seed):
     assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", GRID_N)
-def test_cuda_backward_bitwise(n, seed):
+def test_cuda_backward_bitwise(n, cuda_backend, seed):
     """The CUDA backward (kernels/rms_norm.cu, BACKWARD) against the reference: dx bitwise with and
-    without a residual gradient, strict dW bitwise, fast dW close and deterministic, in place."""
+    without a residual gradient, strict dW bitwise, fast dW close and deterministic, in place, each
+    block-shape family."""
     from strictnorm.contract import make_spec
 
-    cb, tr = get_backend("cuda"), get_backend("torch")
+    cb, tr = cuda_backend, get_backend("torch")
     g = torch.Generator(device=DEV).manual_seed(seed)
     for m in (1, 37, max(1, (1 << 21) // n)):
         for mode in ("llama", "gemma", "none"):

@@ -65,29 +65,55 @@ class NormLaunch:
     threads: int
 
 
+@dataclass(frozen=True)
+class NormTuning:
+    """Block shape knobs of rms_norm.cu. Any values give the same bits (the tree is fixed by N);
+    only the speed changes. values: fp32 lanes a thread holds per row; min_threads: the block size
+    to reach with several rows per block; prefetch: issue the next row's loads before the reduction."""
+
+    values: int = 16
+    min_threads: int = 128
+    prefetch: bool = True
+    partial_blocks_per_sm: int = 2  # backward with fast dW: fewer blocks, fewer fp32 partial rows
+    hold_max_p: int = 8192  # longer (padded) rows are read twice instead of held in registers
+    stream_threads: int = 256  # threads per row for those
+
+
+FWD_TUNING = NormTuning()
+BWD_TUNING = NormTuning()
+
+
 def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_dtype: torch.dtype | None,
-                y_dtype: torch.dtype, mode: str, per_head: bool) -> NormLaunch:
-    """Macros and block shape of rms_norm.cu for one call. CHUNK lanes per thread (16-byte loads from
-    8 bf16 lanes up), ROW_THREADS = P / CHUNK threads per row (at most 1024), rows packed so that a
-    block has at least 128 threads. Any choice gives the same bits: the tree is fixed by P."""
+                y_dtype: torch.dtype, mode: str, per_head: bool, tuning: NormTuning | None = None) -> NormLaunch:
+    """Macros and block shape of rms_norm.cu for one call: pieces of PIECE lanes (16 bytes of the
+    narrowest streamed dtype), TPR threads per row holding K pieces each, RPB rows per block; rows
+    held in registers (HOLD) up to tuning.hold_max_p padded lanes, read twice beyond."""
+    tuning = tuning or FWD_TUNING
     p = next_pow2(n)
-    chunk = max(min(p, 8), min(32, p // 512))
-    chunk = max(chunk, p // 1024)
-    row_threads = p // chunk
-    rows = max(1, 128 // row_threads)
     norm_dtype = res_dtype or x_dtype
+    narrowest = min(t.itemsize for t in (x_dtype, norm_dtype, y_dtype))
+    piece = min(p, 16 // narrowest)
+    hold = p <= tuning.hold_max_p
+    values = max(piece, tuning.values) if hold else max(piece, p // tuning.stream_threads)
+    tpr = max(1, min(1024, p // values))
+    k = p // (piece * tpr)
+    rpb = max(1, tuning.min_threads // tpr)
     defines = {"XC": _CODE[x_dtype], "RC": _CODE[norm_dtype], "NC": _CODE[norm_dtype],
                "WC": _CODE[w_dtype or x_dtype], "YC": _CODE[y_dtype], "MODE": _MODES[mode],
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
-               "CHUNK": chunk, "ROW_THREADS": row_threads, "ROWS_PER_BLOCK": rows}
-    return NormLaunch(defines, rows, row_threads * rows)
+               "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
+               "PREFETCH": int(hold and tuning.prefetch)}
+    return NormLaunch(defines, rpb, tpr * rpb)
 
 
 def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype: torch.dtype | None, mode: str,
-                    per_head: bool, has_dres: bool, dw_partials: bool) -> NormLaunch:
-    """rms_norm.cu's backward kernel for one call: the forward's block shape, BACKWARD set."""
-    fl = norm_launch(n, z_dtype, None, w_dtype, z_dtype, mode, per_head)
-    defines = dict(fl.defines, BACKWARD=1, DYC=_CODE[dy_dtype], HAS_DRES=int(has_dres), DW_PARTIALS=int(dw_partials))
+                    per_head: bool, has_dres: bool, dw_partials: bool, tuning: NormTuning | None = None
+                    ) -> NormLaunch:
+    """rms_norm.cu's backward kernel for one call: the forward's block shape rules, BACKWARD set."""
+    narrowest = dy_dtype if dy_dtype.itemsize < z_dtype.itemsize else z_dtype
+    fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning or BWD_TUNING)
+    defines = dict(fl.defines, YC=_CODE[z_dtype], BACKWARD=1, DYC=_CODE[dy_dtype], HAS_DRES=int(has_dres),
+                   DW_PARTIALS=int(dw_partials))
     return NormLaunch(defines, fl.rows_per_block, fl.threads)
 
 
@@ -121,6 +147,23 @@ class CudaBackend:
 
     def __init__(self) -> None:
         self._cache = None
+        self._resident: dict[tuple, tuple[int, int]] = {}
+        # block shapes of rms_norm.cu (bench/sweep_cuda.py sets these to compare shapes; same bits)
+        self.fwd_tuning = FWD_TUNING
+        self.bwd_tuning = BWD_TUNING
+
+    def _grid(self, dev: int, kernel, threads: int, groups: int, per_sm_cap: int = 0) -> int:
+        """Blocks for a grid-stride kernel: every row group, at most what the GPU holds at once
+        (and at most per_sm_cap blocks per SM when that is set)."""
+        key = (dev, id(kernel), threads)
+        per_sm, sms = self._resident.get(key, (0, 0))
+        if not per_sm:
+            per_sm = max(1, kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0))
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            self._resident[key] = (per_sm, sms)
+        if per_sm_cap:
+            per_sm = min(per_sm, per_sm_cap)
+        return max(1, min(groups, per_sm * sms))
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda":
@@ -178,7 +221,8 @@ class CudaBackend:
             return v.y, v.rstd, v.z
         n = v.lay.n
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
-                         v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head)
+                         v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
+                         self.fwd_tuning)
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.x, v.lay.args()), (v.res, v.rlay.args()), (v.y, (n,)),
                              *(((v.z, (n,)),) if v.z is not None else ()),
@@ -186,8 +230,10 @@ class CudaBackend:
         dev = _device_index(x)
         kc = self._kernels()
         i64 = np.int64
-        kc.launch(dev, kc.get(dev, "rms_norm.cu", "rms_fwd", fl.defines), (-(-v.lay.rows // fl.rows_per_block), 1, 1),
-                  fl.threads, 0, v.x.data_ptr(), *map(i64, v.lay.args()), v.res.data_ptr(), *map(i64, v.rlay.args()),
+        kernel = kc.get(dev, "rms_norm.cu", "rms_fwd", fl.defines)
+        grid = self._grid(dev, kernel, fl.threads, -(-v.lay.rows // fl.rows_per_block))
+        kc.launch(dev, kernel, (grid, 1, 1), fl.threads, 0,
+                  v.x.data_ptr(), *map(i64, v.lay.args()), v.res.data_ptr(), *map(i64, v.rlay.args()),
                   (v.z if v.z is not None else v.y).data_ptr(),
                   (v.weight if v.weight is not None else v.x).data_ptr(), i64(wsg), v.y.data_ptr(),
                   v.rstd.data_ptr(), i64(v.lay.rows), np.int32(n), i64(v.lay.r1), i64(v.lay.g),
@@ -200,7 +246,17 @@ class CudaBackend:
         """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD)."""
         v = backward_views(dy, z, weight, rstd, dres, dx_out)
         n, rows = v.lay.n, v.lay.rows
+        w_dtype = v.weight.dtype if v.weight is not None else None
         partials = need_dw and dw_mode == "fast" and not v.per_head
+        fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, partials,
+                             self.bwd_tuning)
+        # long rows keep the fp32 partials in shared memory; where they do not fit, the strict fold
+        # (deterministic too) serves dw="fast"
+        shmem = 0 if fl.defines["HOLD"] or not partials else fl.rows_per_block * n * 4
+        if shmem > _SMEM_LIMIT:
+            partials, shmem = False, 0
+            fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, False,
+                                 self.bwd_tuning)
         dw = None
         if rows == 0:
             if need_dw:
@@ -210,18 +266,17 @@ class CudaBackend:
             groups = weight.shape[0] if v.per_head else 1
             dw = self.fold(v.dy, v.dlay, v.z, v.lay, v.rstd, _MODES[spec.mode] + 1, groups)
             dw = dw.reshape(weight.shape).to(weight.dtype)
-        fl = norm_bwd_launch(n, z.dtype, dy.dtype, v.weight.dtype if v.weight is not None else None, spec.mode,
-                             v.per_head, dres is not None, partials)
         dev = _device_index(z)
-        blocks = -(-rows // fl.rows_per_block)
-        grid = min(blocks, torch.cuda.get_device_properties(dev).multi_processor_count * 4) if partials else blocks
+        kc = self._kernels()
+        kernel = kc.get(dev, "rms_norm.cu", "rms_bwd", fl.defines)
+        grid = self._grid(dev, kernel, fl.threads, -(-rows // fl.rows_per_block),
+                          self.bwd_tuning.partial_blocks_per_sm if partials else 0)
         part = torch.empty((grid * fl.rows_per_block, n), dtype=torch.float32, device=z.device) if partials else v.rstd
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
                              (v.dx_kernel, v.xlay.args()), *(((v.weight, (wsg,)),) if v.weight is not None else ()))
-        kc = self._kernels()
         i64 = np.int64
-        kc.launch(dev, kc.get(dev, "rms_norm.cu", "rms_bwd", fl.defines), (grid, 1, 1), fl.threads, 0,
+        kc.launch(dev, kernel, (grid, 1, 1), fl.threads, shmem,
                   v.dy.data_ptr(), *map(i64, v.dlay.args()), v.z.data_ptr(), *map(i64, v.lay.args()),
                   (v.weight if v.weight is not None else v.z).data_ptr(), i64(wsg), v.rstd.data_ptr(),
                   v.dres.data_ptr(), *map(i64, v.elay.args()), v.dx_kernel.data_ptr(), *map(i64, v.xlay.args()),

@@ -1,16 +1,26 @@
-// strictnorm: RMSNorm forward (and fused residual add) with the contract's exact bits.
+// strictnorm: RMSNorm forward (with the fused residual add) and backward with the contract's exact bits.
 //
-// Each row is handled by ROW_THREADS threads; thread t owns the contiguous, aligned chunk of CHUNK
-// lanes [t*CHUNK, (t+1)*CHUNK) of the row padded to P = ROW_THREADS*CHUNK lanes (zeros past N).
-// canon_sum is then, exactly: the in-thread pairwise tree over the chunk, xor-shuffles with
-// offsets 1, 2, 4, 8, 16 (adjacent
-// threads first), and a pairwise tree over the row's warps. No lane past P exists, so no extra
-// +0.0 ever touches a sum. Every operation is a single rounded IEEE op (__fadd_rn, __fmul_rn,
-// __fdiv_rn, __fsqrt_rn); the loader also disables contraction and flush-to-zero.
+// Mapping of a row onto threads. The row is padded with +0.0 to P = PIECE * TPR * K lanes and cut into
+// pieces of PIECE contiguous lanes (one or two 16-byte vectors). TPR threads serve a row; thread t owns
+// the pieces k * TPR + t for k < K, so that every load instruction of a warp reads one contiguous span.
+// canon_sum is then, exactly:
+//   1. an in-thread pairwise tree over each piece (a subtree of PIECE lanes),
+//   2. xor-shuffles with offsets 1, 2, 4, ... below min(TPR, 32): for each k, the pieces of 32
+//      (or TPR) adjacent threads, i.e. adjacent subtrees, combine pairwise,
+//   3. the remaining subtrees, indexed k * WARPS + warp, combine pairwise: in-thread when a row fits
+//      in a warp, else through shared memory (each warp of the row reduces them all, lanes first
+//      in-thread over aligned runs, then xor-shuffles).
+// Every operation is a single rounded IEEE op (__fadd_rn, __fmul_rn, __fdiv_rn, __fsqrt_rn) and the
+// loader disables contraction and flush-to-zero, so any (PIECE, TPR, K, RPB) gives the same bits.
 //
-// Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE
-// (0 llama, 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, CHUNK (lanes per thread), ROW_THREADS,
-// ROWS_PER_BLOCK; BACKWARD selects the backward kernel (below) instead of the forward.
+// Blocks stride over groups of RPB rows (row slot = threadIdx.x / TPR). With HOLD, a thread keeps its
+// lanes of the row in registers between the reduction and the output pass; with PREFETCH too, the loads
+// of the slot's next row are issued before the current row is reduced, so that they are in flight
+// meanwhile. Without HOLD (long rows), the output pass reads the lanes again (L1/L2 hits).
+//
+// Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
+// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, RPB, HOLD, PREFETCH; BACKWARD selects the
+// backward kernel (below) instead of the forward.
 #include "common.cuh"
 
 typedef Elem<XC>::T x_t;
@@ -18,86 +28,129 @@ typedef Elem<RC>::T r_t;
 typedef Elem<NC>::T n_t;
 typedef Elem<WC>::T w_t;
 typedef Elem<YC>::T y_t;
-constexpr int THREADS = ROW_THREADS * ROWS_PER_BLOCK;
+constexpr int THREADS = TPR * RPB;
 constexpr int WARP_SIZE = 32;
+constexpr int ROW_WARPS = TPR > WARP_SIZE ? TPR / WARP_SIZE : 1;
+constexpr int SUBTREES = K * ROW_WARPS;  // partial sums per row after step 2
+static_assert(THREADS % WARP_SIZE == 0 && THREADS <= 1024, "block shape");
 
-// Loads lanes [0, CHUNK) of a chunk, widened; lanes at or past `valid` read as +0.0. 16-byte vector
-// loads when the chunk is whole and `aligned` (pointer and strides checked by the host).
+// A row's lanes held by one thread: piece k is lanes [(k * TPR + t) * PIECE, ... + PIECE).
+struct Lanes {
+    float v[K][PIECE];
+};
+
+__device__ __forceinline__ int piece_col(int k, int t) { return (k * TPR + t) * PIECE; }
+__device__ __forceinline__ int piece_valid(int k, int t, int n) { return max(0, min(PIECE, n - piece_col(k, t))); }
+
+// Loads one piece widened to fp32; lanes at or past `valid` read as +0.0. 16-byte vector loads when the
+// piece is whole and `aligned` (pointers and row strides checked by the host).
 template <int CODE>
-__device__ __forceinline__ void load_chunk(float* out, const typename Elem<CODE>::T* p, int valid, bool aligned) {
+__device__ __forceinline__ void load_piece(float* out, const typename Elem<CODE>::T* p, int valid, bool aligned) {
     typedef typename Elem<CODE>::T t;
     constexpr int PER = 16 / sizeof(t);
-    if constexpr (CHUNK % PER == 0) {
-        if (aligned && valid == CHUNK) {
+    if constexpr (PIECE % PER == 0) {
+        if (aligned && valid == PIECE) {
 #pragma unroll
-            for (int k = 0; k < CHUNK / PER; ++k) {
-                const uint4 u = reinterpret_cast<const uint4*>(p)[k];
+            for (int q = 0; q < PIECE / PER; ++q) {
+                const uint4 u = reinterpret_cast<const uint4*>(p)[q];
                 const t* e = reinterpret_cast<const t*>(&u);
 #pragma unroll
-                for (int j = 0; j < PER; ++j) out[k * PER + j] = Elem<CODE>::widen(e[j]);
+                for (int j = 0; j < PER; ++j) out[q * PER + j] = Elem<CODE>::widen(e[j]);
             }
             return;
         }
     }
 #pragma unroll
-    for (int i = 0; i < CHUNK; ++i) out[i] = i < valid ? Elem<CODE>::widen(p[i]) : 0.0f;
+    for (int i = 0; i < PIECE; ++i) out[i] = i < valid ? Elem<CODE>::widen(p[i]) : 0.0f;
 }
 
 template <int CODE>
-__device__ __forceinline__ void store_chunk(typename Elem<CODE>::T* p, const float* v, int valid, bool aligned) {
+__device__ __forceinline__ void store_piece(typename Elem<CODE>::T* p, const float* v, int valid, bool aligned) {
     typedef typename Elem<CODE>::T t;
     constexpr int PER = 16 / sizeof(t);
-    if constexpr (CHUNK % PER == 0) {
-        if (aligned && valid == CHUNK) {
+    if constexpr (PIECE % PER == 0) {
+        if (aligned && valid == PIECE) {
 #pragma unroll
-            for (int k = 0; k < CHUNK / PER; ++k) {
+            for (int q = 0; q < PIECE / PER; ++q) {
                 uint4 u;
                 t* e = reinterpret_cast<t*>(&u);
 #pragma unroll
-                for (int j = 0; j < PER; ++j) e[j] = Elem<CODE>::narrow(v[k * PER + j]);
-                reinterpret_cast<uint4*>(p)[k] = u;
+                for (int j = 0; j < PER; ++j) e[j] = Elem<CODE>::narrow(v[q * PER + j]);
+                reinterpret_cast<uint4*>(p)[q] = u;
             }
             return;
         }
     }
 #pragma unroll
-    for (int i = 0; i < CHUNK; ++i)
+    for (int i = 0; i < PIECE; ++i)
         if (i < valid) p[i] = Elem<CODE>::narrow(v[i]);
 }
 
-// Pairwise adjacent-first tree over the chunk: level by level, lanes (2j, 2j+1) -> j. A template
-// recursion, so that every index is a compile-time constant and the chunk stays in registers.
+template <int CODE>
+__device__ __forceinline__ void load_lanes(Lanes& a, const typename Elem<CODE>::T* row, int t, int n, bool live,
+                                           bool aligned) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) load_piece<CODE>(a.v[k], row + piece_col(k, t), live ? piece_valid(k, t, n) : 0, aligned);
+}
+
+template <int CODE>
+__device__ __forceinline__ void store_lanes(typename Elem<CODE>::T* row, const Lanes& a, int t, int n, bool live,
+                                            bool aligned) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) store_piece<CODE>(row + piece_col(k, t), a.v[k], live ? piece_valid(k, t, n) : 0, aligned);
+}
+
+// Pairwise adjacent-first tree over WIDTH values: level by level, (2j, 2j+1) -> j. A template recursion,
+// so that every index is a compile-time constant and the values stay in registers. Overwrites v.
 template <int WIDTH>
-__device__ __forceinline__ float chunk_tree(float* v) {
+__device__ __forceinline__ float pair_tree(float* v) {
     if constexpr (WIDTH == 1) {
         return v[0];
     } else {
 #pragma unroll
         for (int j = 0; j < WIDTH / 2; ++j) v[j] = __fadd_rn(v[2 * j], v[2 * j + 1]);
-        return chunk_tree<WIDTH / 2>(v);
+        return pair_tree<WIDTH / 2>(v);
     }
 }
 
-// Sum of one value per thread over the ROW_THREADS threads of a row, adjacent threads first;
-// every thread of the row gets the total. All threads of the block must call it (it may synchronize).
-__device__ __forceinline__ float row_tree(float v, float* scratch) {
-    constexpr int IN_WARP = ROW_THREADS < WARP_SIZE ? ROW_THREADS : WARP_SIZE;
+// canon_sum of a row from this thread's piece sums part[k] (steps 2 and 3 above; part is overwritten);
+// every thread of the row gets the total. All threads of the block must call it together; `scratch`
+// holds SUBTREES floats per row slot and alternates between two halves (`parity`), so one barrier per
+// call suffices.
+__device__ __forceinline__ float row_sum(float (&part)[K], float (*scratch)[RPB][SUBTREES], int parity) {
+    constexpr int IN_WARP = TPR < WARP_SIZE ? TPR : WARP_SIZE;
 #pragma unroll
-    for (int off = 1; off < IN_WARP; off <<= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
-    if constexpr (ROW_THREADS > WARP_SIZE) {
-        constexpr int WARPS_PER_ROW = ROW_THREADS / WARP_SIZE;
-        const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-        __syncthreads();  // scratch may still be read by a previous call
-        if (lane == 0) scratch[warp] = v;
-        __syncthreads();
-        // lanes [0, WARPS_PER_ROW) take the row's warp sums; xor offsets below WARPS_PER_ROW never
-        // mix them with the other lanes, which only combine zeros among themselves
-        float u = lane < WARPS_PER_ROW ? scratch[(warp / WARPS_PER_ROW) * WARPS_PER_ROW + lane] : 0.0f;
+    for (int off = 1; off < IN_WARP; off <<= 1)
 #pragma unroll
-        for (int off = 1; off < WARPS_PER_ROW; off <<= 1) u = __fadd_rn(u, __shfl_xor_sync(0xffffffffu, u, off));
-        v = __shfl_sync(0xffffffffu, u, 0);
+        for (int k = 0; k < K; ++k) part[k] = __fadd_rn(part[k], __shfl_xor_sync(0xffffffffu, part[k], off));
+#if TPR <= 32
+    (void)scratch;
+    (void)parity;
+    return pair_tree<K>(part);  // subtree k of the row is part[k]
+#else
+    const int slot = threadIdx.x / TPR, warp = (threadIdx.x % TPR) / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    float* s = scratch[parity][slot];
+    if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) s[k * ROW_WARPS + warp] = part[k];
     }
-    return v;
+    __syncthreads();
+    float u;
+#if K * TPR >= 1024  // SUBTREES = K * TPR / 32 >= 32: lane l reduces the aligned run [l * RUN, (l + 1) * RUN)
+    constexpr int RUN = SUBTREES / WARP_SIZE;
+    float r[RUN];
+#pragma unroll
+    for (int j = 0; j < RUN; ++j) r[j] = s[lane * RUN + j];
+    u = pair_tree<RUN>(r);
+#pragma unroll
+    for (int off = 1; off < WARP_SIZE; off <<= 1) u = __fadd_rn(u, __shfl_xor_sync(0xffffffffu, u, off));
+#else  // lanes [0, SUBTREES) hold one subtree each; xor offsets below SUBTREES never reach the rest
+    u = lane < SUBTREES ? s[lane] : 0.0f;
+#pragma unroll
+    for (int off = 1; off < SUBTREES; off <<= 1) u = __fadd_rn(u, __shfl_xor_sync(0xffffffffu, u, off));
+#endif
+    return __shfl_sync(0xffffffffu, u, 0);
+#endif
 }
 
 // The normalized value as y's scaling step uses it (contract, forward step 3).
@@ -111,69 +164,204 @@ __device__ __forceinline__ float normalized(float x, float rstd) {
 #endif
 }
 
+// wf = f32(w) + offset (in fp32), rounded to z's dtype in mode none; 1.0 without a weight.
+__device__ __forceinline__ void load_weight(Lanes& wf, const w_t* w, int t, int n, bool aligned, float offset) {
+#if HAS_W
+    load_lanes<WC>(wf, w, t, n, true, aligned);
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int i = 0; i < PIECE; ++i) {
+            wf.v[k][i] = __fadd_rn(wf.v[k][i], offset);
+#if MODE == 2
+            wf.v[k][i] = round_f32<NC>(wf.v[k][i]);
+#endif
+        }
+#endif
+}
+
+// One piece of the effective weight (see load_weight), for kernels that do not hold the whole row.
+__device__ __forceinline__ void load_weight_piece(float* wp, const w_t* w, int valid, bool aligned, float offset) {
+    load_piece<WC>(wp, w, valid, aligned);
+#pragma unroll
+    for (int i = 0; i < PIECE; ++i) {
+        wp[i] = __fadd_rn(wp[i], offset);
+#if MODE == 2
+        wp[i] = round_f32<NC>(wp[i]);
+#endif
+    }
+}
+
+// g = f32(dy) * wf (the weight is exactly 1.0 without one: the product is dy itself).
+__device__ __forceinline__ float gscale(float d, float wf) {
+#if HAS_W
+    return __fmul_rn(d, wf);
+#else
+    return d;
+#endif
+}
+
+// Rows of the grid-stride loop: blocks take groups of RPB rows, blockIdx.x + j * gridDim.x.
+struct RowWalk {
+    long long row, stride, iters;
+    __device__ __forceinline__ RowWalk(long long rows) {
+        const long long groups = (rows + RPB - 1) / RPB;
+        stride = static_cast<long long>(gridDim.x) * RPB;
+        row = static_cast<long long>(blockIdx.x) * RPB + threadIdx.x / TPR;
+        // every thread of a block runs the same number of iterations (row_sum synchronizes the block)
+        iters = groups > blockIdx.x ? (groups - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    }
+};
+
+__device__ __forceinline__ long long offset_of(long long r, long long s0, long long s1, long long sg, long long r1,
+                                               long long g) {
+    if (g == 1 && r1 == 1) return r * s0;  // the common case: no divisions
+    return row_offset(r, Layout{s0, s1, sg, r1, g});
+}
+
 #ifndef BACKWARD
 extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     const x_t* __restrict__ x, long long xs0, long long xs1, long long xsg,
-    const r_t* __restrict__ res, long long rs0, long long rs1, long long rsg, n_t* __restrict__ z,
+    const r_t* __restrict__ res, long long rs0, long long rs1, long long rsg, n_t* z,
     const w_t* __restrict__ w, long long wsg, y_t* __restrict__ y, float* __restrict__ rstd_out,
     long long rows, int n, long long r1, long long g, float eps, float offset, int aligned) {
-    __shared__ float scratch[THREADS / WARP_SIZE + 1];
-    const int t = threadIdx.x % ROW_THREADS;
-    const long long row = static_cast<long long>(blockIdx.x) * ROWS_PER_BLOCK + threadIdx.x / ROW_THREADS;
-    const bool live = row < rows;
-    const long long r = live ? row : 0;
-    const int c0 = t * CHUNK;
-    const int valid = live ? max(0, min(CHUNK, n - c0)) : 0;
-
-    float v[CHUNK];
-    load_chunk<XC>(v, x + row_offset(r, Layout{xs0, xs1, xsg, r1, g}) + c0, valid, aligned);
+    __shared__ float scratch[2][RPB][SUBTREES];
+    const int t = threadIdx.x % TPR;
+    RowWalk walk(rows);
+#if HOLD
+    Lanes wf;  // the effective weight, loaded once (per row for per-head weights)
+#if HAS_W && !PER_HEAD
+    load_weight(wf, w, t, n, aligned, offset);
+#endif
+    Lanes cur;  // with PREFETCH: the slot's next row, loaded one iteration ahead
 #if HAS_RES
-    float rv[CHUNK];
-    load_chunk<RC>(rv, res + row_offset(r, Layout{rs0, rs1, rsg, r1, g}) + c0, valid, aligned);
-#pragma unroll
-    for (int i = 0; i < CHUNK; ++i) v[i] = round_f32<NC>(__fadd_rn(v[i], rv[i]));
-    store_chunk<NC>(z + r * n + c0, v, valid, aligned);
+    Lanes rcur;
 #endif
-    float sq[CHUNK];
-#pragma unroll
-    for (int i = 0; i < CHUNK; ++i) sq[i] = __fmul_rn(v[i], v[i]);
-    const float ss = row_tree(chunk_tree<CHUNK>(sq), scratch);
-    const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(n)), eps)));
-    if (live && t == 0) rstd_out[row] = rstd;
-
-    float out[CHUNK];
-#if HAS_W
-    float wf[CHUNK];
-    const long long wrow = PER_HEAD ? r % g : 0;
-    load_chunk<WC>(wf, w + wrow * wsg + c0, valid, aligned);
-#pragma unroll
-    for (int i = 0; i < CHUNK; ++i) {
-        wf[i] = __fadd_rn(wf[i], offset);  // the offset is added in fp32
-#if MODE == 2
-        wf[i] = round_f32<NC>(wf[i]);
+#if PREFETCH
+    if (walk.iters > 0) {
+        const bool live = walk.row < rows;
+        const long long r = live ? walk.row : 0;
+        load_lanes<XC>(cur, x + offset_of(r, xs0, xs1, xsg, r1, g), t, n, live, aligned);
+#if HAS_RES
+        load_lanes<RC>(rcur, res + offset_of(r, rs0, rs1, rsg, r1, g), t, n, live, aligned);
 #endif
     }
 #endif
+#endif  // HOLD
+    for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
+        const bool live = walk.row < rows;
+        const long long r = live ? walk.row : 0;
+        const x_t* xrow = x + offset_of(r, xs0, xs1, xsg, r1, g);
+#if HAS_RES
+        const r_t* rrow = res + offset_of(r, rs0, rs1, rsg, r1, g);
+#endif
+#if HOLD && PREFETCH
+        Lanes v = cur;
+#if HAS_RES
+        Lanes rv = rcur;
+#endif
+        if (it + 1 < walk.iters) {
+            const long long nrow = walk.row + walk.stride;
+            const bool nlive = nrow < rows;
+            const long long nr = nlive ? nrow : 0;
+            load_lanes<XC>(cur, x + offset_of(nr, xs0, xs1, xsg, r1, g), t, n, nlive, aligned);
+#if HAS_RES
+            load_lanes<RC>(rcur, res + offset_of(nr, rs0, rs1, rsg, r1, g), t, n, nlive, aligned);
+#endif
+        }
+#elif HOLD
+        Lanes v;
+        load_lanes<XC>(v, xrow, t, n, live, aligned);
+#if HAS_RES
+        Lanes rv;
+        load_lanes<RC>(rv, rrow, t, n, live, aligned);
+#endif
+#endif
+        // pass 1: z (= x, or rd(x + residual) stored as residual_out), its squares, the piece sums
+        float part[K];
 #pragma unroll
-    for (int i = 0; i < CHUNK; ++i) {
-        out[i] = normalized(v[i], rstd);
+        for (int k = 0; k < K; ++k) {
+            const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
+            float a[PIECE];
+#if HOLD
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) a[i] = v.v[k][i];
+#else
+            load_piece<XC>(a, xrow + c0, valid, aligned);
+#endif
+#if HAS_RES
+            float b[PIECE];
+#if HOLD
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) b[i] = rv.v[k][i];
+#else
+            load_piece<RC>(b, rrow + c0, valid, aligned);
+#endif
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) a[i] = round_f32<NC>(__fadd_rn(a[i], b[i]));
+            store_piece<NC>(z + r * n + c0, a, valid, aligned);
+#if HOLD
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) v.v[k][i] = a[i];
+#endif
+#endif
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) a[i] = __fmul_rn(a[i], a[i]);
+            part[k] = pair_tree<PIECE>(a);
+        }
+        const float ss = row_sum(part, scratch, it & 1);
+        const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(n)), eps)));
+        if (live && t == 0) rstd_out[r] = rstd;
+        // pass 2: y. Without HOLD, z is read again (this thread's own lanes: from L1/L2) and so is w.
+#if HOLD && HAS_W && PER_HEAD
+        load_weight(wf, w + (r % g) * wsg, t, n, aligned, offset);
+#endif
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
+            float a[PIECE];
+#if HOLD
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) a[i] = v.v[k][i];
+#elif HAS_RES
+            load_piece<NC>(a, z + r * n + c0, valid, aligned);
+#else
+            load_piece<XC>(a, xrow + c0, valid, aligned);
+#endif
 #if HAS_W
-        out[i] = __fmul_rn(out[i], wf[i]);
+            float wp[PIECE];
+#if HOLD
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) wp[i] = wf.v[k][i];
+#else
+            load_weight_piece(wp, w + (PER_HEAD ? (r % g) * wsg : 0) + c0, live ? piece_valid(k, t, n) : 0, aligned,
+                              offset);
+#endif
+#endif
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) {
+                float o = normalized(a[i], rstd);
+#if HAS_W
+                o = __fmul_rn(o, wp[i]);
 #if MODE == 2
-        out[i] = round_f32<NC>(out[i]);
+                o = round_f32<NC>(o);
 #endif
 #endif
+                a[i] = o;
+            }
+            store_piece<YC>(y + r * n + c0, a, valid, aligned);
+        }
     }
-    store_chunk<YC>(y + r * n + c0, out, valid, aligned);
 }
 #endif  // !BACKWARD
 
 #ifdef BACKWARD
 // Backward: dx = rd((g - xh * c) * rstd [+ f32(dres)], NC) per row with g = f32(dy) * wf,
-// xh = z * rstd, c = canon_sum(xh * g) / N (contract, backward). Blocks stride over the rows; with
-// DW_PARTIALS each row slot of a block also sums its rows' dW contributions (in row order) into
-// dw_part[slot], reduced afterwards in a fixed order ("fast" dW). dx may alias dy (in place): each
-// thread reads its lanes of dy before it writes them.
+// xh = z * rstd, c = canon_sum(xh * g) / N (contract, backward). With DW_PARTIALS each row slot of a
+// block also sums its rows' dW contributions (in row order) into dw_part[block * RPB + slot], reduced
+// afterwards in a fixed order ("fast" dW): in registers with HOLD, else in dynamic shared memory
+// (RPB * n floats). dx may alias dy (in place): a row's lanes are read and written by the same
+// thread, reads first.
 // Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS.
 typedef Elem<DYC>::T dy_t;
 
@@ -184,74 +372,150 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
     const n_t* __restrict__ dres, long long es0, long long es1, long long esg,
     n_t* dx, long long xs0, long long xs1, long long xsg, float* __restrict__ dw_part,
     long long rows, int n, long long r1, long long g, float offset, int aligned) {
-    __shared__ float scratch[THREADS / WARP_SIZE + 1];
-    const int t = threadIdx.x % ROW_THREADS;
-    const int slot = threadIdx.x / ROW_THREADS;
-    const int c0 = t * CHUNK;
-    float wf[CHUNK];
-#if DW_PARTIALS
-    float dw_acc[CHUNK];
+    __shared__ float scratch[2][RPB][SUBTREES];
+    const int t = threadIdx.x % TPR;
+    RowWalk walk(rows);
+#if DW_PARTIALS && HOLD
+    Lanes dw_acc;
 #pragma unroll
-    for (int i = 0; i < CHUNK; ++i) dw_acc[i] = 0.0f;
-#endif
-    const long long stride = static_cast<long long>(gridDim.x) * ROWS_PER_BLOCK;
-    // every thread runs the same number of iterations (row_tree synchronizes the block)
-    const long long iters = (rows + stride - 1) / stride;
-    for (long long k = 0; k < iters; ++k) {
-        const long long row = k * stride + static_cast<long long>(blockIdx.x) * ROWS_PER_BLOCK + slot;
-        const bool live = row < rows;
-        const long long r = live ? row : 0;
-        const int valid = live ? max(0, min(CHUNK, n - c0)) : 0;
-        float x[CHUNK], d[CHUNK];
-        load_chunk<NC>(x, zin + row_offset(r, Layout{zs0, zs1, zsg, r1, g}) + c0, valid, aligned);
-        load_chunk<DYC>(d, dy + row_offset(r, Layout{ds0, ds1, dsg, r1, g}) + c0, valid, aligned);
-        const float rstd = live ? rstd_in[r] : 0.0f;
-#if HAS_W
-        const long long wrow = PER_HEAD ? r % g : 0;
-        load_chunk<WC>(wf, w + wrow * wsg + c0, valid, aligned);
+    for (int k = 0; k < K; ++k)
 #pragma unroll
-        for (int i = 0; i < CHUNK; ++i) {
-            wf[i] = __fadd_rn(wf[i], offset);
-#if MODE == 2
-            wf[i] = round_f32<NC>(wf[i]);
+        for (int i = 0; i < PIECE; ++i) dw_acc.v[k][i] = 0.0f;
+#elif DW_PARTIALS
+    extern __shared__ float dw_smem[];  // RPB rows of n: this thread's lanes of its slot's row only
+    float* dw_row = dw_smem + (threadIdx.x / TPR) * n;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+        for (int i = 0; i < piece_valid(k, t, n); ++i) dw_row[piece_col(k, t) + i] = 0.0f;
 #endif
+#if HOLD
+    Lanes wf;
+#if HAS_W && !PER_HEAD
+    load_weight(wf, w, t, n, aligned, offset);
+#endif
+    Lanes zcur, dcur;
+    float rcur = 0.0f;
+#if PREFETCH
+    if (walk.iters > 0) {
+        const bool live = walk.row < rows;
+        const long long r = live ? walk.row : 0;
+        load_lanes<NC>(zcur, zin + offset_of(r, zs0, zs1, zsg, r1, g), t, n, live, aligned);
+        load_lanes<DYC>(dcur, dy + offset_of(r, ds0, ds1, dsg, r1, g), t, n, live, aligned);
+        rcur = live ? rstd_in[r] : 0.0f;
+    }
+#endif
+#endif  // HOLD
+    for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
+        const bool live = walk.row < rows;
+        const long long r = live ? walk.row : 0;
+        const n_t* zrow = zin + offset_of(r, zs0, zs1, zsg, r1, g);
+        const dy_t* drow = dy + offset_of(r, ds0, ds1, dsg, r1, g);
+#if HOLD && PREFETCH
+        Lanes xz = zcur, d = dcur;
+        const float rstd = rcur;
+        if (it + 1 < walk.iters) {
+            const long long nrow = walk.row + walk.stride;
+            const bool nlive = nrow < rows;
+            const long long nr = nlive ? nrow : 0;
+            load_lanes<NC>(zcur, zin + offset_of(nr, zs0, zs1, zsg, r1, g), t, n, nlive, aligned);
+            load_lanes<DYC>(dcur, dy + offset_of(nr, ds0, ds1, dsg, r1, g), t, n, nlive, aligned);
+            rcur = nlive ? rstd_in[nr] : 0.0f;
         }
-#endif
-        float xh[CHUNK], gr[CHUNK], prod[CHUNK];
-#pragma unroll
-        for (int i = 0; i < CHUNK; ++i) {
-            xh[i] = __fmul_rn(x[i], rstd);
-#if HAS_W
-            gr[i] = __fmul_rn(d[i], wf[i]);
 #else
-            gr[i] = d[i];
+#if HOLD
+        Lanes xz, d;
+        load_lanes<NC>(xz, zrow, t, n, live, aligned);
+        load_lanes<DYC>(d, drow, t, n, live, aligned);
 #endif
-            prod[i] = __fmul_rn(xh[i], gr[i]);
-        }
-        const float c = __fdiv_rn(row_tree(chunk_tree<CHUNK>(prod), scratch), static_cast<float>(n));
-        float out[CHUNK];
+        const float rstd = live ? rstd_in[r] : 0.0f;
+#endif
+#if HOLD && HAS_W && PER_HEAD
+        load_weight(wf, w + (r % g) * wsg, t, n, aligned, offset);
+#endif
+        const w_t* wrow = w + (PER_HEAD ? (r % g) * wsg : 0);
+        (void)wrow;
+        // this thread's pieces of z, dy and the effective weight, from registers (HOLD) or memory
+        auto get = [&](int k, float* zp, float* dp, float* wp) {
+            const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
+#if HOLD
 #pragma unroll
-        for (int i = 0; i < CHUNK; ++i) out[i] = __fmul_rn(__fsub_rn(gr[i], __fmul_rn(xh[i], c)), rstd);
+            for (int i = 0; i < PIECE; ++i) {
+                zp[i] = xz.v[k][i];
+                dp[i] = d.v[k][i];
+#if HAS_W
+                wp[i] = wf.v[k][i];
+#endif
+            }
+#else
+            load_piece<NC>(zp, zrow + c0, valid, aligned);
+            load_piece<DYC>(dp, drow + c0, valid, aligned);
+#if HAS_W
+            load_weight_piece(wp, wrow + c0, valid, aligned, offset);
+#endif
+#endif
+#if !HAS_W
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) wp[i] = 1.0f;
+#endif
+        };
+        float part[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            float zp[PIECE], dp[PIECE], wp[PIECE], prod[PIECE];
+            get(k, zp, dp, wp);
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) prod[i] = __fmul_rn(__fmul_rn(zp[i], rstd), gscale(dp[i], wp[i]));
+            part[k] = pair_tree<PIECE>(prod);
+        }
+        const float c = __fdiv_rn(row_sum(part, scratch, it & 1), static_cast<float>(n));
+        n_t* xrow = dx + offset_of(r, xs0, xs1, xsg, r1, g);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
+            float zp[PIECE], dp[PIECE], wp[PIECE], out[PIECE];
+            get(k, zp, dp, wp);
 #if HAS_DRES
-        float e[CHUNK];
-        load_chunk<NC>(e, dres + row_offset(r, Layout{es0, es1, esg, r1, g}) + c0, valid, aligned);
-#pragma unroll
-        for (int i = 0; i < CHUNK; ++i) out[i] = __fadd_rn(out[i], e[i]);
+            load_piece<NC>(out, dres + offset_of(r, es0, es1, esg, r1, g) + c0, valid, aligned);
 #endif
-        store_chunk<NC>(dx + row_offset(r, Layout{xs0, xs1, xsg, r1, g}) + c0, out, valid, aligned);
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) {
+                const float xh = __fmul_rn(zp[i], rstd);
+                const float o = __fmul_rn(__fsub_rn(gscale(dp[i], wp[i]), __fmul_rn(xh, c)), rstd);
+#if HAS_DRES
+                out[i] = __fadd_rn(o, out[i]);
+#else
+                out[i] = o;
+#endif
+            }
+            store_piece<NC>(xrow + c0, out, valid, aligned);
 #if DW_PARTIALS
-        if (live) {
+            if (live) {
 #pragma unroll
-            for (int i = 0; i < CHUNK; ++i) dw_acc[i] = __fadd_rn(dw_acc[i], __fmul_rn(d[i], normalized(x[i], rstd)));
-        }
+                for (int i = 0; i < PIECE; ++i) {
+                    const float contrib = __fmul_rn(dp[i], normalized(zp[i], rstd));
+#if HOLD
+                    dw_acc.v[k][i] = __fadd_rn(dw_acc.v[k][i], contrib);
+#else
+                    if (i < valid) dw_row[c0 + i] = __fadd_rn(dw_row[c0 + i], contrib);
 #endif
+                }
+            }
+#endif
+        }
     }
 #if DW_PARTIALS
-    const long long part_row = static_cast<long long>(blockIdx.x) * ROWS_PER_BLOCK + slot;
-    const int cols = max(0, min(CHUNK, n - c0));
+    const long long part_row = static_cast<long long>(blockIdx.x) * RPB + threadIdx.x / TPR;
 #pragma unroll
-    for (int i = 0; i < CHUNK; ++i)
-        if (i < cols) dw_part[part_row * n + c0 + i] = dw_acc[i];
+    for (int k = 0; k < K; ++k) {
+        const int c0 = piece_col(k, t), cols = piece_valid(k, t, n);
+#pragma unroll
+        for (int i = 0; i < PIECE; ++i)
+#if HOLD
+            if (i < cols) dw_part[part_row * n + c0 + i] = dw_acc.v[k][i];
+#else
+            if (i < cols) dw_part[part_row * n + c0 + i] = dw_row[c0 + i];
+#endif
+    }
 #endif
 }
 #endif  // BACKWARD

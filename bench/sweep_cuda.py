@@ -1,0 +1,105 @@
+"""Tuning sweep for the CUDA norm kernels (kernels/rms_norm.cu): block shapes at the PERF.md shapes.
+
+Every configuration must give the reference's bits (checked here: y, rstd and dx against the torch
+backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
+Kernels are compiled first, in parallel, into the disk cache. Run on the GPU machine:
+    python3 bench/sweep_cuda.py [out.json]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from strictnorm.backends.cuda import nvrtc
+from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, norm_launch
+from strictnorm.backends.registry import get_backend
+from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps, norm_bytes
+from strictnorm.contract import make_spec
+
+TUNINGS = [NormTuning(values=v, prefetch=p) for v in (8, 16, 32) for p in (False, True)]
+TUNINGS += [NormTuning(hold_max_p=0, stream_threads=s) for s in (128, 256, 512)]
+TUNINGS += [NormTuning(values=v, prefetch=True, min_threads=256) for v in (8, 16)]
+TUNINGS += [NormTuning(values=v, prefetch=True, partial_blocks_per_sm=b) for v in (8, 16) for b in (4, 0)]
+TUNINGS += [NormTuning(hold_max_p=0, stream_threads=256, partial_blocks_per_sm=b) for b in (4, 0)]
+
+
+def _compile(defines: dict) -> None:
+    nvrtc.compile_cubin("rms_norm.cu", "sm_90", defines)
+
+
+def precompile() -> None:
+    jobs = []
+    bf16 = torch.bfloat16
+    for tu in TUNINGS:
+        for _, n in NORM_SHAPES:
+            jobs.append(norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu).defines)
+            jobs.append(norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tu).defines)
+    unique = {tuple(sorted(d.items())): d for d in jobs}
+    with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex:
+        list(ex.map(_compile, unique.values()))
+    print(f"compiled {len(unique)} kernels", flush=True)
+
+
+def _sweep_shape(timer: Timer, cb, ref, spec, m: int, n: int, ceiling: float) -> list[dict]:
+    dev = timer.device
+    g = torch.Generator(device=dev).manual_seed(m + n)
+    x = torch.randn(m, n, device=dev, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(n, device=dev, generator=g)).bfloat16()
+    dy = torch.randn(m, n, device=dev, generator=g).bfloat16()
+    y_ref, rstd_ref, _ = ref.rms_norm_fwd(x, w, None, spec)
+    dx_ref, _ = ref.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", False, None)
+    fb, bb = norm_bytes(m, n)
+    rows = []
+    for tu in TUNINGS:
+        cb.fwd_tuning = cb.bwd_tuning = tu
+        row = dict(M=m, N=n, **dataclasses.asdict(tu))
+        try:
+            y, rstd, _ = cb.rms_norm_fwd(x, w, None, spec)
+            dx, _ = cb.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", True, None)
+            row["bitwise"] = bool(torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref) and torch.equal(dx, dx_ref))
+            row["fwd_us"] = timer.kernel_us(lambda: cb.rms_norm_fwd(x, w, None, spec))
+            row["bwd_us"] = timer.kernel_us(lambda: cb.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", True, None))
+            row["fwd_frac_copy"] = fb / row["fwd_us"] / 1e3 / ceiling
+            row["bwd_frac_copy"] = bb / row["bwd_us"] / 1e3 / ceiling
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    precompile()
+    dev = torch.device("cuda")
+    timer = Timer(dev, iters=7)
+    ceiling = copy_ceiling_gbps(dev)
+    cb, ref = get_backend("cuda"), get_backend("torch")
+    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    results = []
+    for m, n in NORM_SHAPES:
+        results += _sweep_shape(timer, cb, ref, spec, m, n, ceiling)
+        torch.cuda.empty_cache()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"copy_GBps": ceiling, "rows": results}, f, indent=1)
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
+          f"{all(r.get('bitwise') for r in results)})")
+    for m, n in NORM_SHAPES:
+        ok = [r for r in results if r["M"] == m and r["N"] == n and "fwd_us" in r]
+        if not ok:
+            continue
+        bf = min(ok, key=lambda r: r["fwd_us"])
+        bb = min(ok, key=lambda r: r["bwd_us"])
+        knobs = ("values", "prefetch", "min_threads", "hold_max_p", "stream_threads", "partial_blocks_per_sm")
+        print(f"{m:>7d}x{n:<6d} fwd {bf['fwd_us']:7.1f} us {bf['fwd_frac_copy']:4.0%} {[bf[k] for k in knobs]}"
+              f"   bwd {bb['bwd_us']:7.1f} us {bb['bwd_frac_copy']:4.0%} {[bb[k] for k in knobs]}")
+
+
+if __name__ == "__main__":
+    main()
