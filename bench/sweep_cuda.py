@@ -3,7 +3,7 @@
 Every configuration must give the reference's bits (checked here: y, rstd and dx against the torch
 backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
 Kernels are compiled first, in parallel, into the disk cache. Run on the GPU machine:
-    python3 bench/sweep_cuda.py [out.json]
+    python3 bench/sweep_cuda.py [out.json [tuning.json]]
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, norm_l
 from strictnorm.backends.registry import get_backend
 from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps, norm_bytes
 from strictnorm.contract import make_spec
+from strictnorm.reference import next_pow2
 
-TUNINGS = [NormTuning(values=v, prefetch=p) for v in (8, 16, 32) for p in (False, True)]
-TUNINGS += [NormTuning(hold_max_p=0, stream_threads=s) for s in (128, 256, 512)]
-TUNINGS += [NormTuning(values=v, prefetch=True, min_threads=256) for v in (8, 16)]
-TUNINGS += [NormTuning(values=v, prefetch=True, partial_blocks_per_sm=b) for v in (8, 16) for b in (4, 0)]
-TUNINGS += [NormTuning(hold_max_p=0, stream_threads=256, partial_blocks_per_sm=b) for b in (4, 0)]
+TUNINGS = [NormTuning(values=v, prefetch=False) for v in (8, 16, 32)]
+TUNINGS += [NormTuning(values=16, prefetch=True)]
+TUNINGS += [NormTuning(hold_max_p=0, stream_threads=s, partial_blocks_per_sm=0) for s in (64, 128, 256, 512, 1024)]
+TUNINGS += [NormTuning(hold_max_p=0, stream_threads=256, partial_blocks_per_sm=b) for b in (2, 4)]
+TUNINGS += [NormTuning(values=8, prefetch=False, partial_blocks_per_sm=b) for b in (0, 4)]
 
 
 def _compile(defines: dict) -> None:
@@ -74,6 +75,20 @@ def _sweep_shape(timer: Timer, cb, ref, spec, m: int, n: int, ceiling: float) ->
     return rows
 
 
+def best_tunings(results: list[dict]) -> dict:
+    """Fastest bitwise configuration per padded row length, forward and backward apart."""
+    fields = [f.name for f in dataclasses.fields(NormTuning)]
+    out: dict[str, dict] = {"fwd": {}, "bwd": {}}
+    for key, metric in (("fwd", "fwd_us"), ("bwd", "bwd_us")):
+        for n in sorted({r["N"] for r in results}):
+            ok = [r for r in results if r["N"] == n and r.get("bitwise") and metric in r]
+            if ok:  # the largest M of this N decides (the bandwidth-bound case)
+                m = max(r["M"] for r in ok)
+                top = min((r for r in ok if r["M"] == m), key=lambda r: r[metric])
+                out[key][str(next_pow2(n))] = {f: top[f] for f in fields}
+    return out
+
+
 def main() -> None:
     precompile()
     dev = torch.device("cuda")
@@ -85,9 +100,14 @@ def main() -> None:
     for m, n in NORM_SHAPES:
         results += _sweep_shape(timer, cb, ref, spec, m, n, ceiling)
         torch.cuda.empty_cache()
+    best = best_tunings(results)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump({"copy_GBps": ceiling, "rows": results}, f, indent=1)
+    if len(sys.argv) > 2:  # the tuning file strictnorm reads from STRICTNORM_CUDA_TUNING
+        with open(sys.argv[2], "w") as f:
+            json.dump(best, f, indent=1)
+    print("tuning:", json.dumps(best))
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
     for m, n in NORM_SHAPES:

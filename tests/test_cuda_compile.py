@@ -162,3 +162,13 @@ def test_cuda_reduction_mapping_is_canon_sum(n, seed):
         plain[:4] = torch.tensor([2.0**24, 1.0, 1.0, -(2.0**24)])  # (2^24 + 1) + (1 - 2^24) = 1
         assert _emulate_row_sum(plain, piece, tpr, k).item() == canon_sum(plain[None])[0].item() == 1.0
         assert _emulate_row_sum(plain.roll(1), piece, tpr, k).item() == 2.0
+
+
+def test_tuning_tables_cover_every_row_length():
+    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
+
+    for table in (FWD_TABLE, BWD_TABLE):
+        assert tuning_for(table, 4096) is table[4096]
+        assert tuning_for(table, 4000) is table[4096]  # padded to 4096
+        assert tuning_for(table, 1) is table[min(table)]
+        assert tuning_for(table, 65536) is table[max(table)]

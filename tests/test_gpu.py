@@ -228,19 +228,20 @@ def _cuda_fwd_cases():
             yield mode, x_dt, r_dt, w_dt, y_dt
 
 
-# The default block shapes, rows always read twice (no register hold), and held without prefetch.
-CUDA_TUNINGS = {"default": {}, "stream": {"hold_max_p": 0, "stream_threads": 128},
-                "hold8": {"values": 8, "prefetch": False}}
+# The tuned tables, rows always read twice (no register hold), and held with prefetch.
+CUDA_TUNINGS = {"tables": {}, "stream": {"hold_max_p": 0, "stream_threads": 128},
+                "hold8": {"values": 8, "prefetch": True}}
 
 
 @pytest.fixture(params=list(CUDA_TUNINGS))
 def cuda_backend(request):
-    from strictnorm.backends.cuda.backend import BWD_TUNING, FWD_TUNING, NormTuning
+    from strictnorm.backends.cuda.backend import NormTuning
 
     cb = get_backend("cuda")
-    cb.fwd_tuning = cb.bwd_tuning = NormTuning(**CUDA_TUNINGS[request.param])
+    knobs = CUDA_TUNINGS[request.param]
+    cb.fwd_tuning = cb.bwd_tuning = NormTuning(**knobs) if knobs else None
     yield cb
-    cb.fwd_tuning, cb.bwd_tuning = FWD_TUNING, BWD_TUNING
+    cb.fwd_tuning = cb.bwd_tuning = None
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

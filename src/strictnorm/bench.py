@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import api, ops
+from . import api
 from .backends.registry import status
 
 NORM_SHAPES = [(128, 4096), (2048, 4096), (8192, 4096), (32768, 4096), (8192, 8192), (2048, 18432), (262144, 128)]
@@ -182,20 +182,16 @@ def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_no
         providers = {name: (lambda x, w, r, f=f: f(x, w)) for name, f in base.items()}
     providers = {"torch F.rms_norm": providers["torch F.rms_norm"], AA_CONTROL: providers["torch F.rms_norm"],
                  **providers}
-    backend = "triton" if device.type == "cuda" else "torch"
-    label = "strictnorm" if device.type == "cuda" else "strictnorm torch"
-    for dw in ("fast", "strict"):
-        if op == "fused_add":
-            providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw: api.fused_add_rms_norm(
-                x, r, w, eps, dw=dw, backend=backend)[0])
-        else:
-            providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw: api.rms_norm(x, w, eps, dw=dw, backend=backend))
-    if device.type == "cuda" and status("cuda", device).available:
-        # The CUDA norm kernels before the backend offers them (see backends/cuda/backend.py): timed as a
-        # labelled candidate through the op layer, which does not consult the registry's op list.
+    kernel_backends = [b for b in ("cuda", "triton") if status(b, device).available] if device.type == "cuda" else []
+    for backend in kernel_backends or ["torch"]:
+        label = f"strictnorm {backend}" if device.type == "cuda" else "strictnorm torch"
         for dw in ("fast", "strict"):
-            providers[f"strictnorm cuda candidate {dw}"] = (lambda x, w, r, dw=dw: ops.rms_norm(
-                x, w, r if op == "fused_add" else None, eps, 0.0, "llama", None, dw, False, "cuda")[0])
+            if op == "fused_add":
+                providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw, b=backend: api.fused_add_rms_norm(
+                    x, r, w, eps, dw=dw, backend=b)[0])
+            else:
+                providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw, b=backend: api.rms_norm(
+                    x, w, eps, dw=dw, backend=b))
     return providers, skipped
 
 

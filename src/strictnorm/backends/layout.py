@@ -59,7 +59,8 @@ def _fits(t: torch.Tensor, per_head: bool) -> RowLayout | None:
         g, sg = outer.pop()
     if len(outer) > 2:
         return None
-    outer = [(1, 0)] * (2 - len(outer)) + outer
+    # one leading dim goes first with R1 = 1: kernels then address row r at r * s0, with no division
+    outer = outer + [(1, 0)] * (2 - len(outer))
     (r0, s0), (r1, s1) = outer
     return RowLayout(rows=r0 * r1 * g, n=n, r1=r1, g=g, s0=s0, s1=s1, sg=sg)
 

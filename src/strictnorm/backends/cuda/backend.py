@@ -1,4 +1,5 @@
-"""Backend `cuda`: CUDA C++ compiled at run time with NVRTC. Today: the strict left fold.
+"""Backend `cuda`: CUDA C++ compiled at run time with NVRTC: RMSNorm forward and backward (with the
+fused residual add and per-head weights, kernels/rms_norm.cu) and the strict left fold (kernels/fold.cu).
 
 The fold serves reduce_rows_left_fold and the strict dW of every RMSNorm backward on NVIDIA
 GPUs (the Triton backend calls it when this backend is available).
@@ -6,6 +7,8 @@ GPUs (the Triton backend calls it when this backend is available).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +66,7 @@ class NormLaunch:
     defines: dict[str, int]
     rows_per_block: int
     threads: int
+    partial_blocks_per_sm: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,41 @@ class NormTuning:
     stream_threads: int = 256  # threads per row for those
 
 
-FWD_TUNING = NormTuning()
-BWD_TUNING = NormTuning()
+# Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (results in
+# bench/results/); a P between entries takes the nearest one (log scale). A JSON file named by
+# STRICTNORM_CUDA_TUNING ({"fwd": {"4096": {"values": 16, ...}}, "bwd": {...}}) replaces entries.
+FWD_TABLE: dict[int, NormTuning] = {
+    128: NormTuning(values=16, prefetch=False),
+    4096: NormTuning(hold_max_p=0, stream_threads=128),
+    8192: NormTuning(hold_max_p=0, stream_threads=256),
+    32768: NormTuning(hold_max_p=0, stream_threads=512),
+}
+BWD_TABLE: dict[int, NormTuning] = {
+    128: NormTuning(hold_max_p=0, stream_threads=256, partial_blocks_per_sm=0),
+    4096: NormTuning(hold_max_p=0, stream_threads=256, partial_blocks_per_sm=4),
+    8192: NormTuning(values=8, prefetch=False),
+    32768: NormTuning(hold_max_p=0, stream_threads=512),
+}
+
+
+def _load_tuning_file() -> None:
+    path = os.environ.get("STRICTNORM_CUDA_TUNING")
+    if not path:
+        return
+    with open(path) as f:
+        data = json.load(f)
+    for key, table in (("fwd", FWD_TABLE), ("bwd", BWD_TABLE)):
+        for p, knobs in data.get(key, {}).items():
+            table[int(p)] = NormTuning(**knobs)
+
+
+_load_tuning_file()
+
+
+def tuning_for(table: dict[int, NormTuning], n: int) -> NormTuning:
+    """The table's entry for N's padded length, or the nearest one on a log scale."""
+    p = next_pow2(n)
+    return table[min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))]
 
 
 def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_dtype: torch.dtype | None,
@@ -88,7 +125,7 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     """Macros and block shape of rms_norm.cu for one call: pieces of PIECE lanes (16 bytes of the
     narrowest streamed dtype), TPR threads per row holding K pieces each, RPB rows per block; rows
     held in registers (HOLD) up to tuning.hold_max_p padded lanes, read twice beyond."""
-    tuning = tuning or FWD_TUNING
+    tuning = tuning or tuning_for(FWD_TABLE, n)
     p = next_pow2(n)
     norm_dtype = res_dtype or x_dtype
     narrowest = min(t.itemsize for t in (x_dtype, norm_dtype, y_dtype))
@@ -103,7 +140,7 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
                "PREFETCH": int(hold and tuning.prefetch)}
-    return NormLaunch(defines, rpb, tpr * rpb)
+    return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm)
 
 
 def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype: torch.dtype | None, mode: str,
@@ -111,10 +148,10 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
                     ) -> NormLaunch:
     """rms_norm.cu's backward kernel for one call: the forward's block shape rules, BACKWARD set."""
     narrowest = dy_dtype if dy_dtype.itemsize < z_dtype.itemsize else z_dtype
-    fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning or BWD_TUNING)
+    fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning or tuning_for(BWD_TABLE, n))
     defines = dict(fl.defines, YC=_CODE[z_dtype], BACKWARD=1, DYC=_CODE[dy_dtype], HAS_DRES=int(has_dres),
                    DW_PARTIALS=int(dw_partials))
-    return NormLaunch(defines, fl.rows_per_block, fl.threads)
+    return NormLaunch(defines, fl.rows_per_block, fl.threads, fl.partial_blocks_per_sm)
 
 
 def _aligned16(*tensors_and_layouts) -> bool:
@@ -141,16 +178,14 @@ def _simple_rows(lay: RowLayout) -> bool:
 
 class CudaBackend:
     name = "cuda"
-    # rms_norm_fwd/rms_norm_bwd below are written and compiled in CI but have not run on a GPU yet:
-    # "rms_norm" joins `ops` (and automatic selection) once tests/test_gpu.py's CUDA norm tests pass.
-    ops = frozenset({"left_fold"})
+    ops = frozenset({"rms_norm", "left_fold"})
 
     def __init__(self) -> None:
         self._cache = None
         self._resident: dict[tuple, tuple[int, int]] = {}
-        # block shapes of rms_norm.cu (bench/sweep_cuda.py sets these to compare shapes; same bits)
-        self.fwd_tuning = FWD_TUNING
-        self.bwd_tuning = BWD_TUNING
+        # fixed block shapes for rms_norm.cu instead of the tables (sweeps and tests; same bits)
+        self.fwd_tuning: NormTuning | None = None
+        self.bwd_tuning: NormTuning | None = None
 
     def _grid(self, dev: int, kernel, threads: int, groups: int, per_sm_cap: int = 0) -> int:
         """Blocks for a grid-stride kernel: every row group, at most what the GPU holds at once
@@ -270,7 +305,7 @@ class CudaBackend:
         kc = self._kernels()
         kernel = kc.get(dev, "rms_norm.cu", "rms_bwd", fl.defines)
         grid = self._grid(dev, kernel, fl.threads, -(-rows // fl.rows_per_block),
-                          self.bwd_tuning.partial_blocks_per_sm if partials else 0)
+                          fl.partial_blocks_per_sm if partials else 0)
         part = torch.empty((grid * fl.rows_per_block, n), dtype=torch.float32, device=z.device) if partials else v.rstd
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),

@@ -99,8 +99,9 @@ def normalized_as_used(xf, rstd, MODE: tl.constexpr, XDT: tl.constexpr):
         return round_f32(xf * round_f32(rstd, XDT)[:, None], XDT)
 
 
-# Row counts and leading-dim sizes are not specialized on: one compiled kernel serves every batch.
-@triton.jit(do_not_specialize=["M", "R1", "G"])
+# Row counts are not specialized on: one compiled kernel serves every batch. R1 and G are: the common
+# R1 = G = 1 (one leading dim) then compiles to offset = row * s0, without 64-bit divisions.
+@triton.jit(do_not_specialize=["M"])
 def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    M, N, R1, G, eps, offset,
                    ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr, MODE: tl.constexpr,
@@ -131,7 +132,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     store_rounded(Y + dense, y, mask, YDT)
 
 
-@triton.jit(do_not_specialize=["M", "R1", "G"])
+@triton.jit(do_not_specialize=["M"])
 def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg,
                    DX, xs0, xs1, xsg, DW_PART,
                    M, N, R1, G, offset,
@@ -175,7 +176,7 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
         tl.store(DW_PART + pid.to(tl.int64) * N + cols, dw_acc, mask=cmask)
 
 
-@triton.jit(do_not_specialize=["ROWS_PER_GROUP", "R1", "G", "GROUP_STEP"])
+@triton.jit(do_not_specialize=["ROWS_PER_GROUP", "GROUP_STEP"])
 def fold_kernel(A, as0, as1, asg, B, bs0, bs1, bsg, RSTD, OUT,
                 ROWS_PER_GROUP, N, R1, G, GROUP_STEP,
                 BN: tl.constexpr, UNROLL: tl.constexpr, WHAT: tl.constexpr, XDT: tl.constexpr):

@@ -44,6 +44,13 @@ struct Layout {
 };
 
 __device__ __forceinline__ long long row_offset(long long r, const Layout& l) {
+    if (r <= 0x7fffffffLL && l.g <= 0x7fffffffLL && l.r1 <= 0x7fffffffLL) {  // 32-bit divisions: far cheaper
+        const unsigned int ri = static_cast<unsigned int>(r), gi = static_cast<unsigned int>(l.g);
+        const unsigned int r1 = static_cast<unsigned int>(l.r1);
+        const unsigned int g = ri % gi, t = ri / gi;
+        return static_cast<long long>(t / r1) * l.s0 + static_cast<long long>(t % r1) * l.s1 +
+               static_cast<long long>(g) * l.sg;
+    }
     const long long g = r % l.g;
     const long long t = r / l.g;
     return (t / l.r1) * l.s0 + (t % l.r1) * l.s1 + g * l.sg;

@@ -213,6 +213,12 @@ struct RowWalk {
     }
 };
 
+// Weight row (head) of logical row r for per-head weights.
+__device__ __forceinline__ long long head_of(long long r, long long g) {
+    return r <= 0x7fffffffLL ? static_cast<long long>(static_cast<unsigned int>(r) % static_cast<unsigned int>(g))
+                             : r % g;
+}
+
 __device__ __forceinline__ long long offset_of(long long r, long long s0, long long s1, long long sg, long long r1,
                                                long long g) {
     if (g == 1 && r1 == 1) return r * s0;  // the common case: no divisions
@@ -314,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         if (live && t == 0) rstd_out[r] = rstd;
         // pass 2: y. Without HOLD, z is read again (this thread's own lanes: from L1/L2) and so is w.
 #if HOLD && HAS_W && PER_HEAD
-        load_weight(wf, w + (r % g) * wsg, t, n, aligned, offset);
+        load_weight(wf, w + head_of(r, g) * wsg, t, n, aligned, offset);
 #endif
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -334,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) wp[i] = wf.v[k][i];
 #else
-            load_weight_piece(wp, w + (PER_HEAD ? (r % g) * wsg : 0) + c0, live ? piece_valid(k, t, n) : 0, aligned,
+            load_weight_piece(wp, w + (PER_HEAD ? head_of(r, g) * wsg : 0) + c0, live ? piece_valid(k, t, n) : 0, aligned,
                               offset);
 #endif
 #endif
@@ -430,9 +436,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         const float rstd = live ? rstd_in[r] : 0.0f;
 #endif
 #if HOLD && HAS_W && PER_HEAD
-        load_weight(wf, w + (r % g) * wsg, t, n, aligned, offset);
+        load_weight(wf, w + head_of(r, g) * wsg, t, n, aligned, offset);
 #endif
-        const w_t* wrow = w + (PER_HEAD ? (r % g) * wsg : 0);
+        const w_t* wrow = w + (PER_HEAD ? head_of(r, g) * wsg : 0);
         (void)wrow;
         // this thread's pieces of z, dy and the effective weight, from registers (HOLD) or memory
         auto get = [&](int k, float* zp, float* dp, float* wp) {
