@@ -86,17 +86,17 @@ class NormTuning:
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (results in
 # bench/results/); a P between entries takes the nearest one (log scale). A JSON file named by
 # STRICTNORM_CUDA_TUNING ({"fwd": {"4096": {"values": 16, ...}}, "bwd": {...}}) replaces entries.
-FWD_TABLE: dict[int, NormTuning] = {
-    128: NormTuning(values=16, prefetch=False),
-    4096: NormTuning(hold_max_p=0, stream_threads=128),
-    8192: NormTuning(hold_max_p=0, stream_threads=256),
-    32768: NormTuning(hold_max_p=0, stream_threads=512),
+FWD_TABLE: dict[int, NormTuning] = {  # bench/results/2026-11-29-h200-run2/c-tuning.json
+    128: NormTuning(values=8, prefetch=False, partial_blocks_per_sm=0),
+    4096: NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=128),
+    8192: NormTuning(partial_blocks_per_sm=0, hold_max_p=0),
+    32768: NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=512),
 }
 BWD_TABLE: dict[int, NormTuning] = {
-    128: NormTuning(hold_max_p=0, stream_threads=256, partial_blocks_per_sm=0),
-    4096: NormTuning(hold_max_p=0, stream_threads=256, partial_blocks_per_sm=4),
-    8192: NormTuning(values=8, prefetch=False),
-    32768: NormTuning(hold_max_p=0, stream_threads=512),
+    128: NormTuning(values=8, prefetch=False, partial_blocks_per_sm=0),
+    4096: NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=128),
+    8192: NormTuning(values=8, prefetch=False, partial_blocks_per_sm=4),
+    32768: NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=512),
 }
 
 
