@@ -67,6 +67,8 @@ def _fits(t: torch.Tensor, per_head: bool) -> RowLayout | None:
 
 def row_layout(t: torch.Tensor, per_head: bool = False) -> tuple[torch.Tensor, RowLayout]:
     """(tensor to pass to the kernel, its RowLayout); the tensor is t itself whenever possible."""
+    if not per_head and t.is_contiguous():  # the common case, without walking the strides
+        return t, contiguous_layout(t.numel() // t.shape[-1] if t.shape[-1] else 0, t.shape[-1])
     layout = _fits(t, per_head)
     if layout is None:
         t = t.contiguous()

@@ -7,6 +7,7 @@ GPUs (the Triton backend calls it when this backend is available).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -36,29 +37,33 @@ class FoldLaunch:
     shmem: int
 
 
-def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int) -> tuple[int, int, int]:
-    """(COLS, ROWS_PER_STAGE, STAGES). Few columns per CTA when columns are few (the chain of adds
-    is the floor: spread columns over many SMs); a warp-wide 32 when there are enough CTAs anyway."""
+def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, prefetch: bool
+                ) -> tuple[int, int, int, bool, int]:
+    """(COLS, ROWS_PER_STAGE, STAGES, CONVERT, shared bytes). Few columns per CTA when columns are few
+    (the chain of adds is the floor: spread columns over many SMs); a warp-wide 32 when there are
+    enough CTAs anyway. CONVERT (producers compute the dW contributions) where at least 4 stages fit."""
     cols = 32 if -(-n // 32) >= num_sms else 8
     rows_per_stage = 128 if cols == 8 else 64
     stage_bytes = rows_per_stage * cols * (a_size + (b_size if what else 0)) + (rows_per_stage * 4 if what else 0)
-    stages = max(2, min(12, _SMEM_LIMIT // stage_bytes))
-    return cols, rows_per_stage, stages
+    contrib_bytes = 2 * rows_per_stage * cols * 4
+    convert = bool(what) and not prefetch and (_SMEM_LIMIT - contrib_bytes) // stage_bytes >= 4
+    budget = _SMEM_LIMIT - (contrib_bytes if convert else 0)
+    stages = max(2, min(12, budget // stage_bytes))
+    return cols, rows_per_stage, stages, convert, stages * stage_bytes + (contrib_bytes if convert else 0)
 
 
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
                 ring: bool, num_sms: int, prefetch: bool = False) -> FoldLaunch:
     """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel;
-    prefetch=True the ring with a software-pipelined consumer (a candidate: same bits, speed not yet
-    measured on a GPU, so not the default)."""
+    prefetch=True the ring with a software-pipelined consumer (same bits; measured slower on an
+    H200, so not the default)."""
     defines = {"A_CODE": _CODE[a_dtype], "B_CODE": _CODE[b_dtype], "WHAT": what, "SIMPLE_ROWS": int(simple_rows)}
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
-    a_size, b_size = a_dtype.itemsize, b_dtype.itemsize
-    cols, rps, stages = _ring_shape(n, a_size, b_size, what, num_sms)
-    defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, PREFETCH=int(prefetch))
-    stage_bytes = rps * cols * (a_size + (b_size if what else 0)) + (rps * 4 if what else 0)
-    return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, stages * stage_bytes)
+    cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, prefetch)
+    defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, PREFETCH=int(prefetch),
+                   CONVERT=int(convert))
+    return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,10 @@ class NormLaunch:
     rows_per_block: int
     threads: int
     partial_blocks_per_sm: int = 0
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        return tuple(sorted(self.defines.items()))
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,7 @@ def tuning_for(table: dict[int, NormTuning], n: int) -> NormTuning:
     return table[min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))]
 
 
+@functools.lru_cache(maxsize=4096)
 def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_dtype: torch.dtype | None,
                 y_dtype: torch.dtype, mode: str, per_head: bool, tuning: NormTuning | None = None) -> NormLaunch:
     """Macros and block shape of rms_norm.cu for one call: pieces of PIECE lanes (16 bytes of the
@@ -143,6 +153,7 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm)
 
 
+@functools.lru_cache(maxsize=4096)
 def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype: torch.dtype | None, mode: str,
                     per_head: bool, has_dres: bool, dw_partials: bool, tuning: NormTuning | None = None
                     ) -> NormLaunch:
@@ -183,9 +194,17 @@ class CudaBackend:
     def __init__(self) -> None:
         self._cache = None
         self._resident: dict[tuple, tuple[int, int]] = {}
+        self._loaded: dict[tuple, object] = {}
         # fixed block shapes for rms_norm.cu instead of the tables (sweeps and tests; same bits)
         self.fwd_tuning: NormTuning | None = None
         self.bwd_tuning: NormTuning | None = None
+
+    def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
+        key = (dev, name, fl.key)
+        kernel = self._loaded.get(key)
+        if kernel is None:
+            kernel = self._loaded[key] = self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
+        return kernel
 
     def _grid(self, dev: int, kernel, threads: int, groups: int, per_sm_cap: int = 0) -> int:
         """Blocks for a grid-stride kernel: every row group, at most what the GPU holds at once
@@ -265,7 +284,7 @@ class CudaBackend:
         dev = _device_index(x)
         kc = self._kernels()
         i64 = np.int64
-        kernel = kc.get(dev, "rms_norm.cu", "rms_fwd", fl.defines)
+        kernel = self._norm_kernel(dev, "rms_fwd", fl)
         grid = self._grid(dev, kernel, fl.threads, -(-v.lay.rows // fl.rows_per_block))
         kc.launch(dev, kernel, (grid, 1, 1), fl.threads, 0,
                   v.x.data_ptr(), *map(i64, v.lay.args()), v.res.data_ptr(), *map(i64, v.rlay.args()),
@@ -303,7 +322,7 @@ class CudaBackend:
             dw = dw.reshape(weight.shape).to(weight.dtype)
         dev = _device_index(z)
         kc = self._kernels()
-        kernel = kc.get(dev, "rms_norm.cu", "rms_bwd", fl.defines)
+        kernel = self._norm_kernel(dev, "rms_bwd", fl)
         grid = self._grid(dev, kernel, fl.threads, -(-rows // fl.rows_per_block),
                           fl.partial_blocks_per_sm if partials else 0)
         part = torch.empty((grid * fl.rows_per_block, n), dtype=torch.float32, device=z.device) if partials else v.rstd

@@ -7,7 +7,8 @@
 //
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), and for fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
-// PREFETCH (1: the software-pipelined consumer, a candidate not yet measured on a GPU).
+// PREFETCH (1: a software-pipelined consumer; measured slower on an H200, kept as a candidate),
+// CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3).
 //
 // Rows are addressed through the layout of ../layout.py: for logical row r,
 //   g = r % G; t = r / G; offset = (t / R1) * s0 + (t % R1) * s1 + g * sg.
@@ -92,6 +93,7 @@ constexpr int STAGE_BYTES = A_TILE + B_TILE + R_TILE;
 constexpr int PRODUCERS = THREADS - 32;
 static_assert(A_ROW_BYTES % 16 == 0 && B_ROW_BYTES % 16 == 0, "row segments must be whole 16-byte chunks");
 static_assert(COLS <= 32, "one consumer lane per column");
+static_assert(!CONVERT || (WHAT != 0 && STAGES >= 3), "CONVERT folds dW contributions through >= 3 stages");
 
 // Copies rows [t0, t0 + ROWS_PER_STAGE) of group h into one ring slot. p: producer index.
 template <int ROW_BYTES, int ESIZE, typename T>
@@ -143,6 +145,40 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
 
     float acc = 0.0f;
     const int lane = threadIdx.x;
+#if CONVERT
+    // The producers also turn each landed stage into fp32 contributions (two buffers after the ring),
+    // one stage ahead of the consumer, whose lanes then only load and add: the chain of dependent adds
+    // is all that is left on the consumer's path.
+    float* contrib = reinterpret_cast<float*>(ring + STAGES * STAGE_BYTES);
+    auto convert = [&](long long s) {
+        const unsigned char* slot = ring + (s % STAGES) * STAGE_BYTES;
+        const a_t* ta = reinterpret_cast<const a_t*>(slot);
+        const b_t* tb = reinterpret_cast<const b_t*>(slot + A_TILE);
+        const float* tr = reinterpret_cast<const float*>(slot + A_TILE + B_TILE);
+        float* dst = contrib + (s % 2) * ROWS_PER_STAGE * COLS;
+        for (int i = p; i < ROWS_PER_STAGE * COLS; i += PRODUCERS)
+            dst[i] = contribution(Elem<A_CODE>::widen(ta[i]), Elem<B_CODE>::widen(tb[i]), tr[i / COLS]);
+    };
+    cp_async_wait<STAGES - 2>();  // stage 0 landed
+    __syncthreads();
+    if (!consumer && stages > 0) convert(0);
+    for (long long s = 0; s < stages; ++s) {
+        cp_async_wait<STAGES - 3>();  // stage s + 1 landed (this thread's copies)
+        // stage s + 1 is visible, stage s is converted, the consumer is done with the other buffer, and
+        // the slot refilled below (stage s - 1) was converted an iteration ago
+        __syncthreads();
+        if (!consumer && s + STAGES - 1 < stages) issue(s + STAGES - 1);
+        cp_async_commit();
+        if (!consumer && s + 1 < stages) convert(s + 1);
+        if (consumer && lane < COLS) {
+            const float* tc = contrib + (s % 2) * ROWS_PER_STAGE * COLS;
+            const long long left = rows_per_group - s * ROWS_PER_STAGE;
+            const int rows = left < ROWS_PER_STAGE ? static_cast<int>(left) : ROWS_PER_STAGE;
+#pragma unroll 16
+            for (int i = 0; i < rows; ++i) acc = __fadd_rn(acc, tc[i * COLS + lane]);
+        }
+    }
+#else
     for (long long s = 0; s < stages; ++s) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // stage s is visible; everyone is done with the slot refilled below
@@ -195,6 +231,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
 #endif
         }
     }
+#endif  // CONVERT
     if (consumer && lane < COLS && col0 + lane < n) out[static_cast<long long>(h) * n + col0 + lane] = acc;
 }
 #endif  // COLS
