@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import strictnorm as sn
 from strictnorm import bench
 
 
@@ -92,3 +93,39 @@ def test_fused_add_section_on_cpu():
     bench.bench_norm(bench.Timer(torch.device("cpu"), 2), [(4, 32)], 10.0, providers, 1, lambda r: None, rows,
                      op="fused_add")
     assert all(r["op"] == "fused_add" and "error" not in r for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["llama", "gemma", "none"])
+def test_qk_norm_section_and_modes_on_cpu(mode):
+    """op qk_norm: per-head weights (QK_HEADS, N); every provider's output has x's shape and the
+    strictnorm providers run the requested casting mode (gemma: offset 1.0, as the HF gemma anchor)."""
+    providers, skipped = bench.norm_providers(torch.device("cpu"), False, "qk_norm", mode)
+    x = torch.randn(16, 32).float()
+    w = 0.1 * torch.randn(bench.QK_HEADS, 32)
+    y = providers["strictnorm torch strict"](x, w, None)
+    want = sn.qk_norm(x.view(-1, bench.QK_HEADS, 32), w, 1e-6, offset=1.0 if mode == "gemma" else 0.0,
+                      casting_mode=mode, backend="torch").reshape(x.shape)
+    assert torch.equal(y, want)
+    eager = "HF gemma eager" if mode == "gemma" else "HF llama eager"
+    assert eager in providers and providers[eager](x, w, None).shape == x.shape
+    assert "qk_norm" in skipped["Liger"] or "GPU" in skipped["Liger"]
+    rows: list[dict] = []
+    bench.bench_norm(bench.Timer(torch.device("cpu"), 2), [(16, 32)], 10.0, providers, 1, lambda r: None, rows,
+                     op="qk_norm", dtype=torch.float32)
+    assert rows and all(r["op"] == "qk_norm" and r["dtype"] == "float32" and "error" not in r for r in rows)
+    bad: list[dict] = []  # M not divisible by the heads: reported per provider, not fatal
+    bench.bench_norm(bench.Timer(torch.device("cpu"), 2), [(10, 32)], 10.0, providers, 1, lambda r: None, bad,
+                     op="qk_norm", dtype=torch.float32)
+    assert all("divisible" in r["error"] for r in bad)
+
+
+def test_cli_dtype_mode_and_op_options_on_cpu(tmp_path):
+    j = tmp_path / "q.json"
+    p = subprocess.run([sys.executable, "-m", "strictnorm.cli", "bench", "--device", "cpu", "--shapes", "16x64",
+                        "--op", "qk_norm", "--dtype", "fp16", "--mode", "gemma", "--rounds", "1", "--iters", "2",
+                        "--json", str(j)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    data = json.loads(j.read_text())
+    assert data["case"] == {"op": "qk_norm", "dtype": "fp16", "mode": "gemma"}
+    assert {r["dtype"] for r in data["norm"]} == {"float16"}
+    assert "HF gemma eager" in {r["provider"] for r in data["norm"]}

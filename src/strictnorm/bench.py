@@ -144,64 +144,96 @@ def _hf_llama(eps: float) -> Callable:
     return hf_llama
 
 
+def _hf_gemma(eps: float) -> Callable:
+    def hf_gemma(x, w):
+        xf = x.float()
+        return ((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + w.float())).to(x.dtype)
+
+    return hf_gemma
+
+
 AA_CONTROL = "A/A: torch F.rms_norm"
+OPS = ("rms_norm", "fused_add", "qk_norm")
+MODES = ("llama", "gemma", "none")
+QK_HEADS = 8  # op qk_norm: rows M = tokens x QK_HEADS, weight (QK_HEADS, N) per head
 
 
-def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_norm"
+def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_norm", mode: str = "llama"
                    ) -> tuple[dict[str, Callable], dict[str, str]]:
     """name -> f(x, w, r) returning y (r: the residual, used by op "fused_add"), and name -> why, for
     each anchor that is missing. The A/A control is the first provider measured a second time under
-    another name: the difference between the two is the noise of this run."""
+    another name: the difference between the two is the noise of this run. Anchors are speed
+    references in their own numerics (e.g. F.rms_norm knows no Gemma offset); strictnorm runs `mode`.
+    For op "qk_norm", x (M, N) is viewed as (M / QK_HEADS, QK_HEADS, N) with a per-head weight."""
     eps = 1e-6
+    offset = 1.0 if mode == "gemma" else 0.0
     native = lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
-    base = {"torch F.rms_norm": native, "HF llama eager": _hf_llama(eps)}
+    if op == "qk_norm":  # F.rms_norm takes no per-head weight: the norm, then the scale
+        native = lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), None, eps) * w  # noqa: E731
+    eager_name, eager = ("HF gemma eager", _hf_gemma(eps)) if mode == "gemma" else ("HF llama eager", _hf_llama(eps))
+    base = {"torch F.rms_norm": native, eager_name: eager}
     skipped: dict[str, str] = {}
     if compile_anchor:
-        base["torch.compile"] = torch.compile(_hf_llama(eps))
+        base["torch.compile"] = torch.compile(eager)
     else:
         skipped["torch.compile"] = "not requested (--compile)"
     if device.type == "cuda" and op == "rms_norm":
         try:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-            base["Liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
+            base["Liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, eps, offset, mode, False)
         except Exception as e:  # an anchor that is not installed is reported, not fatal
             skipped["Liger"] = repr(e)[:160]
-        try:
-            from quack.rmsnorm import rmsnorm as quack_rmsnorm
+        if mode == "llama":
+            try:
+                from quack.rmsnorm import rmsnorm as quack_rmsnorm
 
-            base["Quack"] = lambda x, w: quack_rmsnorm(x, w, eps=eps)
-        except Exception as e:
-            skipped["Quack"] = repr(e)[:160]
+                base["Quack"] = lambda x, w: quack_rmsnorm(x, w, eps=eps)
+            except Exception as e:
+                skipped["Quack"] = repr(e)[:160]
+        else:
+            skipped["Quack"] = f"Quack's rmsnorm has no {mode} casting mode"
     else:
         skipped["Liger"] = skipped["Quack"] = "GPU only" if device.type != "cuda" else f"not measured for {op}"
     # anchors as f(x, w, r): for the fused op, the add then the norm, as an eager model runs them
     if op == "fused_add":
         providers = {name: (lambda x, w, r, f=f: f(x + r, w)) for name, f in base.items()}
+    elif op == "qk_norm":
+        providers = {name: (lambda x, w, r, f=f: f(_heads(x), w).reshape(x.shape)) for name, f in base.items()}
     else:
         providers = {name: (lambda x, w, r, f=f: f(x, w)) for name, f in base.items()}
     providers = {"torch F.rms_norm": providers["torch F.rms_norm"], AA_CONTROL: providers["torch F.rms_norm"],
                  **providers}
     kernel_backends = [b for b in ("cuda", "triton") if status(b, device).available] if device.type == "cuda" else []
+    kw = {"offset": offset, "casting_mode": mode}
     for backend in kernel_backends or ["torch"]:
         label = f"strictnorm {backend}" if device.type == "cuda" else "strictnorm torch"
         for dw in ("fast", "strict"):
             if op == "fused_add":
                 providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw, b=backend: api.fused_add_rms_norm(
-                    x, r, w, eps, dw=dw, backend=b)[0])
+                    x, r, w, eps, dw=dw, backend=b, **kw)[0])
+            elif op == "qk_norm":
+                providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw, b=backend: api.qk_norm(
+                    _heads(x), w, eps, dw=dw, backend=b, **kw).reshape(x.shape))
             else:
                 providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw, b=backend: api.rms_norm(
-                    x, w, eps, dw=dw, backend=b))
+                    x, w, eps, dw=dw, backend=b, **kw))
     return providers, skipped
 
 
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] % QK_HEADS:
+        raise ValueError(f"op qk_norm needs M divisible by {QK_HEADS} heads, got M = {x.shape[0]}")
+    return x.view(-1, QK_HEADS, x.shape[-1])
+
+
 def bench_norm(timer: Timer, shapes, ceiling: float, providers: dict[str, Callable], rounds: int, log,
-               rows: list[dict], seed: int = 0, op: str = "rms_norm") -> None:
+               rows: list[dict], seed: int = 0, op: str = "rms_norm", dtype: torch.dtype = torch.bfloat16) -> None:
     """Per shape: `rounds` rounds, providers in a fresh random order each round; each figure is the
     median over rounds. Appends one row per (shape, provider) as it goes."""
     rng = random.Random(seed)
     for m, n in shapes:
-        inputs = _norm_inputs(timer.device, m, n)
+        inputs = _norm_inputs(timer.device, m, n, dtype, op)
         per: dict[str, list[dict]] = {name: [] for name in providers}
         errors: dict[str, str] = {}
         for _ in range(rounds):
@@ -215,13 +247,14 @@ def bench_norm(timer: Timer, shapes, ceiling: float, providers: dict[str, Callab
                 except Exception as e:  # a provider that raises is reported, not fatal
                     errors[name] = f"{type(e).__name__}: {e}"[:300]
         for name in providers:
-            row = {"provider": name, "op": op, "M": m, "N": n, "device": timer.device.type}
+            row = {"provider": name, "op": op, "M": m, "N": n, "dtype": str(dtype).replace("torch.", ""),
+                   "device": timer.device.type}
             if name in errors:
                 row["error"] = errors[name]
             else:
                 for key in per[name][0]:
                     row[key] = statistics.median(r[key] for r in per[name])
-                row.update(_derived(row, m, n, ceiling, op == "fused_add"))
+                row.update(_derived(row, m, n, ceiling, op == "fused_add", dtype.itemsize))
                 row["peak_MB_fwdbwd"] = _peak_mb(timer.device, providers[name], *inputs)
             rows.append(row)
             log(row)
@@ -231,12 +264,13 @@ def bench_norm(timer: Timer, shapes, ceiling: float, providers: dict[str, Callab
     ratios(rows)
 
 
-def _norm_inputs(device: torch.device, m: int, n: int):
+def _norm_inputs(device: torch.device, m: int, n: int, dtype: torch.dtype = torch.bfloat16, op: str = "rms_norm"):
     g = torch.Generator(device=device).manual_seed(m * 7 + n)
-    x = torch.randn(m, n, device=device, generator=g).bfloat16()
-    w = (1 + 0.1 * torch.randn(n, device=device, generator=g)).bfloat16()
-    dy = torch.randn(m, n, device=device, generator=g).bfloat16()
-    r = torch.randn(m, n, device=device, generator=g).bfloat16()
+    x = torch.randn(m, n, device=device, generator=g).to(dtype)
+    w_shape = (QK_HEADS, n) if op == "qk_norm" else (n,)
+    w = (1 + 0.1 * torch.randn(w_shape, device=device, generator=g)).to(dtype)
+    dy = torch.randn(m, n, device=device, generator=g).to(dtype)
+    r = torch.randn(m, n, device=device, generator=g).to(dtype)
     return x, w, dy, r
 
 
@@ -254,8 +288,8 @@ def _norm_once(timer: Timer, fn: Callable, x, w, dy, r) -> dict:
             "fwd_eager_us": timer.eager_us(fwd), "fwdbwd_eager_us": timer.eager_us(fwd_bwd)}
 
 
-def _derived(row: dict, m: int, n: int, ceiling: float, fused: bool) -> dict:
-    fwd_bytes, bwd_bytes = norm_bytes(m, n, fused=fused)
+def _derived(row: dict, m: int, n: int, ceiling: float, fused: bool, x_size: int = 2) -> dict:
+    fwd_bytes, bwd_bytes = norm_bytes(m, n, x_size, x_size, fused=fused)
     out = {"fwd_GBps": fwd_bytes / row["fwd_us"] / 1e3 if row["fwd_us"] > 0 else None,
            "bwd_GBps": bwd_bytes / row["bwd_us"] / 1e3 if row["bwd_us"] > 0 else None}
     out["fwd_frac_copy"] = out["fwd_GBps"] / ceiling if out["fwd_GBps"] else None
@@ -526,8 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="strictnorm bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=tuple(PRESETS), default="perf", help="shapes for the norm section")
-    p.add_argument("--op", choices=("rms_norm", "fused_add"), default="rms_norm",
-                   help="the norm section's op: RMSNorm, or residual add + RMSNorm")
+    p.add_argument("--op", choices=OPS, default="rms_norm",
+                   help="the norm section's op: RMSNorm, residual add + RMSNorm, or QK-norm with per-head weights")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="dtype of x, weight and dy")
+    p.add_argument("--mode", choices=MODES, default="llama", help="strictnorm's casting mode (gemma: offset 1.0)")
     p.add_argument("--shapes", help="MxN list instead of the preset, e.g. 128x4096,2048x4096")
     p.add_argument("--fold", action="store_true", help="also the strict-fold section (GPU)")
     p.add_argument("--no-norm", action="store_true", help="skip the norm section")
@@ -557,9 +593,12 @@ def main(argv: list[str] | None = None) -> int:
     result["copy_GBps"] = copy_ceiling_gbps(device)
     if not args.no_norm:
         shapes = parse_shapes(args.shapes) if args.shapes else PRESETS[args.preset]
-        providers, result["skipped_anchors"] = norm_providers(device, args.compile, args.op)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        providers, result["skipped_anchors"] = norm_providers(device, args.compile, args.op, args.mode)
         result["norm"] = []
-        bench_norm(timer, shapes, result["copy_GBps"], providers, args.rounds, save, result["norm"], op=args.op)
+        result["case"] = {"op": args.op, "dtype": args.dtype, "mode": args.mode}
+        bench_norm(timer, shapes, result["copy_GBps"], providers, args.rounds, save, result["norm"], op=args.op,
+                   dtype=dtype)
         result["aa_spread"] = aa_spread(result["norm"])
         result["host_us"] = host_cost_us(device, norm_providers(device, False)[0])
     if args.fold:
