@@ -22,7 +22,7 @@ def _configs():
     for what in (0, 1, 2, 3):
         for a in DTYPES:
             for b in DTYPES if what else [a]:
-                for ring in (False, True, "prefetch"):
+                for ring in (False, True):
                     for n in (128, 8192):
                         for simple in (True, False):
                             yield what, a, b, ring, n, simple
@@ -33,7 +33,7 @@ def test_every_fold_configuration_compiles(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     seen = set()
     for what, a, b, ring, n, simple in _configs():
-        fl = fold_launch(n, a, b, what, simple, bool(ring), num_sms=132, prefetch=ring == "prefetch")
+        fl = fold_launch(n, a, b, what, simple, ring, num_sms=132)
         key = (fl.kernel, tuple(sorted(fl.defines.items())))
         if key in seen:
             continue

@@ -398,7 +398,6 @@ def _fold_one(timer: Timer, m: int, n: int, ceiling: float) -> dict:
         cb = get_backend("cuda")
         variants["cuda_one_thread_per_column"] = lambda: cb.left_fold(c, ring=False)
         variants["strictnorm_cuda_fold"] = lambda: cb.left_fold(c)
-        variants["cuda_fold_prefetch_candidate"] = lambda: cb.left_fold(c, prefetch=True)
     for name, fn in variants.items():
         try:
             out = fn()
@@ -447,13 +446,13 @@ def print_tables(result: dict, out=sys.stdout) -> None:
             f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in result["host_us"].items()), file=out)
     if result.get("fold"):
         print(f"\n{'rows x cols':>13s} {'loop us':>9s} {'1thr/col':>9s} {'triton':>9s} {'strictnorm':>10s}"
-              f" {'prefetch?':>9s} {'floor':>7s} {'x floor':>7s} bitwise", file=out)
+              f" {'floor':>7s} {'x floor':>7s} bitwise", file=out)
         for r in result["fold"]:
             floor = max(r["bytes_floor_us"], r["chain_floor_us"])
             bw = all(v for k, v in r.items() if k.endswith("_bitwise"))
             print(f"{r['M']:>6d}x{r['N']:<6d} {r.get('python_loop_us', nan):9.0f}"
                   f" {r.get('cuda_one_thread_per_column_us', nan):9.1f} {r.get('triton_fold_us', nan):9.1f}"
-                  f" {r.get('strictnorm_cuda_fold_us', nan):10.1f} {r.get('cuda_fold_prefetch_candidate_us', nan):9.1f}"
+                  f" {r.get('strictnorm_cuda_fold_us', nan):10.1f}"
                   f" {floor:7.1f} {r.get('fold_over_floor', nan):7.2f} {bw}", file=out)
 
 
@@ -525,13 +524,13 @@ def write_markdown(result: dict, path: str) -> None:
                   + ", ".join(f"{k} {100 * v:.1f}%" for k, v in result["aa_spread"].items()), ""]
     if result.get("fold"):
         lines += ["| rows × cols | Python loop µs | one thread per column µs | Triton fold µs | strictnorm µs |"
-                  " prefetch candidate µs | floor µs | × floor | bitwise |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  " floor µs | × floor | bitwise |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in result["fold"]:
             floor = max(r["bytes_floor_us"], r["chain_floor_us"])
             bw = all(v for k, v in r.items() if k.endswith("_bitwise"))
             cells = [r.get(k) for k in ("python_loop_us", "cuda_one_thread_per_column_us", "triton_fold_us",
-                                        "strictnorm_cuda_fold_us", "cuda_fold_prefetch_candidate_us")]
+                                        "strictnorm_cuda_fold_us")]
             text = " | ".join("–" if c is None else f"{c:.1f}" for c in cells)
             lines.append(f"| {r['M']} × {r['N']} | {text} | {floor:.1f} | {r.get('fold_over_floor', float('nan')):.2f}"
                          f" | {'yes' if bw else 'NO'} |")

@@ -37,8 +37,7 @@ class FoldLaunch:
     shmem: int
 
 
-def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, prefetch: bool
-                ) -> tuple[int, int, int, bool, int]:
+def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int) -> tuple[int, int, int, bool, int]:
     """(COLS, ROWS_PER_STAGE, STAGES, CONVERT, shared bytes). Few columns per CTA when columns are few
     (the chain of adds is the floor: spread columns over many SMs); a warp-wide 32 when there are
     enough CTAs anyway. CONVERT (producers compute the dW contributions) where at least 4 stages fit."""
@@ -46,23 +45,20 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, prefe
     rows_per_stage = 128 if cols == 8 else 64
     stage_bytes = rows_per_stage * cols * (a_size + (b_size if what else 0)) + (rows_per_stage * 4 if what else 0)
     contrib_bytes = 2 * rows_per_stage * cols * 4
-    convert = bool(what) and not prefetch and (_SMEM_LIMIT - contrib_bytes) // stage_bytes >= 4
+    convert = bool(what) and (_SMEM_LIMIT - contrib_bytes) // stage_bytes >= 4
     budget = _SMEM_LIMIT - (contrib_bytes if convert else 0)
     stages = max(2, min(12, budget // stage_bytes))
     return cols, rows_per_stage, stages, convert, stages * stage_bytes + (contrib_bytes if convert else 0)
 
 
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
-                ring: bool, num_sms: int, prefetch: bool = False) -> FoldLaunch:
-    """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel;
-    prefetch=True the ring with a software-pipelined consumer (same bits; measured slower on an
-    H200, so not the default)."""
+                ring: bool, num_sms: int) -> FoldLaunch:
+    """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel."""
     defines = {"A_CODE": _CODE[a_dtype], "B_CODE": _CODE[b_dtype], "WHAT": what, "SIMPLE_ROWS": int(simple_rows)}
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
-    cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, prefetch)
-    defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, PREFETCH=int(prefetch),
-                   CONVERT=int(convert))
+    cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms)
+    defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
 
 
@@ -246,7 +242,7 @@ class CudaBackend:
         return self._cache
 
     def fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
-             what: int, groups: int, ring: bool = True, prefetch: bool = False) -> torch.Tensor:
+             what: int, groups: int, ring: bool = True) -> torch.Tensor:
         """(groups, N) fp32: group h folds logical rows t * groups + h (see fold.cu)."""
         n = alay.n
         out = torch.empty((groups, n), dtype=torch.float32, device=a.device)
@@ -257,7 +253,7 @@ class CudaBackend:
         simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
         dev = _device_index(a)
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        fl = fold_launch(n, a.dtype, b.dtype, what, simple, ring, num_sms, prefetch)
+        fl = fold_launch(n, a.dtype, b.dtype, what, simple, ring, num_sms)
         kc = self._kernels()
         kernel = kc.get(dev, _SOURCE, fl.kernel, fl.defines)
         i64 = np.int64
@@ -342,9 +338,9 @@ class CudaBackend:
             dw = part.sum(0).to(weight.dtype)
         return v.dx, dw
 
-    def left_fold(self, rows: torch.Tensor, ring: bool = True, prefetch: bool = False) -> torch.Tensor:
+    def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:
         if rows.numel() == 0:
             return torch.zeros(rows.shape[1:], dtype=torch.float32, device=rows.device)
         flat = rows.reshape(rows.shape[0], -1)
         ak, lay = row_layout(flat)
-        return self.fold(ak, lay, ak, lay, ak, 0, 1, ring, prefetch).reshape(rows.shape[1:])
+        return self.fold(ak, lay, ak, lay, ak, 0, 1, ring).reshape(rows.shape[1:])

@@ -7,7 +7,6 @@
 //
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), and for fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
-// PREFETCH (1: a software-pipelined consumer; measured slower on an H200, kept as a candidate),
 // CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3).
 //
 // Rows are addressed through the layout of ../layout.py: for logical row r,
@@ -201,34 +200,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
             };
             const long long left = rows_per_group - s * ROWS_PER_STAGE;
             const int rows = left < ROWS_PER_STAGE ? static_cast<int>(left) : ROWS_PER_STAGE;
-#if PREFETCH
-            // Software pipeline (candidate, same adds in the same order): the next block's values are
-            // loaded and computed while the current block's dependent adds run.
-            constexpr int U = 16;
-            const int full = rows / U * U;
-            float cur[U], nxt[U];
-            if (full > 0) {
-#pragma unroll
-                for (int u = 0; u < U; ++u) cur[u] = value(u);
-            }
-            for (int b = 0; b < full; b += U) {
-                const bool more = b + U < full;
-                if (more) {
-#pragma unroll
-                    for (int u = 0; u < U; ++u) nxt[u] = value(b + U + u);
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u) acc = __fadd_rn(acc, cur[u]);
-                if (more) {
-#pragma unroll
-                    for (int u = 0; u < U; ++u) cur[u] = nxt[u];
-                }
-            }
-            for (int i = full; i < rows; ++i) acc = __fadd_rn(acc, value(i));
-#else
 #pragma unroll 16
             for (int i = 0; i < rows; ++i) acc = __fadd_rn(acc, value(i));
-#endif
         }
     }
 #endif  // CONVERT
