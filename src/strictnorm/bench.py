@@ -232,7 +232,9 @@ def bench_norm(timer: Timer, shapes, ceiling: float, providers: dict[str, Callab
     """Per shape: `rounds` rounds, providers in a fresh random order each round; each figure is the
     median over rounds. Appends one row per (shape, provider) as it goes."""
     rng = random.Random(seed)
-    for m, n in shapes:
+    for i, (m, n) in enumerate(shapes):
+        print(f"[{i + 1}/{len(shapes)}] {op} {m}x{n}: {len(providers)} providers x {rounds} rounds", file=sys.stderr,
+              flush=True)  # progress
         inputs = _norm_inputs(timer.device, m, n, dtype, op)
         per: dict[str, list[dict]] = {name: [] for name in providers}
         errors: dict[str, str] = {}
