@@ -1,0 +1,223 @@
+"""CuTe DSL RMSNorm forward with the contract's exact bits (a first version, compile-tested only).
+
+Same mapping as ../cuda/kernels/rms_norm.cu: the padded row (P lanes) is cut into pieces of PIECE
+lanes; TPR threads serve a row and thread t owns pieces k * TPR + t; canon_sum is the in-thread
+pairwise tree over each piece, butterfly shuffles with offsets 1, 2, 4, ... across adjacent threads,
+then the remaining subtrees (k * warps + warp) pairwise, in-thread or through shared memory.
+
+Exactness: every fp32 operation is an explicitly rounded intrinsic (add/mul/div/sqrt with
+RoundingMode.NEAREST_EVEN, which lower to add.rn.f32 & co.): plain `a * b + c` in the DSL becomes an
+fma, and plain `add.f32` may be contracted by ptxas. The Gemma offset is a runtime fp32 added to the
+widened weight inside the kernel, never to the weight in its own dtype.
+
+Status: compiles for sm_90a without a GPU (tests/test_cute.py); NOT yet run on a GPU, so no backend
+offers it. Loads are element-wise (no 16-byte vectors yet).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.math import RoundingMode
+
+_RN = RoundingMode.NEAREST_EVEN
+_WARP = 32
+MODES = {"llama": 0, "gemma": 1, "none": 2}
+
+
+def _add(a, b):
+    return cute.math.add(a, b, rounding=_RN)
+
+
+def _mul(a, b):
+    return cute.math.mul(a, b, rounding=_RN)
+
+
+def _div(a, b):
+    return cute.math.div(a, b, rounding=_RN)
+
+
+def _round_to(v, dtype):
+    """rd(v, dtype) widened back to fp32 (round to nearest even)."""
+    if const_expr(dtype == Float32):
+        return v
+    return v.to(dtype).to(Float32)
+
+
+def _pair_tree(values: list):
+    """Adjacent-first pairwise tree over a power-of-two list (trace time: fully unrolled)."""
+    while len(values) > 1:
+        values = [_add(values[2 * j], values[2 * j + 1]) for j in range(len(values) // 2)]
+    return values[0]
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """Compile-time block shape; any choice gives the same bits (the tree is fixed by N)."""
+
+    piece: int
+    tpr: int
+    k: int
+    rpb: int
+
+    @property
+    def threads(self) -> int:
+        return self.tpr * self.rpb
+
+    @property
+    def subtrees(self) -> int:
+        return self.k * max(1, self.tpr // _WARP)
+
+
+def forward_shape(n: int, threads_min: int = 128) -> ForwardShape:
+    p = 1 << max(0, (n - 1).bit_length())
+    piece = min(p, 8)
+    tpr = max(1, min(256, p // max(piece, 16)))
+    k = p // (piece * tpr)
+    return ForwardShape(piece, tpr, k, max(1, threads_min // tpr))
+
+
+class RMSNormForward:
+    """y, rstd of x (M, N) with a row stride; weight (N,) or none; casting mode and fp32 offset."""
+
+    def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype) -> None:
+        self.s = shape
+        self.mode = MODES[mode]
+        self.has_weight = has_weight
+        self.norm_dtype = norm_dtype  # D of the contract: x's dtype
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor, rows: Int32,
+                 n: Int32, eps: Float32, offset: Float32, grid: Int32):
+        self.kernel(mX, mW, mY, mRstd, rows, n, eps, offset).launch(
+            grid=(grid, 1, 1), block=(self.s.threads, 1, 1))
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor, rows: Int32,
+               n: Int32, eps: Float32, offset: Float32):
+        s = self.s
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        t = tidx % s.tpr
+        slot = tidx // s.tpr
+        lane = tidx % _WARP
+        warp_in_row = (tidx % s.tpr) // _WARP
+        smem = cutlass.memory.SmemAllocator()
+        scratch = smem.allocate_tensor(Float32, cute.make_layout((2, s.rpb, s.subtrees)), 16)
+        groups = (rows + s.rpb - 1) // s.rpb
+        iters = (groups - bidx + gdim - 1) // gdim
+        for it in cutlass.range(iters):
+            row = (bidx + it * gdim) * s.rpb + slot
+            live = row < rows
+            r = cutlass.min(row, rows - 1)  # loads stay in bounds; dead rows read row rows - 1, then zero
+            # pass 1: squares and the piece trees
+            part = []
+            for kk in cutlass.range_constexpr(s.k):
+                c0 = (kk * s.tpr + t) * s.piece
+                sq = []
+                for i in cutlass.range_constexpr(s.piece):
+                    col = c0 + i
+                    ok = live & (col < n)
+                    v = cutlass.select_(ok, mX[r, cutlass.min(col, n - 1)].to(Float32), Float32(0.0))
+                    sq.append(_mul(v, v))
+                part.append(_pair_tree(sq))
+            # step 2: butterfly across the row's threads (adjacent pieces first)
+            off = 1
+            while off < min(s.tpr, _WARP):
+                part = [_add(p_, cute.arch.shuffle_sync_bfly(p_, offset=off)) for p_ in part]
+                off *= 2
+            if const_expr(s.tpr <= _WARP):
+                ss = _pair_tree(part)
+            else:
+                parity = it % 2
+                if lane == 0:
+                    for kk in cutlass.range_constexpr(s.k):
+                        scratch[parity, slot, kk * (s.tpr // _WARP) + warp_in_row] = part[kk]
+                cute.arch.sync_threads()
+                if const_expr(s.subtrees >= _WARP):
+                    run = s.subtrees // _WARP
+                    u = _pair_tree([scratch[parity, slot, lane * run + j] for j in range(run)])
+                    for sh in (1, 2, 4, 8, 16):
+                        u = _add(u, cute.arch.shuffle_sync_bfly(u, offset=sh))
+                else:
+                    u = cutlass.select_(lane < s.subtrees, scratch[parity, slot, cutlass.min(lane, s.subtrees - 1)],
+                                        Float32(0.0))
+                    sh = 1
+                    while sh < s.subtrees:
+                        u = _add(u, cute.arch.shuffle_sync_bfly(u, offset=sh))
+                        sh *= 2
+                ss = cute.arch.shuffle_sync(u, 0)
+            rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
+            if live & (t == 0):
+                mRstd[r] = rstd
+            # pass 2: y (x read again: this thread's own lanes)
+            for kk in cutlass.range_constexpr(s.k):
+                c0 = (kk * s.tpr + t) * s.piece
+                for i in cutlass.range_constexpr(s.piece):
+                    col = c0 + i
+                    cc = cutlass.min(col, n - 1)
+                    xf = mX[r, cc].to(Float32)
+                    if const_expr(self.mode == 1):
+                        o = _mul(xf, rstd)
+                    elif const_expr(self.mode == 0):
+                        o = _round_to(_mul(xf, rstd), self.norm_dtype)
+                    else:
+                        o = _round_to(_mul(xf, _round_to(rstd, self.norm_dtype)), self.norm_dtype)
+                    if const_expr(self.has_weight):
+                        wf = _add(mW[cc].to(Float32), offset)  # the offset is added in fp32
+                        if const_expr(self.mode == 2):
+                            wf = _round_to(wf, self.norm_dtype)
+                        o = _mul(o, wf)
+                        if const_expr(self.mode == 2):
+                            o = _round_to(o, self.norm_dtype)
+                    if live & (col < n):
+                        mY[r, cc] = o.to(mY.element_type)
+
+
+@lru_cache(maxsize=256)
+def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, arch: str | None = None):
+    """The compiled forward for one (padded N, dtypes, mode): the cache key holds everything that is
+    baked into the kernel. The offset and eps are runtime fp32 arguments."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    if arch:
+        os.environ["CUTE_DSL_ARCH"] = arch
+    shape = forward_shape(n)
+    sym = cute.sym_int
+    m_sym, n_sym, ld = sym(), sym(), cute.sym_int64()  # 64-bit row stride: offsets past 2^31 elements
+    fx = make_fake_tensor(x_dtype, (m_sym, n_sym), (ld, 1))
+    fw = make_fake_tensor(w_dtype or x_dtype, (n_sym,), (1,))
+    fy = make_fake_tensor(y_dtype, (m_sym, n_sym), (cute.sym_int64(), 1))
+    fr = make_fake_tensor(Float32, (m_sym,), (1,))
+    op = RMSNormForward(shape, mode, w_dtype is not None, x_dtype)
+    return cute.compile(op, fx, fw, fy, fr, Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1)), shape
+
+
+_TORCH_TO_CUTE = {"torch.float32": Float32, "torch.bfloat16": cutlass.BFloat16, "torch.float16": cutlass.Float16}
+
+
+def forward(x, weight, eps: float, offset: float, mode: str, out_dtype):
+    """(y, rstd) of a 2D torch tensor x (rows with a row stride, unit stride along N) on the GPU.
+    Written against the CuTe DSL runtime API but not yet run on a GPU (see the module docstring)."""
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    rows, n = x.shape
+    y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return y, rstd
+    w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
+    compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode)
+    groups = -(-rows // shape.rpb)
+    grid = min(groups, torch.cuda.get_device_properties(x.device).multi_processor_count * max(1, 2048 // shape.threads))
+    w = weight if weight is not None else x[0]
+    args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in (x, w, y, rstd)]
+    compiled(*args, Int32(rows), Int32(n), Float32(eps), Float32(offset), Int32(grid))
+    return y, rstd
