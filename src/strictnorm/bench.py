@@ -57,8 +57,9 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             env[pkg] = None
     try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                           timeout=10).stdout.strip() or None
+        # "-dirty" when the files differ from that commit: the numbers then belong to uncommitted code
+        env["git_commit"] = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         env["git_commit"] = None
     return env
