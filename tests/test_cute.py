@@ -12,35 +12,32 @@ import torch
 from conftest import HAS_CUDA
 from helpers import bits_equal
 
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when the DSL is imported: compile for the H100/H200
 cutlass = pytest.importorskip("cutlass")
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from strictnorm.backends.cute import kernels as K  # noqa: E402
 
 
-def _ptx(tmp_path, n: int, mode: str, x_dtype, w_dtype) -> str:
+def _ptx(tmp_path, n: int, mode: str, x_dtype, w_dtype, vector: bool = False) -> str:
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
-    from cutlass.cute.runtime import make_fake_tensor
 
-    m_sym, n_sym = cute.sym_int(), cute.sym_int()
-    fx = make_fake_tensor(x_dtype, (m_sym, n_sym), (cute.sym_int64(), 1))
-    fw = make_fake_tensor(w_dtype or x_dtype, (n_sym,), (1,))
-    fy = make_fake_tensor(x_dtype, (m_sym, n_sym), (cute.sym_int64(), 1))
-    fr = make_fake_tensor(Float32, (m_sym,), (1,))
-    op = K.RMSNormForward(K.forward_shape(n), mode, w_dtype is not None, x_dtype)
-    cute.compile(op, fx, fw, fy, fr, Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
-                 options=f"--keep-ptx --dump-dir {tmp_path}")
+    op, args = K.forward_args(n, x_dtype, w_dtype, x_dtype, mode, vector)
+    cute.compile(op, *args, options=f"--keep-ptx --dump-dir {tmp_path}")
     (path,) = list(tmp_path.glob("*.ptx"))
+    assert path.name.endswith(".sm_90a.ptx")
     return path.read_text()
 
 
 @pytest.mark.parametrize("n", [1, 7, 128, 1000, 4096, 18432])
 @pytest.mark.parametrize("mode", ["llama", "gemma", "none"])
-def test_forward_compiles_with_only_rounded_fp32_ops(n, mode, tmp_path):
+@pytest.mark.parametrize("vector", [False, True])
+def test_forward_compiles_with_only_rounded_fp32_ops(n, mode, vector, tmp_path):
     """No fused multiply-add and no unrounded fp32 add/mul/div/sqrt anywhere: ptxas may contract a
-    plain add.f32 with a mul, which would change bits."""
-    ptx = _ptx(tmp_path, n, mode, cutlass.BFloat16, cutlass.BFloat16)
+    plain add.f32 with a mul, which would change bits. Whole aligned pieces load 16 bytes at a time."""
+    if vector and (n % 8 or K.forward_shape(n).piece != 8):
+        pytest.skip("vector loads need pieces of 8 lanes and N % 8 == 0")
+    ptx = _ptx(tmp_path, n, mode, cutlass.BFloat16, cutlass.BFloat16, vector)
+    assert ("ld.global.v4" in ptx) == vector
     assert "fma." not in ptx
     assert not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx), "an fp32 op without .rn"
     assert re.search(r"\bsqrt\.rn\.f32\b", ptx) and re.search(r"\bdiv\.rn\.f32\b", ptx)
@@ -53,15 +50,24 @@ def test_forward_compiles_with_only_rounded_fp32_ops(n, mode, tmp_path):
 @pytest.mark.parametrize("n", [1, 7, 127, 128, 1000, 4096, 5120, 8192, 18432])
 @pytest.mark.parametrize("mode", ["llama", "gemma", "none"])
 def test_forward_bitwise_on_gpu(n, mode, seed):
+    """Element-wise rows (odd N, or a view at an odd offset) and vector rows, against the reference."""
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec
 
     g = torch.Generator(device="cuda").manual_seed(seed)
-    for rows in (1, 37, 3000):
-        x = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    for rows, shift in ((1, 0), (37, 1), (3000, 0)):
+        x = torch.randn(rows, n + shift, device="cuda", generator=g).bfloat16()[:, shift:]  # shift: misaligned
         w = (torch.randn(n, device="cuda", generator=g) * 0.01).bfloat16()  # tiny weights: the Gemma case
         offset = 1.0 if mode == "gemma" else 0.0
         spec = make_spec(torch.bfloat16, 1e-6, offset, mode, torch.bfloat16)
         want_y, want_rstd, _ = get_backend("torch").rms_norm_fwd(x, w, None, spec)
         y, rstd = K.forward(x, w, 1e-6, offset, mode, torch.bfloat16)
         assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n} {mode}"
+
+
+@pytest.mark.parametrize("x_name, w_name", [("Float32", "Float32"), ("Float16", "Float32"), ("BFloat16", None)])
+def test_forward_compiles_for_other_dtypes(x_name, w_name, tmp_path):
+    """fp32 rows (two 16-byte vectors per piece), fp16 rows with an fp32 weight, no weight."""
+    w_dtype = getattr(cutlass, w_name) if w_name else None
+    ptx = _ptx(tmp_path, 4096, "llama", getattr(cutlass, x_name), w_dtype, vector=True)
+    assert "fma." not in ptx and "ld.global.v4" in ptx

@@ -10,13 +10,13 @@ RoundingMode.NEAREST_EVEN, which lower to add.rn.f32 & co.): plain `a * b + c` i
 fma, and plain `add.f32` may be contracted by ptxas. The Gemma offset is a runtime fp32 added to the
 widened weight inside the kernel, never to the weight in its own dtype.
 
-Status: compiles for sm_90a without a GPU (tests/test_cute.py); NOT yet run on a GPU, so no backend
-offers it. Loads are element-wise (no 16-byte vectors yet).
+Status: compiles for sm_90a without a GPU (CUTE_DSL_ARCH; tests/test_cute.py); NOT yet run on a GPU,
+so no backend offers it. Rows whose pieces are whole and 16-byte aligned use 16-byte vector loads and
+stores; others load element by element.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -85,11 +85,54 @@ def forward_shape(n: int, threads_min: int = 128) -> ForwardShape:
 class RMSNormForward:
     """y, rstd of x (M, N) with a row stride; weight (N,) or none; casting mode and fp32 offset."""
 
-    def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype) -> None:
+    def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False) -> None:
         self.s = shape
         self.mode = MODES[mode]
         self.has_weight = has_weight
         self.norm_dtype = norm_dtype  # D of the contract: x's dtype
+        # whole pieces of 16-byte-aligned rows (N % PIECE == 0): 16-byte vector loads and stores
+        self.vector = vector
+
+    @cute.jit
+    def _piece(self, line: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean
+               ) -> cute.Tensor:
+        """Piece kk of thread t of a row (a 1D tensor), widened to fp32; +0.0 past N or when not ok.
+        Every address read is inside the row."""
+        s = self.s
+        out = cute.make_rmem_tensor((s.piece,), Float32)
+        if const_expr(self.vector):
+            raw = cute.make_rmem_tensor((s.piece,), line.element_type)
+            idx = kk * s.tpr + t
+            if ok & (idx * s.piece < n):
+                atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), line.element_type, num_bits_per_copy=128)
+                cute.copy(atom, cute.zipped_divide(line, (s.piece,))[None, idx], raw)
+            else:
+                raw.fill(0)
+            out.store(raw.load().to(Float32))
+        else:
+            for i in cutlass.range_constexpr(s.piece):
+                col = (kk * s.tpr + t) * s.piece + i
+                v = line[cutlass.min(col, n - 1)].to(Float32)
+                out[i] = cutlass.select_(ok & (col < n), v, Float32(0.0))
+        return out
+
+    @cute.jit
+    def _store(self, line: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean,
+               values: cute.Tensor) -> None:
+        """Stores piece kk of thread t of a row, rounded to the row's dtype, where ok and inside N."""
+        s = self.s
+        raw = cute.make_rmem_tensor((s.piece,), line.element_type)
+        raw.store(values.load().to(line.element_type))
+        if const_expr(self.vector):
+            idx = kk * s.tpr + t
+            if ok & (idx * s.piece < n):
+                atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), line.element_type, num_bits_per_copy=128)
+                cute.copy(atom, raw, cute.zipped_divide(line, (s.piece,))[None, idx])
+        else:
+            for i in cutlass.range_constexpr(s.piece):
+                col = (kk * s.tpr + t) * s.piece + i
+                if ok & (col < n):
+                    line[col] = raw[i]
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor, rows: Int32,
@@ -117,16 +160,11 @@ class RMSNormForward:
             live = row < rows
             r = cutlass.min(row, rows - 1)  # loads stay in bounds; dead rows read row rows - 1, then zero
             # pass 1: squares and the piece trees
+            xrow = mX[r, None]
             part = []
             for kk in cutlass.range_constexpr(s.k):
-                c0 = (kk * s.tpr + t) * s.piece
-                sq = []
-                for i in cutlass.range_constexpr(s.piece):
-                    col = c0 + i
-                    ok = live & (col < n)
-                    v = cutlass.select_(ok, mX[r, cutlass.min(col, n - 1)].to(Float32), Float32(0.0))
-                    sq.append(_mul(v, v))
-                part.append(_pair_tree(sq))
+                v = self._piece(xrow, kk, t, n, live)
+                part.append(_pair_tree([_mul(v[i], v[i]) for i in range(s.piece)]))
             # step 2: butterfly across the row's threads (adjacent pieces first)
             off = 1
             while off < min(s.tpr, _WARP):
@@ -156,47 +194,55 @@ class RMSNormForward:
             rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
             if live & (t == 0):
                 mRstd[r] = rstd
-            # pass 2: y (x read again: this thread's own lanes)
+            # pass 2: y (x and w read again: this thread's own lanes, from L1/L2)
             for kk in cutlass.range_constexpr(s.k):
-                c0 = (kk * s.tpr + t) * s.piece
+                xs = self._piece(xrow, kk, t, n, live)
+                if const_expr(self.has_weight):
+                    ws = self._piece(mW, kk, t, n, live)
+                out = cute.make_rmem_tensor((s.piece,), Float32)
                 for i in cutlass.range_constexpr(s.piece):
-                    col = c0 + i
-                    cc = cutlass.min(col, n - 1)
-                    xf = mX[r, cc].to(Float32)
                     if const_expr(self.mode == 1):
-                        o = _mul(xf, rstd)
+                        o = _mul(xs[i], rstd)
                     elif const_expr(self.mode == 0):
-                        o = _round_to(_mul(xf, rstd), self.norm_dtype)
+                        o = _round_to(_mul(xs[i], rstd), self.norm_dtype)
                     else:
-                        o = _round_to(_mul(xf, _round_to(rstd, self.norm_dtype)), self.norm_dtype)
+                        o = _round_to(_mul(xs[i], _round_to(rstd, self.norm_dtype)), self.norm_dtype)
                     if const_expr(self.has_weight):
-                        wf = _add(mW[cc].to(Float32), offset)  # the offset is added in fp32
+                        wf = _add(ws[i], offset)  # the offset is added in fp32
                         if const_expr(self.mode == 2):
                             wf = _round_to(wf, self.norm_dtype)
                         o = _mul(o, wf)
                         if const_expr(self.mode == 2):
                             o = _round_to(o, self.norm_dtype)
-                    if live & (col < n):
-                        mY[r, cc] = o.to(mY.element_type)
+                    out[i] = o
+                self._store(mY[r, None], kk, t, n, live, out)
+
+
+def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool) -> tuple:
+    """The operator and the fake arguments cute.compile specializes on: dtypes, mode, block shape,
+    and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0)."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = forward_shape(n)
+    div = shape.piece if vector else 1
+    align = 16 if vector else None
+    m_sym, n_sym = cute.sym_int(), cute.sym_int(divisibility=div)
+
+    def rows_of(dtype):  # 64-bit row strides: offsets past 2^31 elements
+        return make_fake_tensor(dtype, (m_sym, n_sym), (cute.sym_int64(divisibility=div), 1), assumed_align=align)
+
+    fw = make_fake_tensor(w_dtype or x_dtype, (n_sym,), (1,), assumed_align=align)
+    fr = make_fake_tensor(Float32, (m_sym,), (1,))
+    op = RMSNormForward(shape, mode, w_dtype is not None, x_dtype, vector)
+    return op, (rows_of(x_dtype), fw, rows_of(y_dtype), fr, Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1))
 
 
 @lru_cache(maxsize=256)
-def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, arch: str | None = None):
-    """The compiled forward for one (padded N, dtypes, mode): the cache key holds everything that is
+def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, options: str = ""):
+    """The compiled forward for one (padded N, dtypes, mode, vector): the cache key holds everything
     baked into the kernel. The offset and eps are runtime fp32 arguments."""
-    from cutlass.cute.runtime import make_fake_tensor
-
-    if arch:
-        os.environ["CUTE_DSL_ARCH"] = arch
-    shape = forward_shape(n)
-    sym = cute.sym_int
-    m_sym, n_sym, ld = sym(), sym(), cute.sym_int64()  # 64-bit row stride: offsets past 2^31 elements
-    fx = make_fake_tensor(x_dtype, (m_sym, n_sym), (ld, 1))
-    fw = make_fake_tensor(w_dtype or x_dtype, (n_sym,), (1,))
-    fy = make_fake_tensor(y_dtype, (m_sym, n_sym), (cute.sym_int64(), 1))
-    fr = make_fake_tensor(Float32, (m_sym,), (1,))
-    op = RMSNormForward(shape, mode, w_dtype is not None, x_dtype)
-    return cute.compile(op, fx, fw, fy, fr, Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1)), shape
+    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector)
+    return cute.compile(op, *args, options=options) if options else cute.compile(op, *args), op.s
 
 
 _TORCH_TO_CUTE = {"torch.float32": Float32, "torch.bfloat16": cutlass.BFloat16, "torch.float16": cutlass.Float16}
@@ -214,7 +260,11 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype):
     if rows == 0:
         return y, rstd
     w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
-    compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode)
+    piece = forward_shape(n).piece
+    vector = piece == 8 and n % piece == 0 and all(t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % piece == 0)
+                                    for t in (x, y) + ((weight,) if weight is not None else ()))
+    compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
+                                      vector)
     groups = -(-rows // shape.rpb)
     grid = min(groups, torch.cuda.get_device_properties(x.device).multi_processor_count * max(1, 2048 // shape.threads))
     w = weight if weight is not None else x[0]
