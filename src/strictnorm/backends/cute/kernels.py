@@ -1,4 +1,4 @@
-"""CuTe DSL RMSNorm forward with the contract's exact bits (a first version, compile-tested only).
+"""CuTe DSL RMSNorm forward and backward with the contract's exact bits (first versions, compile-tested).
 
 Same mapping as ../cuda/kernels/rms_norm.cu: the padded row (P lanes) is cut into pieces of PIECE
 lanes; TPR threads serve a row and thread t owns pieces k * TPR + t; canon_sum is the in-thread
@@ -82,16 +82,57 @@ def forward_shape(n: int, threads_min: int = 128) -> ForwardShape:
     return ForwardShape(piece, tpr, k, max(1, threads_min // tpr))
 
 
-class RMSNormForward:
-    """y, rstd of x (M, N) with a row stride; weight (N,) or none; casting mode and fp32 offset."""
+def row_sum(s: ForwardShape, part: list, scratch: cute.Tensor, parity, slot, lane, warp_in_row):
+    """canon_sum of a row from this thread's piece sums part[k] (steps 2 and 3 of the module
+    docstring); every thread of the row gets the total. All threads of the block call it together.
+    Trace-time helper: no data-dependent branches (every lane of a warp holds the same totals after
+    the butterfly, so all of them may write them)."""
+    off = 1
+    while off < min(s.tpr, _WARP):  # adjacent pieces first
+        part = [_add(p_, cute.arch.shuffle_sync_bfly(p_, offset=off)) for p_ in part]
+        off *= 2
+    if s.tpr <= _WARP:
+        return _pair_tree(part)
+    for kk in range(s.k):
+        scratch[parity, slot, kk * (s.tpr // _WARP) + warp_in_row] = part[kk]
+    cute.arch.sync_threads()
+    if s.subtrees >= _WARP:  # lane l reduces the aligned run [l * run, (l + 1) * run), then butterfly
+        run = s.subtrees // _WARP
+        u = _pair_tree([scratch[parity, slot, lane * run + j] for j in range(run)])
+        for sh in (1, 2, 4, 8, 16):
+            u = _add(u, cute.arch.shuffle_sync_bfly(u, offset=sh))
+    else:  # lanes [0, subtrees) hold one subtree each; xor offsets below subtrees never reach the rest
+        u = cutlass.select_(lane < s.subtrees, scratch[parity, slot, cutlass.min(lane, s.subtrees - 1)], Float32(0.0))
+        sh = 1
+        while sh < s.subtrees:
+            u = _add(u, cute.arch.shuffle_sync_bfly(u, offset=sh))
+            sh *= 2
+    return cute.arch.shuffle_sync(u, 0)
+
+
+class _RowKernel:
+    """What the forward and backward share: block shape, casting mode, weight, vector access."""
 
     def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False) -> None:
         self.s = shape
         self.mode = MODES[mode]
         self.has_weight = has_weight
-        self.norm_dtype = norm_dtype  # D of the contract: x's dtype
+        self.norm_dtype = norm_dtype  # D of the contract: the norm input's dtype
         # whole pieces of 16-byte-aligned rows (N % PIECE == 0): 16-byte vector loads and stores
         self.vector = vector
+
+    def _normalized(self, xf, rstd):
+        """The normalized value as y's scaling step uses it (contract, forward step 3)."""
+        if const_expr(self.mode == 1):
+            return _mul(xf, rstd)
+        if const_expr(self.mode == 0):
+            return _round_to(_mul(xf, rstd), self.norm_dtype)
+        return _round_to(_mul(xf, _round_to(rstd, self.norm_dtype)), self.norm_dtype)
+
+    def _weight(self, wraw, offset):
+        """wf = f32(w) + offset in fp32 (rounded to D in mode none)."""
+        wf = _add(wraw, offset)
+        return _round_to(wf, self.norm_dtype) if const_expr(self.mode == 2) else wf
 
     @cute.jit
     def _piece(self, line: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean
@@ -134,6 +175,11 @@ class RMSNormForward:
                 if ok & (col < n):
                     line[col] = raw[i]
 
+
+
+class RMSNormForward(_RowKernel):
+    """y, rstd of x (M, N) with a row stride; weight (N,) or none; casting mode and fp32 offset."""
+
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor, rows: Int32,
                  n: Int32, eps: Float32, offset: Float32, grid: Int32):
@@ -165,32 +211,7 @@ class RMSNormForward:
             for kk in cutlass.range_constexpr(s.k):
                 v = self._piece(xrow, kk, t, n, live)
                 part.append(_pair_tree([_mul(v[i], v[i]) for i in range(s.piece)]))
-            # step 2: butterfly across the row's threads (adjacent pieces first)
-            off = 1
-            while off < min(s.tpr, _WARP):
-                part = [_add(p_, cute.arch.shuffle_sync_bfly(p_, offset=off)) for p_ in part]
-                off *= 2
-            if const_expr(s.tpr <= _WARP):
-                ss = _pair_tree(part)
-            else:
-                parity = it % 2
-                if lane == 0:
-                    for kk in cutlass.range_constexpr(s.k):
-                        scratch[parity, slot, kk * (s.tpr // _WARP) + warp_in_row] = part[kk]
-                cute.arch.sync_threads()
-                if const_expr(s.subtrees >= _WARP):
-                    run = s.subtrees // _WARP
-                    u = _pair_tree([scratch[parity, slot, lane * run + j] for j in range(run)])
-                    for sh in (1, 2, 4, 8, 16):
-                        u = _add(u, cute.arch.shuffle_sync_bfly(u, offset=sh))
-                else:
-                    u = cutlass.select_(lane < s.subtrees, scratch[parity, slot, cutlass.min(lane, s.subtrees - 1)],
-                                        Float32(0.0))
-                    sh = 1
-                    while sh < s.subtrees:
-                        u = _add(u, cute.arch.shuffle_sync_bfly(u, offset=sh))
-                        sh *= 2
-                ss = cute.arch.shuffle_sync(u, 0)
+            ss = row_sum(s, part, scratch, it % 2, slot, lane, warp_in_row)
             rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
             if live & (t == 0):
                 mRstd[r] = rstd
@@ -201,21 +222,99 @@ class RMSNormForward:
                     ws = self._piece(mW, kk, t, n, live)
                 out = cute.make_rmem_tensor((s.piece,), Float32)
                 for i in cutlass.range_constexpr(s.piece):
-                    if const_expr(self.mode == 1):
-                        o = _mul(xs[i], rstd)
-                    elif const_expr(self.mode == 0):
-                        o = _round_to(_mul(xs[i], rstd), self.norm_dtype)
-                    else:
-                        o = _round_to(_mul(xs[i], _round_to(rstd, self.norm_dtype)), self.norm_dtype)
+                    o = self._normalized(xs[i], rstd)
                     if const_expr(self.has_weight):
-                        wf = _add(ws[i], offset)  # the offset is added in fp32
-                        if const_expr(self.mode == 2):
-                            wf = _round_to(wf, self.norm_dtype)
-                        o = _mul(o, wf)
+                        o = _mul(o, self._weight(ws[i], offset))  # the offset is added in fp32
                         if const_expr(self.mode == 2):
                             o = _round_to(o, self.norm_dtype)
                     out[i] = o
                 self._store(mY[r, None], kk, t, n, live, out)
+
+
+class RMSNormBackward(_RowKernel):
+    """dx (and optionally fp32 dW partials) of rows z (M, N) given dy, rstd, the weight and an optional
+    gradient through residual_out: dx = rd((g - xh * c) * rstd [+ f32(dres)], D) with g = f32(dy) * wf,
+    xh = z * rstd, c = canon_sum(xh * g) / N (contract, backward). With partials, row slot j of block b
+    sums its rows' dW contributions, in row order, into mPart[b * RPB + j] (the "fast" dW, reduced over
+    that buffer in a fixed order afterwards). dx may alias dy: a thread reads its lanes of dy before it
+    writes them."""
+
+    def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
+                 has_dres: bool = False, partials: bool = False) -> None:
+        super().__init__(shape, mode, has_weight, norm_dtype, vector)
+        self.has_dres = has_dres
+        self.partials = partials
+
+    @cute.jit
+    def __call__(self, mDY: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mRstd: cute.Tensor, mDres: cute.Tensor,
+                 mDX: cute.Tensor, mPart: cute.Tensor, rows: Int32, n: Int32, offset: Float32, grid: Int32):
+        self.kernel(mDY, mZ, mW, mRstd, mDres, mDX, mPart, rows, n, offset).launch(
+            grid=(grid, 1, 1), block=(self.s.threads, 1, 1))
+
+    @cute.kernel
+    def kernel(self, mDY: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mRstd: cute.Tensor, mDres: cute.Tensor,
+               mDX: cute.Tensor, mPart: cute.Tensor, rows: Int32, n: Int32, offset: Float32):
+        s = self.s
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        t = tidx % s.tpr
+        slot = tidx // s.tpr
+        lane = tidx % _WARP
+        warp_in_row = (tidx % s.tpr) // _WARP
+        smem = cutlass.memory.SmemAllocator()
+        scratch = smem.allocate_tensor(Float32, cute.make_layout((2, s.rpb, s.subtrees)), 16)
+        dw_acc = cute.make_rmem_tensor((s.k, s.piece), Float32)
+        dw_acc.fill(0.0)
+        groups = (rows + s.rpb - 1) // s.rpb
+        iters = (groups - bidx + gdim - 1) // gdim
+        for it in cutlass.range(iters):
+            row = (bidx + it * gdim) * s.rpb + slot
+            live = row < rows
+            r = cutlass.min(row, rows - 1)
+            zrow = mZ[r, None]
+            drow = mDY[r, None]
+            rstd = mRstd[r]  # a dead row (r clamped) reads a real rstd; its pieces are zero and nothing is stored
+            # pass 1: the piece trees of xh * g
+            part = []
+            for kk in cutlass.range_constexpr(s.k):
+                zs = self._piece(zrow, kk, t, n, live)
+                ds = self._piece(drow, kk, t, n, live)
+                if const_expr(self.has_weight):
+                    ws = self._piece(mW, kk, t, n, live)
+                prods = []
+                for i in cutlass.range_constexpr(s.piece):
+                    g = _mul(ds[i], self._weight(ws[i], offset)) if const_expr(self.has_weight) else ds[i]
+                    prods.append(_mul(_mul(zs[i], rstd), g))
+                part.append(_pair_tree(prods))
+            c = _div(row_sum(s, part, scratch, it % 2, slot, lane, warp_in_row), n.to(Float32))
+            # pass 2: dx (z, dy, w read again: this thread's own lanes), and the dW contributions
+            for kk in cutlass.range_constexpr(s.k):
+                zs = self._piece(zrow, kk, t, n, live)
+                ds = self._piece(drow, kk, t, n, live)
+                if const_expr(self.has_weight):
+                    ws = self._piece(mW, kk, t, n, live)
+                if const_expr(self.has_dres):
+                    es = self._piece(mDres[r, None], kk, t, n, live)
+                out = cute.make_rmem_tensor((s.piece,), Float32)
+                for i in cutlass.range_constexpr(s.piece):
+                    g = _mul(ds[i], self._weight(ws[i], offset)) if const_expr(self.has_weight) else ds[i]
+                    xh = _mul(zs[i], rstd)
+                    o = _mul(_add(g, -_mul(xh, c)), rstd)  # g - xh * c: negation is exact
+                    if const_expr(self.has_dres):
+                        o = _add(o, es[i])
+                    out[i] = o
+                    if const_expr(self.partials):
+                        contrib = _mul(ds[i], self._normalized(zs[i], rstd))
+                        dw_acc[kk, i] = cutlass.select_(live, _add(dw_acc[kk, i], contrib), dw_acc[kk, i])
+                self._store(mDX[r, None], kk, t, n, live, out)
+        if const_expr(self.partials):
+            prow = mPart[bidx * s.rpb + slot, None]
+            for kk in cutlass.range_constexpr(s.k):
+                vals = cute.make_rmem_tensor((s.piece,), Float32)
+                for i in cutlass.range_constexpr(s.piece):
+                    vals[i] = dw_acc[kk, i]
+                self._store(prow, kk, t, n, True, vals)
 
 
 def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool) -> tuple:
@@ -235,6 +334,32 @@ def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool) -> 
     fr = make_fake_tensor(Float32, (m_sym,), (1,))
     op = RMSNormForward(shape, mode, w_dtype is not None, x_dtype, vector)
     return op, (rows_of(x_dtype), fw, rows_of(y_dtype), fr, Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1))
+
+
+def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool
+                  ) -> tuple:
+    """The backward operator and its fake arguments (see forward_args)."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = forward_shape(n)
+    div = shape.piece if vector else 1
+    align = 16 if vector else None
+    m_sym, n_sym = cute.sym_int(), cute.sym_int(divisibility=div)
+
+    def rows_of(dtype, m=m_sym):
+        return make_fake_tensor(dtype, (m, n_sym), (cute.sym_int64(divisibility=div), 1), assumed_align=align)
+
+    fw = make_fake_tensor(w_dtype or z_dtype, (n_sym,), (1,), assumed_align=align)
+    fr = make_fake_tensor(Float32, (m_sym,), (1,))
+    op = RMSNormBackward(shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
+    return op, (rows_of(dy_dtype), rows_of(z_dtype), fw, fr, rows_of(z_dtype), rows_of(z_dtype),
+                rows_of(Float32, cute.sym_int()), Int32(1), Int32(n), Float32(0.0), Int32(1))
+
+
+@lru_cache(maxsize=256)
+def compile_backward(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool):
+    op, args = backward_args(n, z_dtype, dy_dtype, w_dtype, mode, vector, has_dres, partials)
+    return cute.compile(op, *args), op.s
 
 
 @lru_cache(maxsize=256)
@@ -260,9 +385,7 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype):
     if rows == 0:
         return y, rstd
     w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
-    piece = forward_shape(n).piece
-    vector = piece == 8 and n % piece == 0 and all(t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % piece == 0)
-                                    for t in (x, y) + ((weight,) if weight is not None else ()))
+    vector = _vector_ok(n, x, y, *((weight,) if weight is not None else ()))
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
                                       vector)
     groups = -(-rows // shape.rpb)
@@ -271,3 +394,32 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype):
     args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in (x, w, y, rstd)]
     compiled(*args, Int32(rows), Int32(n), Float32(eps), Float32(offset), Int32(grid))
     return y, rstd
+
+
+def _vector_ok(n: int, *tensors) -> bool:
+    return forward_shape(n).piece == 8 and n % 8 == 0 and all(
+        t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % 8 == 0) for t in tensors)
+
+
+def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool):
+    """(dx, fp32 dW partials or None) for 2D torch tensors on the GPU; dW = partials.sum(0) in "fast"
+    mode. Written against the CuTe DSL runtime API but not yet run on a GPU."""
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    rows, n = z.shape
+    dx = torch.empty_like(z)
+    if rows == 0:
+        return dx, None
+    compiled, shape = compile_backward(
+        n, _TORCH_TO_CUTE[str(z.dtype)], _TORCH_TO_CUTE[str(dy.dtype)],
+        _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
+        _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials)
+    groups = -(-rows // shape.rpb)
+    grid = min(groups, torch.cuda.get_device_properties(z.device).multi_processor_count * max(1, 2048 // shape.threads))
+    part = torch.empty((grid * shape.rpb, n), dtype=torch.float32, device=z.device)
+    w = weight if weight is not None else z[0]
+    tensors = (dy, z, w, rstd, dres if dres is not None else dy, dx, part)
+    args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
+    compiled(*args, Int32(rows), Int32(n), Float32(offset), Int32(grid))
+    return dx, (part if partials else None)
