@@ -219,7 +219,37 @@ def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_no
             else:
                 providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw, b=backend: api.rms_norm(
                     x, w, eps, dw=dw, backend=b, **kw))
+    if device.type == "cuda" and op == "rms_norm":
+        cute_candidate = _cute_candidate(eps, mode, offset)
+        if isinstance(cute_candidate, str):
+            skipped["strictnorm cute candidate"] = cute_candidate
+        else:
+            providers["strictnorm cute candidate"] = cute_candidate
     return providers, skipped
+
+
+def _cute_candidate(eps: float, mode: str, offset: float) -> Callable | str:
+    """The CuTe DSL kernels (backends/cute/kernels.py), timed as a labelled candidate before any backend
+    offers them: forward, and a backward with the fast dW partials; 2D inputs. Or why it is missing."""
+    try:
+        from .backends.cute import kernels as cute_kernels
+    except Exception as e:  # the DSL is an optional extra
+        return f"CuTe DSL not importable: {type(e).__name__}: {e}"[:160]
+
+    class CuteNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            y, rstd = cute_kernels.forward(x, w, eps, offset, mode, x.dtype)
+            ctx.save_for_backward(x, w, rstd)
+            return y
+
+        @staticmethod
+        def backward(ctx, gy):
+            x, w, rstd = ctx.saved_tensors
+            dx, part = cute_kernels.backward(gy.contiguous(), x, w, rstd, None, offset, mode, partials=True)
+            return dx, part.sum(0).to(w.dtype)
+
+    return lambda x, w, r: CuteNorm.apply(x, w)
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:
