@@ -18,10 +18,10 @@ cutlass = pytest.importorskip("cutlass")
 from strictnorm.backends.cute import kernels as K  # noqa: E402
 
 
-def _ptx(tmp_path, n: int, mode: str, x_dtype, w_dtype, vector: bool = False) -> str:
+def _ptx(tmp_path, n: int, mode: str, x_dtype, w_dtype, vector: bool = False, res_dtype=None) -> str:
     import cutlass.cute as cute
 
-    op, args = K.forward_args(n, x_dtype, w_dtype, x_dtype, mode, vector)
+    op, args = K.forward_args(n, x_dtype, w_dtype, x_dtype, mode, vector, res_dtype)
     cute.compile(op, *args, options=f"--keep-ptx --dump-dir {tmp_path}")
     (path,) = list(tmp_path.glob("*.ptx"))
     assert path.name.endswith(".sm_90a.ptx")
@@ -61,7 +61,7 @@ def test_forward_bitwise_on_gpu(n, mode, seed):
         offset = 1.0 if mode == "gemma" else 0.0
         spec = make_spec(torch.bfloat16, 1e-6, offset, mode, torch.bfloat16)
         want_y, want_rstd, _ = get_backend("torch").rms_norm_fwd(x, w, None, spec)
-        y, rstd = K.forward(x, w, 1e-6, offset, mode, torch.bfloat16)
+        y, rstd, _ = K.forward(x, w, 1e-6, offset, mode, torch.bfloat16)
         assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n} {mode}"
 
 
@@ -123,3 +123,35 @@ def test_backward_bitwise_on_gpu(n, mode, seed):
         rel = ((dw.double() - want_dw.double()).norm() / want_dw.double().norm().clamp_min(1e-30)).item()
         assert rel < 1e-2
         assert bits_equal(K.backward(dy, z, w, rstd, dres, offset, mode, partials=True)[1], part)
+
+
+@pytest.mark.parametrize("n", [7, 1000, 4096])
+@pytest.mark.parametrize("vector", [False, True])
+def test_fused_add_forward_compiles(n, vector, tmp_path):
+    """The fused add (bf16 x, fp32 residual stream): rounded ops only; residual_out stored."""
+    if vector and K.forward_shape(n).piece != 8:
+        pytest.skip("vector loads need pieces of 8 lanes")
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "plain").mkdir()
+    ptx = _ptx(tmp_path / "fused", n, "llama", cutlass.BFloat16, cutlass.Float32, vector, res_dtype=cutlass.Float32)
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+    plain = _ptx(tmp_path / "plain", n, "llama", cutlass.BFloat16, cutlass.Float32, vector)
+    assert ptx.count("st.global") > plain.count("st.global")  # residual_out is written too
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [7, 1000, 4096, 18432])
+def test_fused_add_forward_bitwise_on_gpu(n, seed):
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for rows in (1, 37, 3000):
+        x = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+        res = torch.randn(rows, n, device="cuda", generator=g)  # an fp32 residual stream
+        w = (torch.randn(n, device="cuda", generator=g) * 0.01).float()
+        spec = make_spec(torch.float32, 1e-6, 1.0, "gemma", torch.float32)
+        want = get_backend("torch").rms_norm_fwd(x, w, res, spec)
+        got = K.forward(x, w, 1e-6, 1.0, "gemma", torch.float32, residual=res)
+        for a, b in zip(want, got, strict=True):
+            assert bits_equal(a, b), f"{rows}x{n}"

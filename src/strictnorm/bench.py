@@ -239,7 +239,7 @@ def _cute_candidate(eps: float, mode: str, offset: float) -> Callable | str:
     class CuteNorm(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w):
-            y, rstd = cute_kernels.forward(x, w, eps, offset, mode, x.dtype)
+            y, rstd, _ = cute_kernels.forward(x, w, eps, offset, mode, x.dtype)
             ctx.save_for_backward(x, w, rstd)
             return y
 

@@ -178,17 +178,24 @@ class _RowKernel:
 
 
 class RMSNormForward(_RowKernel):
-    """y, rstd of x (M, N) with a row stride; weight (N,) or none; casting mode and fp32 offset."""
+    """y, rstd of x (M, N) with a row stride; weight (N,) or none; casting mode and fp32 offset. With
+    has_res, the fused add: z = rd(f32(x) + f32(residual), D) is stored to mZ (residual_out) and
+    normalized (D = the residual's dtype)."""
+
+    def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
+                 has_res: bool = False) -> None:
+        super().__init__(shape, mode, has_weight, norm_dtype, vector)
+        self.has_res = has_res
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor, rows: Int32,
-                 n: Int32, eps: Float32, offset: Float32, grid: Int32):
-        self.kernel(mX, mW, mY, mRstd, rows, n, eps, offset).launch(
+    def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor,
+                 mRstd: cute.Tensor, rows: Int32, n: Int32, eps: Float32, offset: Float32, grid: Int32):
+        self.kernel(mX, mRes, mZ, mW, mY, mRstd, rows, n, eps, offset).launch(
             grid=(grid, 1, 1), block=(self.s.threads, 1, 1))
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor, rows: Int32,
-               n: Int32, eps: Float32, offset: Float32):
+    def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor,
+               mRstd: cute.Tensor, rows: Int32, n: Int32, eps: Float32, offset: Float32):
         s = self.s
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -205,12 +212,19 @@ class RMSNormForward(_RowKernel):
             row = (bidx + it * gdim) * s.rpb + slot
             live = row < rows
             r = cutlass.min(row, rows - 1)  # loads stay in bounds; dead rows read row rows - 1, then zero
-            # pass 1: squares and the piece trees
+            # pass 1: z (x, or rd(x + residual) stored as residual_out), its squares, the piece trees
             xrow = mX[r, None]
             part = []
             for kk in cutlass.range_constexpr(s.k):
                 v = self._piece(xrow, kk, t, n, live)
+                if const_expr(self.has_res):
+                    res = self._piece(mRes[r, None], kk, t, n, live)
+                    for i in cutlass.range_constexpr(s.piece):
+                        v[i] = _round_to(_add(v[i], res[i]), self.norm_dtype)
+                    self._store(mZ[r, None], kk, t, n, live, v)
                 part.append(_pair_tree([_mul(v[i], v[i]) for i in range(s.piece)]))
+            if const_expr(self.has_res):
+                xrow = mZ[r, None]  # pass 2 reads z back: this thread's own lanes
             ss = row_sum(s, part, scratch, it % 2, slot, lane, warp_in_row)
             rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
             if live & (t == 0):
@@ -317,7 +331,7 @@ class RMSNormBackward(_RowKernel):
                 self._store(prow, kk, t, n, True, vals)
 
 
-def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool) -> tuple:
+def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None) -> tuple:
     """The operator and the fake arguments cute.compile specializes on: dtypes, mode, block shape,
     and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0)."""
     from cutlass.cute.runtime import make_fake_tensor
@@ -332,8 +346,10 @@ def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool) -> 
 
     fw = make_fake_tensor(w_dtype or x_dtype, (n_sym,), (1,), assumed_align=align)
     fr = make_fake_tensor(Float32, (m_sym,), (1,))
-    op = RMSNormForward(shape, mode, w_dtype is not None, x_dtype, vector)
-    return op, (rows_of(x_dtype), fw, rows_of(y_dtype), fr, Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1))
+    norm_dtype = res_dtype or x_dtype
+    op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
+    return op, (rows_of(x_dtype), rows_of(norm_dtype), rows_of(norm_dtype), fw, rows_of(y_dtype), fr, Int32(1),
+                Int32(n), Float32(1e-6), Float32(0.0), Int32(1))
 
 
 def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool
@@ -363,37 +379,39 @@ def compile_backward(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool
 
 
 @lru_cache(maxsize=256)
-def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, options: str = ""):
-    """The compiled forward for one (padded N, dtypes, mode, vector): the cache key holds everything
-    baked into the kernel. The offset and eps are runtime fp32 arguments."""
-    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector)
-    return cute.compile(op, *args, options=options) if options else cute.compile(op, *args), op.s
+def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None):
+    """The compiled forward for one (padded N, dtypes, mode, vector, residual): the cache key holds
+    everything baked into the kernel. The offset and eps are runtime fp32 arguments."""
+    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector, res_dtype)
+    return cute.compile(op, *args), op.s
 
 
 _TORCH_TO_CUTE = {"torch.float32": Float32, "torch.bfloat16": cutlass.BFloat16, "torch.float16": cutlass.Float16}
 
 
-def forward(x, weight, eps: float, offset: float, mode: str, out_dtype):
-    """(y, rstd) of a 2D torch tensor x (rows with a row stride, unit stride along N) on the GPU.
-    Written against the CuTe DSL runtime API but not yet run on a GPU (see the module docstring)."""
+def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual=None):
+    """(y, rstd, residual_out or None) of a 2D torch tensor x (rows with a row stride, unit stride along
+    N) on the GPU. Written against the CuTe DSL runtime API but not yet run on a GPU."""
     import torch
     from cutlass.cute.runtime import from_dlpack
 
     rows, n = x.shape
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    z = torch.empty((rows, n), dtype=residual.dtype, device=x.device) if residual is not None else None
     if rows == 0:
-        return y, rstd
+        return y, rstd, z
     w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
-    vector = _vector_ok(n, x, y, *((weight,) if weight is not None else ()))
+    vector = _vector_ok(n, x, y, *(t for t in (weight, residual, z) if t is not None))
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
-                                      vector)
+                                      vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None)
     groups = -(-rows // shape.rpb)
     grid = min(groups, torch.cuda.get_device_properties(x.device).multi_processor_count * max(1, 2048 // shape.threads))
     w = weight if weight is not None else x[0]
-    args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in (x, w, y, rstd)]
+    res, zt = (residual, z) if residual is not None else (x, x)
+    args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in (x, res, zt, w, y, rstd)]
     compiled(*args, Int32(rows), Int32(n), Float32(eps), Float32(offset), Int32(grid))
-    return y, rstd
+    return y, rstd, z
 
 
 def _vector_ok(n: int, *tensors) -> bool:
