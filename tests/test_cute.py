@@ -1,6 +1,6 @@
 """CuTe DSL kernels (backends/cute/kernels.py): compiled for sm_90a without a GPU, and the exactness
 of the generated code checked in its PTX; on a GPU, bitwise against the reference. Skipped where
-nvidia-cutlass-dsl is not installed (CI does not install it)."""
+nvidia-cutlass-dsl is not installed (the test extra installs it)."""
 
 from __future__ import annotations
 
