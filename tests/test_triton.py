@@ -195,3 +195,14 @@ def test_in_place_backward(seed):
     xs, ws = _leaf(x, DEV), _leaf(w, DEV)
     sn.rms_norm(xs, ws, dw="strict", in_place=True, backend="triton").backward(buf)
     assert bits_equal(buf, want["dx"]) and bits_equal(xs.grad, want["dx"]) and bits_equal(ws.grad, want["dw"])
+
+
+def test_fast_dw_of_long_rows_is_the_strict_fold(seed):
+    """Past P = 8192 the fast dW takes the strict fold (faster there on an H200): same bits as strict."""
+    g = torch.Generator().manual_seed(seed)
+    m, n = 24, 8200  # more rows than the interpreter's 16 programs: partials would reassociate
+    x, dy = randn(m, n, dtype=torch.bfloat16, gen=g), randn(m, n, dtype=torch.bfloat16, gen=g)
+    w = randn(n, dtype=torch.bfloat16, gen=g)
+    want = _run("torch", x, w, dy, mode="gemma", offset=1.0, dw="strict")
+    got = _run("triton", x, w, dy, mode="gemma", offset=1.0, dw="fast", device=DEV)
+    _assert_same(want, got)

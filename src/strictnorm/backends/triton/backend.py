@@ -16,6 +16,8 @@ _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODE = {"llama": 0, "gemma": 1, "none": 2}
 # Elements one program keeps in flight; more rows per program when rows are short.
 _TILE_ELEMS = 4096
+# Longest padded row whose fast dW uses in-kernel partials (see rms_norm_bwd).
+_PARTIALS_MAX_P = 8192
 # Columns per program and unrolled rows per step of the Triton strict fold (the ROCm fold path).
 _FOLD_BN = 64
 _FOLD_UNROLL = 8
@@ -95,7 +97,10 @@ class TritonBackend:
         n, rows = v.lay.n, v.lay.rows
         # fast dW: per-program fp32 partials in the dx pass (shared weight). Per-head weights take the
         # strict fold for both modes (it satisfies "fast" too: deterministic, fixed order).
-        partials = need_dw and dw_mode == "fast" and not v.per_head
+        # Past P = 8192 the per-program partials (P fp32 values per program, held across rows) cost more
+        # than the strict fold: 701 vs 291 us at 2048 x 18432 on an H200 (bench/results/2026-11-29-h200-run2);
+        # the fold is deterministic too, so it serves dw="fast" there.
+        partials = need_dw and dw_mode == "fast" and not v.per_head and next_pow2(n) <= _PARTIALS_MAX_P
         dw = None
         if rows == 0:
             if need_dw:
