@@ -172,3 +172,14 @@ def test_tuning_tables_cover_every_row_length():
         assert tuning_for(table, 4000) is table[4096]  # padded to 4096
         assert tuning_for(table, 1) is table[min(table)]
         assert tuning_for(table, 65536) is table[max(table)]
+
+
+def test_few_rows_entries_apply_within_their_bound():
+    from strictnorm.backends.cuda.backend import BWD_FEW_ROWS, BWD_TABLE, tuning_for
+
+    small, mid = BWD_FEW_ROWS[4096][0][1], BWD_FEW_ROWS[4096][1][1]
+    assert tuning_for(BWD_TABLE, 4096, 1, BWD_FEW_ROWS) is small
+    assert tuning_for(BWD_TABLE, 4096, 2048, BWD_FEW_ROWS) is small
+    assert tuning_for(BWD_TABLE, 4096, 2049, BWD_FEW_ROWS) is mid
+    assert tuning_for(BWD_TABLE, 4096, 1 << 20, BWD_FEW_ROWS) is BWD_TABLE[4096]
+    assert tuning_for(BWD_TABLE, 2048, 1, BWD_FEW_ROWS) is BWD_TABLE[4096]  # nearest length: no few-rows entry

@@ -119,10 +119,30 @@ def _load_tuning_file() -> None:
 _load_tuning_file()
 
 
-def tuning_for(table: dict[int, NormTuning], n: int) -> NormTuning:
-    """The table's entry for N's padded length, or the nearest one on a log scale."""
+# Fewer rows, other shapes: entries (max rows, tuning) that precede the table's entry for that padded
+# length, from the same sweep's smaller-M rows (c-sweep-cuda.json): e.g. the backward at 2048 x 4096
+# takes 45 us with 1024-thread rows against 64 us with the large-M choice. The launch shape may adapt
+# to the row count because no shape changes a bit.
+FWD_FEW_ROWS: dict[int, tuple[tuple[int, NormTuning], ...]] = {
+    4096: ((128, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=1024)),),
+}
+BWD_FEW_ROWS: dict[int, tuple[tuple[int, NormTuning], ...]] = {
+    4096: ((2048, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=1024)),
+           (8192, NormTuning(values=16, prefetch=False))),
+}
+
+
+def tuning_for(table: dict[int, NormTuning], n: int, rows: int | None = None,
+               few_rows: dict[int, tuple[tuple[int, NormTuning], ...]] | None = None) -> NormTuning:
+    """The table's entry for N's padded length (or the nearest one on a log scale); with rows, a
+    few-rows entry of that length first when rows is within its bound."""
     p = next_pow2(n)
-    return table[min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))]
+    key = min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))
+    if rows is not None and few_rows and key == p:
+        for bound, tuning in few_rows.get(key, ()):
+            if rows <= bound:
+                return tuning
+    return table[key]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -272,7 +292,7 @@ class CudaBackend:
         n = v.lay.n
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
                          v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
-                         self.fwd_tuning)
+                         self.fwd_tuning or tuning_for(FWD_TABLE, n, v.lay.rows, FWD_FEW_ROWS))
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.x, v.lay.args()), (v.res, v.rlay.args()), (v.y, (n,)),
                              *(((v.z, (n,)),) if v.z is not None else ()),
@@ -298,15 +318,14 @@ class CudaBackend:
         n, rows = v.lay.n, v.lay.rows
         w_dtype = v.weight.dtype if v.weight is not None else None
         partials = need_dw and dw_mode == "fast" and not v.per_head
-        fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, partials,
-                             self.bwd_tuning)
+        tuning = self.bwd_tuning or tuning_for(BWD_TABLE, n, rows, BWD_FEW_ROWS)
+        fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, partials, tuning)
         # long rows keep the fp32 partials in shared memory; where they do not fit, the strict fold
         # (deterministic too) serves dw="fast"
         shmem = 0 if fl.defines["HOLD"] or not partials else fl.rows_per_block * n * 4
         if shmem > _SMEM_LIMIT:
             partials, shmem = False, 0
-            fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, False,
-                                 self.bwd_tuning)
+            fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, False, tuning)
         dw = None
         if rows == 0:
             if need_dw:
