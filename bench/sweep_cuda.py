@@ -23,11 +23,10 @@ from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps, norm_bytes
 from strictnorm.contract import make_spec
 from strictnorm.reference import next_pow2
 
-TUNINGS = [NormTuning(values=v, prefetch=False) for v in (8, 16, 32)]
-TUNINGS += [NormTuning(values=16, prefetch=True)]
+TUNINGS = [NormTuning(values=v) for v in (8, 16, 32)]
 TUNINGS += [NormTuning(hold_max_p=0, stream_threads=s, partial_blocks_per_sm=0) for s in (64, 128, 256, 512, 1024)]
 TUNINGS += [NormTuning(hold_max_p=0, stream_threads=256, partial_blocks_per_sm=b) for b in (2, 4)]
-TUNINGS += [NormTuning(values=8, prefetch=False, partial_blocks_per_sm=b) for b in (0, 4)]
+TUNINGS += [NormTuning(values=8, partial_blocks_per_sm=b) for b in (0, 4)]
 
 
 def _compile(defines: dict) -> None:
@@ -116,7 +115,7 @@ def main() -> None:
             continue
         bf = min(ok, key=lambda r: r["fwd_us"])
         bb = min(ok, key=lambda r: r["bwd_us"])
-        knobs = ("values", "prefetch", "min_threads", "hold_max_p", "stream_threads", "partial_blocks_per_sm")
+        knobs = ("values", "min_threads", "hold_max_p", "stream_threads", "partial_blocks_per_sm")
         print(f"{m:>7d}x{n:<6d} fwd {bf['fwd_us']:7.1f} us {bf['fwd_frac_copy']:4.0%} {[bf[k] for k in knobs]}"
               f"   bwd {bb['bwd_us']:7.1f} us {bb['bwd_frac_copy']:4.0%} {[bb[k] for k in knobs]}")
 

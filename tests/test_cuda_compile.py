@@ -168,18 +168,19 @@ def test_tuning_tables_cover_every_row_length():
     from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
 
     for table in (FWD_TABLE, BWD_TABLE):
-        assert tuning_for(table, 4096) is table[4096]
-        assert tuning_for(table, 4000) is table[4096]  # padded to 4096
-        assert tuning_for(table, 1) is table[min(table)]
-        assert tuning_for(table, 65536) is table[max(table)]
+        for entries in table.values():
+            assert entries[-1][0] is None  # every length has an unbounded entry
+        big = table[4096][-1][1]
+        assert tuning_for(table, 4096) is big and tuning_for(table, 4096, 1 << 20) is big
+        assert tuning_for(table, 4000) is big  # padded to 4096
+        assert tuning_for(table, 1) is table[min(table)][-1][1]
+        assert tuning_for(table, 65536) is table[max(table)][-1][1]
 
 
-def test_few_rows_entries_apply_within_their_bound():
-    from strictnorm.backends.cuda.backend import BWD_FEW_ROWS, BWD_TABLE, tuning_for
+def test_row_bounded_entries_apply_within_their_bound():
+    from strictnorm.backends.cuda.backend import BWD_TABLE, tuning_for
 
-    small, mid = BWD_FEW_ROWS[4096][0][1], BWD_FEW_ROWS[4096][1][1]
-    assert tuning_for(BWD_TABLE, 4096, 1, BWD_FEW_ROWS) is small
-    assert tuning_for(BWD_TABLE, 4096, 2048, BWD_FEW_ROWS) is small
-    assert tuning_for(BWD_TABLE, 4096, 2049, BWD_FEW_ROWS) is mid
-    assert tuning_for(BWD_TABLE, 4096, 1 << 20, BWD_FEW_ROWS) is BWD_TABLE[4096]
-    assert tuning_for(BWD_TABLE, 2048, 1, BWD_FEW_ROWS) is BWD_TABLE[4096]  # nearest length: no few-rows entry
+    (b_small, small), (b_mid, mid), (_, big) = BWD_TABLE[4096]
+    assert tuning_for(BWD_TABLE, 4096, 1) is small and tuning_for(BWD_TABLE, 4096, b_small) is small
+    assert tuning_for(BWD_TABLE, 4096, b_small + 1) is mid and tuning_for(BWD_TABLE, 4096, b_mid) is mid
+    assert tuning_for(BWD_TABLE, 4096, b_mid + 1) is big

@@ -78,11 +78,10 @@ class NormLaunch:
 class NormTuning:
     """Block shape knobs of rms_norm.cu. Any values give the same bits (the tree is fixed by N);
     only the speed changes. values: fp32 lanes a thread holds per row; min_threads: the block size
-    to reach with several rows per block; prefetch: issue the next row's loads before the reduction."""
+    to reach with several rows per block."""
 
     values: int = 16
     min_threads: int = 128
-    prefetch: bool = True
     partial_blocks_per_sm: int = 2  # backward with fast dW: fewer blocks, fewer fp32 partial rows
     hold_max_p: int = 8192  # longer (padded) rows are read twice instead of held in registers
     stream_threads: int = 256  # threads per row for those
@@ -91,17 +90,27 @@ class NormTuning:
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (results in
 # bench/results/); a P between entries takes the nearest one (log scale). A JSON file named by
 # STRICTNORM_CUDA_TUNING ({"fwd": {"4096": {"values": 16, ...}}, "bwd": {...}}) replaces entries.
-FWD_TABLE: dict[int, NormTuning] = {  # bench/results/2026-11-29-h200-run2/c-tuning.json
-    128: NormTuning(values=8, prefetch=False, partial_blocks_per_sm=0),
-    4096: NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=128),
-    8192: NormTuning(partial_blocks_per_sm=0, hold_max_p=0),
-    32768: NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=512),
+Tuning = tuple[tuple[int | None, NormTuning], ...]  # (max rows, tuning) entries, the last one unbounded
+# Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
+# (bench/results/2026-11-29-h200-run2/c-sweep-cuda.json); a P between entries takes the nearest one (log
+# scale). The unbounded entries are the sweep's choice at its largest row count; bounded ones come from its
+# smaller row counts (the backward at 2048 x 4096: 45 us with 1024-thread rows, 64 us with the large-M
+# choice). The launch shape may follow the row count because no shape changes a bit. A JSON file named by
+# STRICTNORM_CUDA_TUNING ({"fwd": {"4096": {"values": 16, ...}}, "bwd": {...}}) replaces entries.
+FWD_TABLE: dict[int, Tuning] = {
+    128: ((None, NormTuning(values=8, partial_blocks_per_sm=0)),),
+    4096: ((128, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=1024)),
+           (None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=128))),
+    8192: ((None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0)),),
+    32768: ((None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=512)),),
 }
-BWD_TABLE: dict[int, NormTuning] = {
-    128: NormTuning(values=8, prefetch=False, partial_blocks_per_sm=0),
-    4096: NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=128),
-    8192: NormTuning(values=8, prefetch=False, partial_blocks_per_sm=4),
-    32768: NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=512),
+BWD_TABLE: dict[int, Tuning] = {
+    128: ((None, NormTuning(values=8, partial_blocks_per_sm=0)),),
+    4096: ((2048, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=1024)),
+           (8192, NormTuning(values=16)),
+           (None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=128))),
+    8192: ((None, NormTuning(values=8, partial_blocks_per_sm=4)),),
+    32768: ((None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=512)),),
 }
 
 
@@ -113,36 +122,18 @@ def _load_tuning_file() -> None:
         data = json.load(f)
     for key, table in (("fwd", FWD_TABLE), ("bwd", BWD_TABLE)):
         for p, knobs in data.get(key, {}).items():
-            table[int(p)] = NormTuning(**knobs)
+            table[int(p)] = ((None, NormTuning(**knobs)),)
 
 
 _load_tuning_file()
 
 
-# Fewer rows, other shapes: entries (max rows, tuning) that precede the table's entry for that padded
-# length, from the same sweep's smaller-M rows (c-sweep-cuda.json): e.g. the backward at 2048 x 4096
-# takes 45 us with 1024-thread rows against 64 us with the large-M choice. The launch shape may adapt
-# to the row count because no shape changes a bit.
-FWD_FEW_ROWS: dict[int, tuple[tuple[int, NormTuning], ...]] = {
-    4096: ((128, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=1024)),),
-}
-BWD_FEW_ROWS: dict[int, tuple[tuple[int, NormTuning], ...]] = {
-    4096: ((2048, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=1024)),
-           (8192, NormTuning(values=16, prefetch=False))),
-}
-
-
-def tuning_for(table: dict[int, NormTuning], n: int, rows: int | None = None,
-               few_rows: dict[int, tuple[tuple[int, NormTuning], ...]] | None = None) -> NormTuning:
-    """The table's entry for N's padded length (or the nearest one on a log scale); with rows, a
-    few-rows entry of that length first when rows is within its bound."""
+def tuning_for(table: dict[int, Tuning], n: int, rows: int | None = None) -> NormTuning:
+    """The entry for N's padded length (or the nearest one on a log scale) and the row count (the
+    unbounded entry when rows is not given)."""
     p = next_pow2(n)
-    key = min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))
-    if rows is not None and few_rows and key == p:
-        for bound, tuning in few_rows.get(key, ()):
-            if rows <= bound:
-                return tuning
-    return table[key]
+    entries = table[min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))]
+    return next(t for bound, t in entries if bound is None or (rows is not None and rows <= bound))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -164,8 +155,7 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     defines = {"XC": _CODE[x_dtype], "RC": _CODE[norm_dtype], "NC": _CODE[norm_dtype],
                "WC": _CODE[w_dtype or x_dtype], "YC": _CODE[y_dtype], "MODE": _MODES[mode],
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
-               "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
-               "PREFETCH": int(hold and tuning.prefetch)}
+               "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold)}
     return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm)
 
 
@@ -292,7 +282,7 @@ class CudaBackend:
         n = v.lay.n
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
                          v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
-                         self.fwd_tuning or tuning_for(FWD_TABLE, n, v.lay.rows, FWD_FEW_ROWS))
+                         self.fwd_tuning or tuning_for(FWD_TABLE, n, v.lay.rows))
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.x, v.lay.args()), (v.res, v.rlay.args()), (v.y, (n,)),
                              *(((v.z, (n,)),) if v.z is not None else ()),
@@ -318,7 +308,7 @@ class CudaBackend:
         n, rows = v.lay.n, v.lay.rows
         w_dtype = v.weight.dtype if v.weight is not None else None
         partials = need_dw and dw_mode == "fast" and not v.per_head
-        tuning = self.bwd_tuning or tuning_for(BWD_TABLE, n, rows, BWD_FEW_ROWS)
+        tuning = self.bwd_tuning or tuning_for(BWD_TABLE, n, rows)
         fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, partials, tuning)
         # long rows keep the fp32 partials in shared memory; where they do not fit, the strict fold
         # (deterministic too) serves dw="fast"

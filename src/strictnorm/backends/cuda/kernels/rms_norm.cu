@@ -14,12 +14,12 @@
 // loader disables contraction and flush-to-zero, so any (PIECE, TPR, K, RPB) gives the same bits.
 //
 // Blocks stride over groups of RPB rows (row slot = threadIdx.x / TPR). With HOLD, a thread keeps its
-// lanes of the row in registers between the reduction and the output pass; with PREFETCH too, the loads
-// of the slot's next row are issued before the current row is reduced, so that they are in flight
-// meanwhile. Without HOLD (long rows), the output pass reads the lanes again (L1/L2 hits).
+// lanes of the row in registers between the reduction and the output pass; without HOLD, the output
+// pass reads the lanes again (L1/L2 hits). (A register prefetch of the slot's next row was measured
+// slower on an H200 at every shape: register pressure costs more resident blocks than it gains.)
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
-// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, RPB, HOLD, PREFETCH; BACKWARD selects the
+// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, RPB, HOLD; BACKWARD selects the
 // backward kernel (below) instead of the forward.
 #include "common.cuh"
 
@@ -192,6 +192,29 @@ __device__ __forceinline__ void load_weight_piece(float* wp, const w_t* w, int v
     }
 }
 
+// Piece k of a row: from the lanes this thread holds (HOLD), or loaded from src.
+template <int CODE>
+__device__ __forceinline__ void fetch_piece(float* a, const Lanes& held, int k, const typename Elem<CODE>::T* src,
+                                            int valid, bool aligned) {
+#if HOLD
+#pragma unroll
+    for (int i = 0; i < PIECE; ++i) a[i] = held.v[k][i];
+#else
+    load_piece<CODE>(a, src, valid, aligned);
+#endif
+}
+
+// Piece k of the effective weight: held (HOLD) or loaded from src (its lanes in the weight row).
+__device__ __forceinline__ void fetch_weight(float* wp, const Lanes& held, int k, const w_t* src, int valid,
+                                             bool aligned, float offset) {
+#if HOLD
+#pragma unroll
+    for (int i = 0; i < PIECE; ++i) wp[i] = held.v[k][i];
+#else
+    load_weight_piece(wp, src, valid, aligned, offset);
+#endif
+}
+
 // g = f32(dy) * wf (the weight is exactly 1.0 without one: the product is dy itself).
 __device__ __forceinline__ float gscale(float d, float wf) {
 #if HAS_W
@@ -234,26 +257,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     __shared__ float scratch[2][RPB][SUBTREES];
     const int t = threadIdx.x % TPR;
     RowWalk walk(rows);
-#if HOLD
-    Lanes wf;  // the effective weight, loaded once (per row for per-head weights)
-#if HAS_W && !PER_HEAD
+    Lanes wf;  // HOLD: the effective weight, loaded once (per row for per-head weights)
+#if HOLD && HAS_W && !PER_HEAD
     load_weight(wf, w, t, n, aligned, offset);
 #endif
-    Lanes cur;  // with PREFETCH: the slot's next row, loaded one iteration ahead
-#if HAS_RES
-    Lanes rcur;
-#endif
-#if PREFETCH
-    if (walk.iters > 0) {
-        const bool live = walk.row < rows;
-        const long long r = live ? walk.row : 0;
-        load_lanes<XC>(cur, x + offset_of(r, xs0, xs1, xsg, r1, g), t, n, live, aligned);
-#if HAS_RES
-        load_lanes<RC>(rcur, res + offset_of(r, rs0, rs1, rsg, r1, g), t, n, live, aligned);
-#endif
-    }
-#endif
-#endif  // HOLD
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
@@ -261,25 +268,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 #if HAS_RES
         const r_t* rrow = res + offset_of(r, rs0, rs1, rsg, r1, g);
 #endif
-#if HOLD && PREFETCH
-        Lanes v = cur;
-#if HAS_RES
-        Lanes rv = rcur;
-#endif
-        if (it + 1 < walk.iters) {
-            const long long nrow = walk.row + walk.stride;
-            const bool nlive = nrow < rows;
-            const long long nr = nlive ? nrow : 0;
-            load_lanes<XC>(cur, x + offset_of(nr, xs0, xs1, xsg, r1, g), t, n, nlive, aligned);
-#if HAS_RES
-            load_lanes<RC>(rcur, res + offset_of(nr, rs0, rs1, rsg, r1, g), t, n, nlive, aligned);
-#endif
-        }
-#elif HOLD
-        Lanes v;
+        Lanes v, rv;  // HOLD: this thread's lanes of x and the residual (then of z)
+#if HOLD
         load_lanes<XC>(v, xrow, t, n, live, aligned);
 #if HAS_RES
-        Lanes rv;
         load_lanes<RC>(rv, rrow, t, n, live, aligned);
 #endif
 #endif
@@ -289,26 +281,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         for (int k = 0; k < K; ++k) {
             const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
             float a[PIECE];
-#if HOLD
-#pragma unroll
-            for (int i = 0; i < PIECE; ++i) a[i] = v.v[k][i];
-#else
-            load_piece<XC>(a, xrow + c0, valid, aligned);
-#endif
+            fetch_piece<XC>(a, v, k, xrow + c0, valid, aligned);
 #if HAS_RES
             float b[PIECE];
-#if HOLD
-#pragma unroll
-            for (int i = 0; i < PIECE; ++i) b[i] = rv.v[k][i];
-#else
-            load_piece<RC>(b, rrow + c0, valid, aligned);
-#endif
+            fetch_piece<RC>(b, rv, k, rrow + c0, valid, aligned);
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) a[i] = round_f32<NC>(__fadd_rn(a[i], b[i]));
             store_piece<NC>(z + r * n + c0, a, valid, aligned);
 #if HOLD
 #pragma unroll
-            for (int i = 0; i < PIECE; ++i) v.v[k][i] = a[i];
+            for (int i = 0; i < PIECE; ++i) v.v[k][i] = a[i];  // pass 2 reads z from here
 #endif
 #endif
 #pragma unroll
@@ -326,23 +308,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         for (int k = 0; k < K; ++k) {
             const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
             float a[PIECE];
-#if HOLD
-#pragma unroll
-            for (int i = 0; i < PIECE; ++i) a[i] = v.v[k][i];
-#elif HAS_RES
-            load_piece<NC>(a, z + r * n + c0, valid, aligned);
+#if HAS_RES  // the norm's input: z, written in pass 1, or x itself (NC == XC)
+            fetch_piece<NC>(a, v, k, z + r * n + c0, valid, aligned);
 #else
-            load_piece<XC>(a, xrow + c0, valid, aligned);
+            fetch_piece<NC>(a, v, k, xrow + c0, valid, aligned);
 #endif
 #if HAS_W
             float wp[PIECE];
-#if HOLD
-#pragma unroll
-            for (int i = 0; i < PIECE; ++i) wp[i] = wf.v[k][i];
-#else
-            load_weight_piece(wp, w + (PER_HEAD ? head_of(r, g) * wsg : 0) + c0, live ? piece_valid(k, t, n) : 0, aligned,
-                              offset);
-#endif
+            // `live ? piece_valid(...)` rather than `valid` (same value): NVRTC 13.0 compiled the latter to
+            // 25% more sm_90 code for the stream-mode forward
+            fetch_weight(wp, wf, k, w + (PER_HEAD ? head_of(r, g) * wsg : 0) + c0, live ? piece_valid(k, t, n) : 0,
+                         aligned, offset);
 #endif
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) {
@@ -394,72 +370,34 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
     for (int k = 0; k < K; ++k)
         for (int i = 0; i < piece_valid(k, t, n); ++i) dw_row[piece_col(k, t) + i] = 0.0f;
 #endif
-#if HOLD
-    Lanes wf;
-#if HAS_W && !PER_HEAD
+    Lanes wf;  // HOLD: the effective weight, loaded once (per row for per-head weights)
+#if HOLD && HAS_W && !PER_HEAD
     load_weight(wf, w, t, n, aligned, offset);
 #endif
-    Lanes zcur, dcur;
-    float rcur = 0.0f;
-#if PREFETCH
-    if (walk.iters > 0) {
-        const bool live = walk.row < rows;
-        const long long r = live ? walk.row : 0;
-        load_lanes<NC>(zcur, zin + offset_of(r, zs0, zs1, zsg, r1, g), t, n, live, aligned);
-        load_lanes<DYC>(dcur, dy + offset_of(r, ds0, ds1, dsg, r1, g), t, n, live, aligned);
-        rcur = live ? rstd_in[r] : 0.0f;
-    }
-#endif
-#endif  // HOLD
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
         const n_t* zrow = zin + offset_of(r, zs0, zs1, zsg, r1, g);
         const dy_t* drow = dy + offset_of(r, ds0, ds1, dsg, r1, g);
-#if HOLD && PREFETCH
-        Lanes xz = zcur, d = dcur;
-        const float rstd = rcur;
-        if (it + 1 < walk.iters) {
-            const long long nrow = walk.row + walk.stride;
-            const bool nlive = nrow < rows;
-            const long long nr = nlive ? nrow : 0;
-            load_lanes<NC>(zcur, zin + offset_of(nr, zs0, zs1, zsg, r1, g), t, n, nlive, aligned);
-            load_lanes<DYC>(dcur, dy + offset_of(nr, ds0, ds1, dsg, r1, g), t, n, nlive, aligned);
-            rcur = nlive ? rstd_in[nr] : 0.0f;
-        }
-#else
+        Lanes xz, d;  // HOLD: this thread's lanes of z and dy
 #if HOLD
-        Lanes xz, d;
         load_lanes<NC>(xz, zrow, t, n, live, aligned);
         load_lanes<DYC>(d, drow, t, n, live, aligned);
 #endif
         const float rstd = live ? rstd_in[r] : 0.0f;
-#endif
 #if HOLD && HAS_W && PER_HEAD
         load_weight(wf, w + head_of(r, g) * wsg, t, n, aligned, offset);
 #endif
         const w_t* wrow = w + (PER_HEAD ? head_of(r, g) * wsg : 0);
         (void)wrow;
-        // this thread's pieces of z, dy and the effective weight, from registers (HOLD) or memory
+        // this thread's pieces of z, dy and the effective weight (1.0 without one)
         auto get = [&](int k, float* zp, float* dp, float* wp) {
             const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
-#if HOLD
-#pragma unroll
-            for (int i = 0; i < PIECE; ++i) {
-                zp[i] = xz.v[k][i];
-                dp[i] = d.v[k][i];
+            fetch_piece<NC>(zp, xz, k, zrow + c0, valid, aligned);
+            fetch_piece<DYC>(dp, d, k, drow + c0, valid, aligned);
 #if HAS_W
-                wp[i] = wf.v[k][i];
-#endif
-            }
+            fetch_weight(wp, wf, k, wrow + c0, valid, aligned, offset);
 #else
-            load_piece<NC>(zp, zrow + c0, valid, aligned);
-            load_piece<DYC>(dp, drow + c0, valid, aligned);
-#if HAS_W
-            load_weight_piece(wp, wrow + c0, valid, aligned, offset);
-#endif
-#endif
-#if !HAS_W
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) wp[i] = 1.0f;
 #endif
