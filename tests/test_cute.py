@@ -16,16 +16,20 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when the DSL is importe
 cutlass = pytest.importorskip("cutlass")
 
 from strictnorm.backends.cute import kernels as K  # noqa: E402
+from strictnorm.reference import next_pow2  # noqa: E402
 
 
-def _ptx(tmp_path, n: int, mode: str, x_dtype, w_dtype, vector: bool = False, res_dtype=None) -> str:
+def _compiled_ptx(tmp_path, op, args) -> str:
     import cutlass.cute as cute
 
-    op, args = K.forward_args(n, x_dtype, w_dtype, x_dtype, mode, vector, res_dtype)
     cute.compile(op, *args, options=f"--keep-ptx --dump-dir {tmp_path}")
     (path,) = list(tmp_path.glob("*.ptx"))
     assert path.name.endswith(".sm_90a.ptx")
     return path.read_text()
+
+
+def _ptx(tmp_path, n: int, mode: str, x_dtype, w_dtype, vector: bool = False, res_dtype=None) -> str:
+    return _compiled_ptx(tmp_path, *K.forward_args(n, x_dtype, w_dtype, x_dtype, mode, vector, res_dtype))
 
 
 @pytest.mark.parametrize("n", [1, 7, 128, 1000, 4096, 18432])
@@ -42,7 +46,7 @@ def test_forward_compiles_with_only_rounded_fp32_ops(n, mode, vector, tmp_path):
     assert not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx), "an fp32 op without .rn"
     assert re.search(r"\bsqrt\.rn\.f32\b", ptx) and re.search(r"\bdiv\.rn\.f32\b", ptx)
     shape = K.forward_shape(n)
-    assert shape.piece * shape.tpr * shape.k == 1 << max(0, (n - 1).bit_length())
+    assert shape.piece * shape.tpr * shape.k == next_pow2(n)
     assert ("bar.sync" in ptx) == (shape.tpr > 32)
 
 
@@ -74,14 +78,8 @@ def test_forward_compiles_for_other_dtypes(x_name, w_name, tmp_path):
 
 
 def _bwd_ptx(tmp_path, n: int, mode: str, vector: bool, has_dres: bool, partials: bool) -> str:
-    import cutlass.cute as cute
-
-    op, args = K.backward_args(n, cutlass.BFloat16, cutlass.BFloat16, cutlass.BFloat16, mode, vector, has_dres,
-                               partials)
-    cute.compile(op, *args, options=f"--keep-ptx --dump-dir {tmp_path}")
-    (path,) = list(tmp_path.glob("*.ptx"))
-    assert path.name.endswith(".sm_90a.ptx")
-    return path.read_text()
+    bf16 = cutlass.BFloat16
+    return _compiled_ptx(tmp_path, *K.backward_args(n, bf16, bf16, bf16, mode, vector, has_dres, partials))
 
 
 @pytest.mark.parametrize("n", [7, 128, 4096, 18432])

@@ -25,6 +25,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.math import RoundingMode
 
+from ...reference import next_pow2
+
 _RN = RoundingMode.NEAREST_EVEN
 _WARP = 32
 MODES = {"llama": 0, "gemma": 1, "none": 2}
@@ -75,14 +77,41 @@ class ForwardShape:
 
 
 def forward_shape(n: int, threads_min: int = 128) -> ForwardShape:
-    p = 1 << max(0, (n - 1).bit_length())
+    p = next_pow2(n)
     piece = min(p, 8)
     tpr = max(1, min(256, p // max(piece, 16)))
     k = p // (piece * tpr)
     return ForwardShape(piece, tpr, k, max(1, threads_min // tpr))
 
 
-def row_sum(s: ForwardShape, part: list, scratch: cute.Tensor, parity, slot, lane, warp_in_row):
+@dataclass
+class _Thread:
+    """A thread's place in a row kernel (trace-time values, made at the top of the kernel)."""
+
+    t: object  # lane of the row: pieces k * TPR + t
+    slot: object  # the block's row slot
+    lane: object  # lane of the warp
+    warp_in_row: object
+    scratch: cute.Tensor  # (2, RPB, SUBTREES) fp32 for the row reduction
+    block: object
+    blocks: object
+    iters: object  # grid-stride iterations over groups of RPB rows (the same for the whole block)
+
+    def row(self, s: ForwardShape, it):
+        return (self.block + it * self.blocks) * s.rpb + self.slot
+
+
+def thread_place(s: ForwardShape, rows) -> _Thread:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    scratch = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout((2, s.rpb, s.subtrees)), 16)
+    groups = (rows + s.rpb - 1) // s.rpb
+    return _Thread(t=tidx % s.tpr, slot=tidx // s.tpr, lane=tidx % _WARP, warp_in_row=(tidx % s.tpr) // _WARP,
+                   scratch=scratch, block=bidx, blocks=gdim, iters=(groups - bidx + gdim - 1) // gdim)
+
+
+def row_sum(s: ForwardShape, part: list, th: _Thread, parity):
     """canon_sum of a row from this thread's piece sums part[k] (steps 2 and 3 of the module
     docstring); every thread of the row gets the total. All threads of the block call it together.
     Trace-time helper: no data-dependent branches (every lane of a warp holds the same totals after
@@ -93,8 +122,9 @@ def row_sum(s: ForwardShape, part: list, scratch: cute.Tensor, parity, slot, lan
         off *= 2
     if s.tpr <= _WARP:
         return _pair_tree(part)
+    scratch, slot, lane = th.scratch, th.slot, th.lane
     for kk in range(s.k):
-        scratch[parity, slot, kk * (s.tpr // _WARP) + warp_in_row] = part[kk]
+        scratch[parity, slot, kk * (s.tpr // _WARP) + th.warp_in_row] = part[kk]
     cute.arch.sync_threads()
     if s.subtrees >= _WARP:  # lane l reduces the aligned run [l * run, (l + 1) * run), then butterfly
         run = s.subtrees // _WARP
@@ -197,19 +227,10 @@ class RMSNormForward(_RowKernel):
     def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor,
                mRstd: cute.Tensor, rows: Int32, n: Int32, eps: Float32, offset: Float32):
         s = self.s
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        t = tidx % s.tpr
-        slot = tidx // s.tpr
-        lane = tidx % _WARP
-        warp_in_row = (tidx % s.tpr) // _WARP
-        smem = cutlass.memory.SmemAllocator()
-        scratch = smem.allocate_tensor(Float32, cute.make_layout((2, s.rpb, s.subtrees)), 16)
-        groups = (rows + s.rpb - 1) // s.rpb
-        iters = (groups - bidx + gdim - 1) // gdim
-        for it in cutlass.range(iters):
-            row = (bidx + it * gdim) * s.rpb + slot
+        th = thread_place(s, rows)
+        t = th.t
+        for it in cutlass.range(th.iters):
+            row = th.row(s, it)
             live = row < rows
             r = cutlass.min(row, rows - 1)  # loads stay in bounds; dead rows read row rows - 1, then zero
             # pass 1: z (x, or rd(x + residual) stored as residual_out), its squares, the piece trees
@@ -225,7 +246,7 @@ class RMSNormForward(_RowKernel):
                 part.append(_pair_tree([_mul(v[i], v[i]) for i in range(s.piece)]))
             if const_expr(self.has_res):
                 xrow = mZ[r, None]  # pass 2 reads z back: this thread's own lanes
-            ss = row_sum(s, part, scratch, it % 2, slot, lane, warp_in_row)
+            ss = row_sum(s, part, th, it % 2)
             rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
             if live & (t == 0):
                 mRstd[r] = rstd
@@ -269,21 +290,12 @@ class RMSNormBackward(_RowKernel):
     def kernel(self, mDY: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mRstd: cute.Tensor, mDres: cute.Tensor,
                mDX: cute.Tensor, mPart: cute.Tensor, rows: Int32, n: Int32, offset: Float32):
         s = self.s
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        t = tidx % s.tpr
-        slot = tidx // s.tpr
-        lane = tidx % _WARP
-        warp_in_row = (tidx % s.tpr) // _WARP
-        smem = cutlass.memory.SmemAllocator()
-        scratch = smem.allocate_tensor(Float32, cute.make_layout((2, s.rpb, s.subtrees)), 16)
+        th = thread_place(s, rows)
+        t = th.t
         dw_acc = cute.make_rmem_tensor((s.k, s.piece), Float32)
         dw_acc.fill(0.0)
-        groups = (rows + s.rpb - 1) // s.rpb
-        iters = (groups - bidx + gdim - 1) // gdim
-        for it in cutlass.range(iters):
-            row = (bidx + it * gdim) * s.rpb + slot
+        for it in cutlass.range(th.iters):
+            row = th.row(s, it)
             live = row < rows
             r = cutlass.min(row, rows - 1)
             zrow = mZ[r, None]
@@ -301,7 +313,7 @@ class RMSNormBackward(_RowKernel):
                     g = _mul(ds[i], self._weight(ws[i], offset)) if const_expr(self.has_weight) else ds[i]
                     prods.append(_mul(_mul(zs[i], rstd), g))
                 part.append(_pair_tree(prods))
-            c = _div(row_sum(s, part, scratch, it % 2, slot, lane, warp_in_row), n.to(Float32))
+            c = _div(row_sum(s, part, th, it % 2), n.to(Float32))
             # pass 2: dx (z, dy, w read again: this thread's own lanes), and the dW contributions
             for kk in cutlass.range_constexpr(s.k):
                 zs = self._piece(zrow, kk, t, n, live)
@@ -323,7 +335,7 @@ class RMSNormBackward(_RowKernel):
                         dw_acc[kk, i] = cutlass.select_(live, _add(dw_acc[kk, i], contrib), dw_acc[kk, i])
                 self._store(mDX[r, None], kk, t, n, live, out)
         if const_expr(self.partials):
-            prow = mPart[bidx * s.rpb + slot, None]
+            prow = mPart[th.block * s.rpb + th.slot, None]
             for kk in cutlass.range_constexpr(s.k):
                 vals = cute.make_rmem_tensor((s.piece,), Float32)
                 for i in cutlass.range_constexpr(s.piece):
@@ -331,45 +343,52 @@ class RMSNormBackward(_RowKernel):
                 self._store(prow, kk, t, n, True, vals)
 
 
+class _Fakes:
+    """Fake tensors cute.compile specializes on, for rows of N lanes: with `vector`, every row (and the
+    weight) 16-byte aligned and N % PIECE == 0. Row strides are 64-bit: offsets past 2^31 elements."""
+
+    def __init__(self, n: int, vector: bool) -> None:
+        self.shape = forward_shape(n)
+        self.div = self.shape.piece if vector else 1
+        self.align = 16 if vector else None
+        self.m, self.n = cute.sym_int(), cute.sym_int(divisibility=self.div)
+
+    def rows(self, dtype, own_count: bool = False):
+        from cutlass.cute.runtime import make_fake_tensor
+
+        m = cute.sym_int() if own_count else self.m
+        stride = (cute.sym_int64(divisibility=self.div), 1)
+        return make_fake_tensor(dtype, (m, self.n), stride, assumed_align=self.align)
+
+    def weight(self, dtype):
+        from cutlass.cute.runtime import make_fake_tensor
+
+        return make_fake_tensor(dtype, (self.n,), (1,), assumed_align=self.align)
+
+    def per_row(self):
+        from cutlass.cute.runtime import make_fake_tensor
+
+        return make_fake_tensor(Float32, (self.m,), (1,))
+
+
 def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None) -> tuple:
-    """The operator and the fake arguments cute.compile specializes on: dtypes, mode, block shape,
-    and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0)."""
-    from cutlass.cute.runtime import make_fake_tensor
-
-    shape = forward_shape(n)
-    div = shape.piece if vector else 1
-    align = 16 if vector else None
-    m_sym, n_sym = cute.sym_int(), cute.sym_int(divisibility=div)
-
-    def rows_of(dtype):  # 64-bit row strides: offsets past 2^31 elements
-        return make_fake_tensor(dtype, (m_sym, n_sym), (cute.sym_int64(divisibility=div), 1), assumed_align=align)
-
-    fw = make_fake_tensor(w_dtype or x_dtype, (n_sym,), (1,), assumed_align=align)
-    fr = make_fake_tensor(Float32, (m_sym,), (1,))
+    """The forward operator and the fake arguments cute.compile specializes on: dtypes, mode, block
+    shape, and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0)."""
+    f = _Fakes(n, vector)
     norm_dtype = res_dtype or x_dtype
-    op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
-    return op, (rows_of(x_dtype), rows_of(norm_dtype), rows_of(norm_dtype), fw, rows_of(y_dtype), fr, Int32(1),
-                Int32(n), Float32(1e-6), Float32(0.0), Int32(1))
+    op = RMSNormForward(f.shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
+    return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
+                f.rows(y_dtype), f.per_row(), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1))
 
 
 def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool
                   ) -> tuple:
-    """The backward operator and its fake arguments (see forward_args)."""
-    from cutlass.cute.runtime import make_fake_tensor
-
-    shape = forward_shape(n)
-    div = shape.piece if vector else 1
-    align = 16 if vector else None
-    m_sym, n_sym = cute.sym_int(), cute.sym_int(divisibility=div)
-
-    def rows_of(dtype, m=m_sym):
-        return make_fake_tensor(dtype, (m, n_sym), (cute.sym_int64(divisibility=div), 1), assumed_align=align)
-
-    fw = make_fake_tensor(w_dtype or z_dtype, (n_sym,), (1,), assumed_align=align)
-    fr = make_fake_tensor(Float32, (m_sym,), (1,))
-    op = RMSNormBackward(shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
-    return op, (rows_of(dy_dtype), rows_of(z_dtype), fw, fr, rows_of(z_dtype), rows_of(z_dtype),
-                rows_of(Float32, cute.sym_int()), Int32(1), Int32(n), Float32(0.0), Int32(1))
+    """The backward operator and its fake arguments (see forward_args); the partials have their own
+    row count."""
+    f = _Fakes(n, vector)
+    op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
+    return op, (f.rows(dy_dtype), f.rows(z_dtype), f.weight(w_dtype or z_dtype), f.per_row(), f.rows(z_dtype),
+                f.rows(z_dtype), f.rows(Float32, own_count=True), Int32(1), Int32(n), Float32(0.0), Int32(1))
 
 
 @lru_cache(maxsize=256)
@@ -393,7 +412,6 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
     """(y, rstd, residual_out or None) of a 2D torch tensor x (rows with a row stride, unit stride along
     N) on the GPU. Written against the CuTe DSL runtime API but not yet run on a GPU."""
     import torch
-    from cutlass.cute.runtime import from_dlpack
 
     rows, n = x.shape
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
@@ -405,13 +423,25 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
     vector = _vector_ok(n, x, y, *(t for t in (weight, residual, z) if t is not None))
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
                                       vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None)
-    groups = -(-rows // shape.rpb)
-    grid = min(groups, torch.cuda.get_device_properties(x.device).multi_processor_count * max(1, 2048 // shape.threads))
     w = weight if weight is not None else x[0]
     res, zt = (residual, z) if residual is not None else (x, x)
-    args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in (x, res, zt, w, y, rstd)]
-    compiled(*args, Int32(rows), Int32(n), Float32(eps), Float32(offset), Int32(grid))
+    compiled(*_dlpack(x, res, zt, w, y, rstd), Int32(rows), Int32(n), Float32(eps), Float32(offset),
+             Int32(_grid(shape, rows, x.device)))
     return y, rstd, z
+
+
+def _grid(shape: ForwardShape, rows: int, device) -> int:
+    """Blocks of the grid-stride kernels: every row group, at most about what the GPU holds at once."""
+    import torch
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(-(-rows // shape.rpb), sms * max(1, 2048 // shape.threads))
+
+
+def _dlpack(*tensors) -> list:
+    from cutlass.cute.runtime import from_dlpack
+
+    return [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
 
 
 def _vector_ok(n: int, *tensors) -> bool:
@@ -423,7 +453,6 @@ def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool
     """(dx, fp32 dW partials or None) for 2D torch tensors on the GPU; dW = partials.sum(0) in "fast"
     mode. Written against the CuTe DSL runtime API but not yet run on a GPU."""
     import torch
-    from cutlass.cute.runtime import from_dlpack
 
     rows, n = z.shape
     dx = torch.empty_like(z)
@@ -433,11 +462,9 @@ def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool
         n, _TORCH_TO_CUTE[str(z.dtype)], _TORCH_TO_CUTE[str(dy.dtype)],
         _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
         _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials)
-    groups = -(-rows // shape.rpb)
-    grid = min(groups, torch.cuda.get_device_properties(z.device).multi_processor_count * max(1, 2048 // shape.threads))
+    grid = _grid(shape, rows, z.device)
     part = torch.empty((grid * shape.rpb, n), dtype=torch.float32, device=z.device)
     w = weight if weight is not None else z[0]
-    tensors = (dy, z, w, rstd, dres if dres is not None else dy, dx, part)
-    args = [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
-    compiled(*args, Int32(rows), Int32(n), Float32(offset), Int32(grid))
+    compiled(*_dlpack(dy, z, w, rstd, dres if dres is not None else dy, dx, part), Int32(rows), Int32(n),
+             Float32(offset), Int32(grid))
     return dx, (part if partials else None)
