@@ -23,10 +23,14 @@ from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps, norm_bytes
 from strictnorm.contract import make_spec
 from strictnorm.reference import next_pow2
 
-TUNINGS = [NormTuning(values=v) for v in (8, 16, 32)]
-TUNINGS += [NormTuning(hold_max_p=0, stream_threads=s, partial_blocks_per_sm=0) for s in (64, 128, 256, 512, 1024)]
-TUNINGS += [NormTuning(hold_max_p=0, stream_threads=256, partial_blocks_per_sm=b) for b in (2, 4)]
-TUNINGS += [NormTuning(values=8, partial_blocks_per_sm=b) for b in (0, 4)]
+# Rows held in registers (values per thread, weight held or reloaded) or read twice (threads per row);
+# the backward adds where the fast dW partials live and how many blocks per SM produce them.
+_HOLD = [NormTuning(values=v, hold_weight=hw) for v in (8, 16, 32, 64) for hw in (True, False)]
+_STREAM = [NormTuning(hold_max_p=0, stream_threads=s) for s in (128, 256, 512, 1024)]
+FWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=0) for t in _HOLD + _STREAM]
+BWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=b, dw_smem=d)
+               for t in _HOLD if t.values >= 16 for b in (4, 8) for d in (False, True)]
+BWD_TUNINGS += [dataclasses.replace(t, partial_blocks_per_sm=b) for t in _STREAM[:3] for b in (4, 8)]
 
 
 def _compile(defines: dict) -> None:
@@ -36,10 +40,9 @@ def _compile(defines: dict) -> None:
 def precompile() -> None:
     jobs = []
     bf16 = torch.bfloat16
-    for tu in TUNINGS:
-        for _, n in NORM_SHAPES:
-            jobs.append(norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu).defines)
-            jobs.append(norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tu).defines)
+    for _, n in NORM_SHAPES:
+        jobs += [norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu).defines for tu in FWD_TUNINGS]
+        jobs += [norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tu).defines for tu in BWD_TUNINGS]
     unique = {tuple(sorted(d.items())): d for d in jobs}
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex:
         list(ex.map(_compile, unique.values()))
@@ -56,21 +59,25 @@ def _sweep_shape(timer: Timer, cb, ref, spec, m: int, n: int, ceiling: float) ->
     dx_ref, _ = ref.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", False, None)
     fb, bb = norm_bytes(m, n)
     rows = []
-    for tu in TUNINGS:
-        cb.fwd_tuning = cb.bwd_tuning = tu
-        row = dict(M=m, N=n, **dataclasses.asdict(tu))
-        try:
-            y, rstd, _ = cb.rms_norm_fwd(x, w, None, spec)
-            dx, _ = cb.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", True, None)
-            row["bitwise"] = bool(torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref) and torch.equal(dx, dx_ref))
-            row["fwd_us"] = timer.kernel_us(lambda: cb.rms_norm_fwd(x, w, None, spec))
-            row["bwd_us"] = timer.kernel_us(lambda: cb.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", True, None))
-            row["fwd_frac_copy"] = fb / row["fwd_us"] / 1e3 / ceiling
-            row["bwd_frac_copy"] = bb / row["bwd_us"] / 1e3 / ceiling
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    for direction, tunings in (("fwd", FWD_TUNINGS), ("bwd", BWD_TUNINGS)):
+        for tu in tunings:
+            cb.fwd_tuning = cb.bwd_tuning = tu
+            row = dict(M=m, N=n, direction=direction, **dataclasses.asdict(tu))
+            try:
+                if direction == "fwd":
+                    fn = lambda: cb.rms_norm_fwd(x, w, None, spec)  # noqa: E731
+                    y, rstd, _ = fn()
+                    row["bitwise"] = bool(torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref))
+                else:
+                    fn = lambda: cb.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", True, None)  # noqa: E731
+                    dx, dw = fn()
+                    row["bitwise"] = bool(torch.equal(dx, dx_ref) and torch.equal(dw, fn()[1]))
+                row["us"] = timer.kernel_us(fn)
+                row["frac_copy"] = (fb if direction == "fwd" else bb) / row["us"] / 1e3 / ceiling
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -78,12 +85,12 @@ def best_tunings(results: list[dict]) -> dict:
     """Fastest bitwise configuration per padded row length, forward and backward apart."""
     fields = [f.name for f in dataclasses.fields(NormTuning)]
     out: dict[str, dict] = {"fwd": {}, "bwd": {}}
-    for key, metric in (("fwd", "fwd_us"), ("bwd", "bwd_us")):
+    for key in ("fwd", "bwd"):
         for n in sorted({r["N"] for r in results}):
-            ok = [r for r in results if r["N"] == n and r.get("bitwise") and metric in r]
+            ok = [r for r in results if r["N"] == n and r["direction"] == key and r.get("bitwise") and "us" in r]
             if ok:  # the largest M of this N decides (the bandwidth-bound case)
                 m = max(r["M"] for r in ok)
-                top = min((r for r in ok if r["M"] == m), key=lambda r: r[metric])
+                top = min((r for r in ok if r["M"] == m), key=lambda r: r["us"])
                 out[key][str(next_pow2(n))] = {f: top[f] for f in fields}
     return out
 
@@ -109,15 +116,15 @@ def main() -> None:
     print("tuning:", json.dumps(best))
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
+    knobs = ("values", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm", "dw_smem")
     for m, n in NORM_SHAPES:
-        ok = [r for r in results if r["M"] == m and r["N"] == n and "fwd_us" in r]
-        if not ok:
-            continue
-        bf = min(ok, key=lambda r: r["fwd_us"])
-        bb = min(ok, key=lambda r: r["bwd_us"])
-        knobs = ("values", "min_threads", "hold_max_p", "stream_threads", "partial_blocks_per_sm")
-        print(f"{m:>7d}x{n:<6d} fwd {bf['fwd_us']:7.1f} us {bf['fwd_frac_copy']:4.0%} {[bf[k] for k in knobs]}"
-              f"   bwd {bb['bwd_us']:7.1f} us {bb['bwd_frac_copy']:4.0%} {[bb[k] for k in knobs]}")
+        line = f"{m:>7d}x{n:<6d}"
+        for key in ("fwd", "bwd"):
+            ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
+            if ok:
+                b = min(ok, key=lambda r: r["us"])
+                line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
+        print(line)
 
 
 if __name__ == "__main__":

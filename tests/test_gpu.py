@@ -275,9 +275,11 @@ def _cuda_fwd_cases():
             yield mode, x_dt, r_dt, w_dt, y_dt
 
 
-# The tuned tables, rows always read twice (no register hold), and held in registers, 8 lanes a thread.
+# The tuned tables; rows always read twice (no register hold); held in registers, 8 lanes a thread with
+# the weight and the dW partials in registers too; held, 32 lanes a thread, weight reloaded per row and dW
+# partials in shared memory.
 CUDA_TUNINGS = {"tables": {}, "stream": {"hold_max_p": 0, "stream_threads": 128},
-                "hold8": {"values": 8}}
+                "hold8": {"values": 8}, "hold32-smem": {"values": 32, "hold_weight": False, "dw_smem": True}}
 
 
 @pytest.fixture(params=list(CUDA_TUNINGS))

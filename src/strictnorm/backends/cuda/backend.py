@@ -85,6 +85,8 @@ class NormTuning:
     partial_blocks_per_sm: int = 2  # backward with fast dW: fewer blocks, fewer fp32 partial rows
     hold_max_p: int = 8192  # longer (padded) rows are read twice instead of held in registers
     stream_threads: int = 256  # threads per row for those
+    hold_weight: bool = True  # held rows: the weight's lanes stay in registers across rows (else reloaded)
+    dw_smem: bool = False  # held rows, fast dW: the fp32 partials in shared memory instead of registers
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (results in
@@ -155,7 +157,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     defines = {"XC": _CODE[x_dtype], "RC": _CODE[norm_dtype], "NC": _CODE[norm_dtype],
                "WC": _CODE[w_dtype or x_dtype], "YC": _CODE[y_dtype], "MODE": _MODES[mode],
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
-               "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold)}
+               "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
+               "HOLD_W": int(hold and tuning.hold_weight)}
     return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm)
 
 
@@ -165,9 +168,10 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
                     ) -> NormLaunch:
     """rms_norm.cu's backward kernel for one call: the forward's block shape rules, BACKWARD set."""
     narrowest = dy_dtype if dy_dtype.itemsize < z_dtype.itemsize else z_dtype
-    fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning or tuning_for(BWD_TABLE, n))
+    tuning = tuning or tuning_for(BWD_TABLE, n)
+    fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning)
     defines = dict(fl.defines, YC=_CODE[z_dtype], BACKWARD=1, DYC=_CODE[dy_dtype], HAS_DRES=int(has_dres),
-                   DW_PARTIALS=int(dw_partials))
+                   DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_partials and fl.defines["HOLD"] and tuning.dw_smem))
     return NormLaunch(defines, fl.rows_per_block, fl.threads, fl.partial_blocks_per_sm)
 
 
@@ -212,13 +216,13 @@ class CudaBackend:
             kernel = self._loaded[key] = self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
         return kernel
 
-    def _grid(self, dev: int, kernel, threads: int, groups: int, per_sm_cap: int = 0) -> int:
+    def _grid(self, dev: int, kernel, threads: int, groups: int, per_sm_cap: int = 0, shmem: int = 0) -> int:
         """Blocks for a grid-stride kernel: every row group, at most what the GPU holds at once
         (and at most per_sm_cap blocks per SM when that is set)."""
-        key = (dev, id(kernel), threads)
+        key = (dev, id(kernel), threads, shmem)
         per_sm, sms = self._resident.get(key, (0, 0))
         if not per_sm:
-            per_sm = max(1, kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0))
+            per_sm = max(1, kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shmem))
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             self._resident[key] = (per_sm, sms)
         if per_sm_cap:
@@ -310,9 +314,10 @@ class CudaBackend:
         partials = need_dw and dw_mode == "fast" and not v.per_head
         tuning = self.bwd_tuning or tuning_for(BWD_TABLE, n, rows)
         fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, partials, tuning)
-        # long rows keep the fp32 partials in shared memory; where they do not fit, the strict fold
-        # (deterministic too) serves dw="fast"
-        shmem = 0 if fl.defines["HOLD"] or not partials else fl.rows_per_block * n * 4
+        # fp32 partials in shared memory (rows not held, or the tuning says so); where they do not fit,
+        # the strict fold (deterministic too) serves dw="fast"
+        in_smem = partials and (not fl.defines["HOLD"] or fl.defines["DW_SMEM"])
+        shmem = fl.rows_per_block * n * 4 if in_smem else 0
         if shmem > _SMEM_LIMIT:
             partials, shmem = False, 0
             fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, False, tuning)
@@ -329,7 +334,7 @@ class CudaBackend:
         kc = self._kernels()
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         grid = self._grid(dev, kernel, fl.threads, -(-rows // fl.rows_per_block),
-                          fl.partial_blocks_per_sm if partials else 0)
+                          fl.partial_blocks_per_sm if partials else 0, shmem)
         part = torch.empty((grid * fl.rows_per_block, n), dtype=torch.float32, device=z.device) if partials else v.rstd
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
@@ -343,8 +348,8 @@ class CudaBackend:
                   np.int32(aligned))
         if v.dx_kernel is not v.dx:
             v.dx.copy_(v.dx_kernel)
-        if partials:
-            dw = part.sum(0).to(weight.dtype)
+        if partials:  # the partial rows in a fixed order: the fold kernel
+            dw = self.left_fold(part).to(weight.dtype)
         return v.dx, dw
 
     def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:

@@ -3,9 +3,12 @@
 #pragma once
 
 template <int CODE> struct Elem;
+// widen: exact to fp32; narrow: round to nearest even; bits/from_bits: the raw pattern in a 32-bit word.
 template <> struct Elem<0> {
     typedef float T;
     static __device__ __forceinline__ float widen(float v) { return v; }
+    static __device__ __forceinline__ unsigned int bits(float v) { return __float_as_uint(v); }
+    static __device__ __forceinline__ float from_bits(unsigned int b) { return __uint_as_float(b); }
     static __device__ __forceinline__ float narrow(float v) { return v; }
 };
 template <> struct Elem<1> {  // bf16
@@ -13,6 +16,8 @@ template <> struct Elem<1> {  // bf16
     static __device__ __forceinline__ float widen(unsigned short v) {
         return __uint_as_float(static_cast<unsigned int>(v) << 16);
     }
+    static __device__ __forceinline__ unsigned int bits(unsigned short v) { return v; }
+    static __device__ __forceinline__ float from_bits(unsigned int b) { return __uint_as_float(b << 16); }
     static __device__ __forceinline__ unsigned short narrow(float v) {  // round to nearest even
         unsigned short h;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -26,6 +31,8 @@ template <> struct Elem<2> {  // fp16
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
         return f;
     }
+    static __device__ __forceinline__ unsigned int bits(unsigned short v) { return v; }
+    static __device__ __forceinline__ float from_bits(unsigned int b) { return widen(static_cast<unsigned short>(b)); }
     static __device__ __forceinline__ unsigned short narrow(float v) {
         unsigned short h;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));

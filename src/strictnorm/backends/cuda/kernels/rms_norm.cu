@@ -14,12 +14,15 @@
 // loader disables contraction and flush-to-zero, so any (PIECE, TPR, K, RPB) gives the same bits.
 //
 // Blocks stride over groups of RPB rows (row slot = threadIdx.x / TPR). With HOLD, a thread keeps its
-// lanes of the row in registers between the reduction and the output pass; without HOLD, the output
-// pass reads the lanes again (L1/L2 hits). (A register prefetch of the slot's next row was measured
-// slower on an H200 at every shape: register pressure costs more resident blocks than it gains.)
+// lanes of the row in registers between the reduction and the output pass, as raw 16- or 32-bit patterns
+// packed in 32-bit words (widened again where used: half the registers of fp32 copies for 16-bit
+// types, hence more resident rows per SM — the number of bytes in flight is what bounds these kernels);
+// HOLD_W keeps the weight's lanes there too, across rows. Without HOLD, the output pass reads the lanes
+// again (L1/L2 hits). (A register prefetch of the slot's next row was measured slower on an H200 at every
+// shape: register pressure costs more resident blocks than it gains.)
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
-// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, RPB, HOLD; BACKWARD selects the
+// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, RPB, HOLD, HOLD_W; BACKWARD selects the
 // backward kernel (below) instead of the forward.
 #include "common.cuh"
 
@@ -28,40 +31,69 @@ typedef Elem<RC>::T r_t;
 typedef Elem<NC>::T n_t;
 typedef Elem<WC>::T w_t;
 typedef Elem<YC>::T y_t;
+#ifndef HOLD_W
+#define HOLD_W 1
+#endif
+#ifndef DW_SMEM
+#define DW_SMEM 0
+#endif
+constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
 constexpr int THREADS = TPR * RPB;
 constexpr int WARP_SIZE = 32;
 constexpr int ROW_WARPS = TPR > WARP_SIZE ? TPR / WARP_SIZE : 1;
 constexpr int SUBTREES = K * ROW_WARPS;  // partial sums per row after step 2
 static_assert(THREADS % WARP_SIZE == 0 && THREADS <= 1024, "block shape");
 
-// A row's lanes held by one thread: piece k is lanes [(k * TPR + t) * PIECE, ... + PIECE).
-struct Lanes {
-    float v[K][PIECE];
-};
-
 __device__ __forceinline__ int piece_col(int k, int t) { return (k * TPR + t) * PIECE; }
 __device__ __forceinline__ int piece_valid(int k, int t, int n) { return max(0, min(PIECE, n - piece_col(k, t))); }
 
-// Loads one piece widened to fp32; lanes at or past `valid` read as +0.0. 16-byte vector loads when the
+// One piece as raw bit patterns packed in 32-bit words (two 16-bit values per word): rows held in
+// registers take half the registers of their fp32 widening, so more rows are in flight per SM.
+template <int CODE>
+struct Raw {
+    typedef typename Elem<CODE>::T T;
+    static constexpr int SIZE = sizeof(T);
+    static constexpr int WORDS = (PIECE * SIZE + 3) / 4;
+    static __device__ __forceinline__ float value(const unsigned int* w, int i) {  // i: a constant after unrolling
+        if constexpr (SIZE == 4) return Elem<CODE>::from_bits(w[i]);
+        else return Elem<CODE>::from_bits(i % 2 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu);
+    }
+};
+
+// Loads one piece's bits; lanes at or past `valid` get +0.0's bits (zero). 16-byte vector loads when the
 // piece is whole and `aligned` (pointers and row strides checked by the host).
 template <int CODE>
-__device__ __forceinline__ void load_piece(float* out, const typename Elem<CODE>::T* p, int valid, bool aligned) {
-    typedef typename Elem<CODE>::T t;
-    constexpr int PER = 16 / sizeof(t);
-    if constexpr (PIECE % PER == 0) {
+__device__ __forceinline__ void load_raw(unsigned int* w, const typename Elem<CODE>::T* p, int valid, bool aligned) {
+    typedef Raw<CODE> R;
+    if constexpr (R::WORDS % 4 == 0) {
         if (aligned && valid == PIECE) {
 #pragma unroll
-            for (int q = 0; q < PIECE / PER; ++q) {
+            for (int q = 0; q < R::WORDS / 4; ++q) {
                 const uint4 u = reinterpret_cast<const uint4*>(p)[q];
-                const t* e = reinterpret_cast<const t*>(&u);
-#pragma unroll
-                for (int j = 0; j < PER; ++j) out[q * PER + j] = Elem<CODE>::widen(e[j]);
+                w[4 * q] = u.x, w[4 * q + 1] = u.y, w[4 * q + 2] = u.z, w[4 * q + 3] = u.w;
             }
             return;
         }
     }
 #pragma unroll
-    for (int i = 0; i < PIECE; ++i) out[i] = i < valid ? Elem<CODE>::widen(p[i]) : 0.0f;
+    for (int j = 0; j < R::WORDS; ++j) w[j] = 0u;
+#pragma unroll
+    for (int i = 0; i < PIECE; ++i)
+        if (i < valid) w[i * R::SIZE / 4] |= Elem<CODE>::bits(p[i]) << (i * R::SIZE % 4 * 8);
+}
+
+template <int CODE>
+__device__ __forceinline__ void unpack(float* out, const unsigned int* w) {
+#pragma unroll
+    for (int i = 0; i < PIECE; ++i) out[i] = Raw<CODE>::value(w, i);
+}
+
+// Loads one piece widened to fp32 (lanes at or past `valid` read as +0.0).
+template <int CODE>
+__device__ __forceinline__ void load_piece(float* out, const typename Elem<CODE>::T* p, int valid, bool aligned) {
+    unsigned int w[Raw<CODE>::WORDS];
+    load_raw<CODE>(w, p, valid, aligned);
+    unpack<CODE>(out, w);
 }
 
 template <int CODE>
@@ -86,19 +118,33 @@ __device__ __forceinline__ void store_piece(typename Elem<CODE>::T* p, const flo
         if (i < valid) p[i] = Elem<CODE>::narrow(v[i]);
 }
 
+// A row's lanes held by one thread (HOLD), as raw bits: piece k is lanes [(k * TPR + t) * PIECE, ... + PIECE).
 template <int CODE>
-__device__ __forceinline__ void load_lanes(Lanes& a, const typename Elem<CODE>::T* row, int t, int n, bool live,
-                                           bool aligned) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) load_piece<CODE>(a.v[k], row + piece_col(k, t), live ? piece_valid(k, t, n) : 0, aligned);
-}
+struct Held {
+    unsigned int w[K][Raw<CODE>::WORDS];
+};
 
 template <int CODE>
-__device__ __forceinline__ void store_lanes(typename Elem<CODE>::T* row, const Lanes& a, int t, int n, bool live,
-                                            bool aligned) {
+__device__ __forceinline__ void load_held(Held<CODE>& h, const typename Elem<CODE>::T* row, int t, int n, bool live,
+                                          bool aligned) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) store_piece<CODE>(row + piece_col(k, t), a.v[k], live ? piece_valid(k, t, n) : 0, aligned);
+    for (int k = 0; k < K; ++k) load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_valid(k, t, n) : 0, aligned);
 }
+
+// Hides the held words' values from the optimizer at this point: without it, the compiler keeps the fp32
+// widening of pass 1 (or of the loop-invariant weight) alive for pass 2 instead of the packed words.
+template <int CODE>
+__device__ __forceinline__ void launder(Held<CODE>& h) {
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int j = 0; j < Raw<CODE>::WORDS; ++j) asm volatile("" : "+r"(h.w[k][j]));
+}
+
+// fp32 accumulators, one per lane a thread serves (the backward's dW partials with HOLD).
+struct Lanes {
+    float v[K][PIECE];
+};
 
 // Pairwise adjacent-first tree over WIDTH values: level by level, (2j, 2j+1) -> j. A template recursion,
 // so that every index is a compile-time constant and the values stay in registers. Overwrites v.
@@ -164,25 +210,8 @@ __device__ __forceinline__ float normalized(float x, float rstd) {
 #endif
 }
 
-// wf = f32(w) + offset (in fp32), rounded to z's dtype in mode none; 1.0 without a weight.
-__device__ __forceinline__ void load_weight(Lanes& wf, const w_t* w, int t, int n, bool aligned, float offset) {
-#if HAS_W
-    load_lanes<WC>(wf, w, t, n, true, aligned);
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-#pragma unroll
-        for (int i = 0; i < PIECE; ++i) {
-            wf.v[k][i] = __fadd_rn(wf.v[k][i], offset);
-#if MODE == 2
-            wf.v[k][i] = round_f32<NC>(wf.v[k][i]);
-#endif
-        }
-#endif
-}
-
-// One piece of the effective weight (see load_weight), for kernels that do not hold the whole row.
-__device__ __forceinline__ void load_weight_piece(float* wp, const w_t* w, int valid, bool aligned, float offset) {
-    load_piece<WC>(wp, w, valid, aligned);
+// wf = f32(w) + offset (in fp32), rounded to z's dtype in mode none, in place over a widened piece.
+__device__ __forceinline__ void effective_weight(float* wp, float offset) {
 #pragma unroll
     for (int i = 0; i < PIECE; ++i) {
         wp[i] = __fadd_rn(wp[i], offset);
@@ -192,27 +221,23 @@ __device__ __forceinline__ void load_weight_piece(float* wp, const w_t* w, int v
     }
 }
 
-// Piece k of a row: from the lanes this thread holds (HOLD), or loaded from src.
-template <int CODE>
-__device__ __forceinline__ void fetch_piece(float* a, const Lanes& held, int k, const typename Elem<CODE>::T* src,
+// Piece k of a row: unpacked from the lanes this thread holds (HELD), or loaded from src.
+template <int CODE, bool HELD = HOLD>
+__device__ __forceinline__ void fetch_piece(float* a, const Held<CODE>& held, int k, const typename Elem<CODE>::T* src,
                                             int valid, bool aligned) {
-#if HOLD
-#pragma unroll
-    for (int i = 0; i < PIECE; ++i) a[i] = held.v[k][i];
-#else
-    load_piece<CODE>(a, src, valid, aligned);
-#endif
+    if constexpr (HELD) {
+        (void)src, (void)valid, (void)aligned;
+        unpack<CODE>(a, held.w[k]);
+    } else {
+        load_piece<CODE>(a, src, valid, aligned);
+    }
 }
 
-// Piece k of the effective weight: held (HOLD) or loaded from src (its lanes in the weight row).
-__device__ __forceinline__ void fetch_weight(float* wp, const Lanes& held, int k, const w_t* src, int valid,
+// Piece k of the effective weight, from the held weight (HOLD_WEIGHT) or src (its lanes in the weight row).
+__device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, int k, const w_t* src, int valid,
                                              bool aligned, float offset) {
-#if HOLD
-#pragma unroll
-    for (int i = 0; i < PIECE; ++i) wp[i] = held.v[k][i];
-#else
-    load_weight_piece(wp, src, valid, aligned, offset);
-#endif
+    fetch_piece<WC, HOLD_WEIGHT>(wp, held, k, src, valid, aligned);
+    effective_weight(wp, offset);
 }
 
 // g = f32(dy) * wf (the weight is exactly 1.0 without one: the product is dy itself).
@@ -257,41 +282,52 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     __shared__ float scratch[2][RPB][SUBTREES];
     const int t = threadIdx.x % TPR;
     RowWalk walk(rows);
-    Lanes wf;  // HOLD: the effective weight, loaded once (per row for per-head weights)
-#if HOLD && HAS_W && !PER_HEAD
-    load_weight(wf, w, t, n, aligned, offset);
-#endif
+    Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
+    if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
         const x_t* xrow = x + offset_of(r, xs0, xs1, xsg, r1, g);
-#if HAS_RES
-        const r_t* rrow = res + offset_of(r, rs0, rs1, rsg, r1, g);
-#endif
-        Lanes v, rv;  // HOLD: this thread's lanes of x and the residual (then of z)
+        const r_t* rrow = res + (HAS_RES ? offset_of(r, rs0, rs1, rsg, r1, g) : 0);
+        const w_t* wrow = w + (PER_HEAD ? head_of(r, g) * wsg : 0);
+        (void)rrow, (void)wrow;
+        Held<XC> xh;  // HOLD: this thread's lanes of x and the residual
+        Held<RC> rh;
 #if HOLD
-        load_lanes<XC>(v, xrow, t, n, live, aligned);
+        load_held<XC>(xh, xrow, t, n, live, aligned);
 #if HAS_RES
-        load_lanes<RC>(rv, rrow, t, n, live, aligned);
+        load_held<RC>(rh, rrow, t, n, live, aligned);
 #endif
 #endif
-        // pass 1: z (= x, or rd(x + residual) stored as residual_out), its squares, the piece sums
+        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
+        // piece k of the norm's input: x, or z = rd(x + residual) (recomputed from the held lanes in pass 2
+        // with HOLD, read back from z, which pass 1 wrote, otherwise)
+        auto input = [&](int k, float* a, int valid, bool second_pass) {
+            const int c0 = piece_col(k, t);
+#if HAS_RES
+            if (!HOLD && second_pass) {
+                load_piece<NC>(a, z + r * n + c0, valid, aligned);
+                return;
+            }
+            float b[PIECE];
+            fetch_piece<XC>(a, xh, k, xrow + c0, valid, aligned);
+            fetch_piece<RC>(b, rh, k, rrow + c0, valid, aligned);
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) a[i] = round_f32<NC>(__fadd_rn(a[i], b[i]));
+#else
+            (void)second_pass;
+            fetch_piece<XC>(a, xh, k, xrow + c0, valid, aligned);
+#endif
+        };
+        // pass 1: z (stored as residual_out with the fused add), its squares, the piece sums
         float part[K];
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
+            const int valid = live ? piece_valid(k, t, n) : 0;
             float a[PIECE];
-            fetch_piece<XC>(a, v, k, xrow + c0, valid, aligned);
+            input(k, a, valid, false);
 #if HAS_RES
-            float b[PIECE];
-            fetch_piece<RC>(b, rv, k, rrow + c0, valid, aligned);
-#pragma unroll
-            for (int i = 0; i < PIECE; ++i) a[i] = round_f32<NC>(__fadd_rn(a[i], b[i]));
-            store_piece<NC>(z + r * n + c0, a, valid, aligned);
-#if HOLD
-#pragma unroll
-            for (int i = 0; i < PIECE; ++i) v.v[k][i] = a[i];  // pass 2 reads z from here
-#endif
+            store_piece<NC>(z + r * n + piece_col(k, t), a, valid, aligned);
 #endif
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) a[i] = __fmul_rn(a[i], a[i]);
@@ -300,25 +336,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         const float ss = row_sum(part, scratch, it & 1);
         const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(n)), eps)));
         if (live && t == 0) rstd_out[r] = rstd;
-        // pass 2: y. Without HOLD, z is read again (this thread's own lanes: from L1/L2) and so is w.
-#if HOLD && HAS_W && PER_HEAD
-        load_weight(wf, w + head_of(r, g) * wsg, t, n, aligned, offset);
+#if HOLD
+        launder(xh);
+        if constexpr (HAS_RES) launder(rh);
+        if constexpr (HOLD_WEIGHT) launder(wh);
 #endif
+        // pass 2: y. Without HOLD, the input is read again (this thread's own lanes: from L1/L2) and so is w.
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
             float a[PIECE];
-#if HAS_RES  // the norm's input: z, written in pass 1, or x itself (NC == XC)
-            fetch_piece<NC>(a, v, k, z + r * n + c0, valid, aligned);
-#else
-            fetch_piece<NC>(a, v, k, xrow + c0, valid, aligned);
-#endif
+            input(k, a, valid, true);
 #if HAS_W
             float wp[PIECE];
             // `live ? piece_valid(...)` rather than `valid` (same value): NVRTC 13.0 compiled the latter to
             // 25% more sm_90 code for the stream-mode forward
-            fetch_weight(wp, wf, k, w + (PER_HEAD ? head_of(r, g) * wsg : 0) + c0, live ? piece_valid(k, t, n) : 0,
-                         aligned, offset);
+            fetch_weight(wp, wh, k, wrow + c0, live ? piece_valid(k, t, n) : 0, aligned, offset);
 #endif
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) {
@@ -341,10 +374,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 // Backward: dx = rd((g - xh * c) * rstd [+ f32(dres)], NC) per row with g = f32(dy) * wf,
 // xh = z * rstd, c = canon_sum(xh * g) / N (contract, backward). With DW_PARTIALS each row slot of a
 // block also sums its rows' dW contributions (in row order) into dw_part[block * RPB + slot], reduced
-// afterwards in a fixed order ("fast" dW): in registers with HOLD, else in dynamic shared memory
-// (RPB * n floats). dx may alias dy (in place): a row's lanes are read and written by the same
+// afterwards in a fixed order ("fast" dW): in registers with HOLD (unless DW_SMEM), else in dynamic shared
+// memory (RPB * n floats). dx may alias dy (in place): a row's lanes are read and written by the same
 // thread, reads first.
-// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS.
+// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM.
 typedef Elem<DYC>::T dy_t;
 
 extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
@@ -357,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
     __shared__ float scratch[2][RPB][SUBTREES];
     const int t = threadIdx.x % TPR;
     RowWalk walk(rows);
-#if DW_PARTIALS && HOLD
+#if DW_PARTIALS && HOLD && !DW_SMEM
     Lanes dw_acc;
 #pragma unroll
     for (int k = 0; k < K; ++k)
@@ -370,33 +403,30 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
     for (int k = 0; k < K; ++k)
         for (int i = 0; i < piece_valid(k, t, n); ++i) dw_row[piece_col(k, t) + i] = 0.0f;
 #endif
-    Lanes wf;  // HOLD: the effective weight, loaded once (per row for per-head weights)
-#if HOLD && HAS_W && !PER_HEAD
-    load_weight(wf, w, t, n, aligned, offset);
-#endif
+    Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
+    if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
         const n_t* zrow = zin + offset_of(r, zs0, zs1, zsg, r1, g);
         const dy_t* drow = dy + offset_of(r, ds0, ds1, dsg, r1, g);
-        Lanes xz, d;  // HOLD: this thread's lanes of z and dy
-#if HOLD
-        load_lanes<NC>(xz, zrow, t, n, live, aligned);
-        load_lanes<DYC>(d, drow, t, n, live, aligned);
-#endif
-        const float rstd = live ? rstd_in[r] : 0.0f;
-#if HOLD && HAS_W && PER_HEAD
-        load_weight(wf, w + head_of(r, g) * wsg, t, n, aligned, offset);
-#endif
         const w_t* wrow = w + (PER_HEAD ? head_of(r, g) * wsg : 0);
         (void)wrow;
+        Held<NC> zh;  // HOLD: this thread's lanes of z and dy
+        Held<DYC> dh;
+#if HOLD
+        load_held<NC>(zh, zrow, t, n, live, aligned);
+        load_held<DYC>(dh, drow, t, n, live, aligned);
+#endif
+        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
+        const float rstd = live ? rstd_in[r] : 0.0f;
         // this thread's pieces of z, dy and the effective weight (1.0 without one)
         auto get = [&](int k, float* zp, float* dp, float* wp) {
             const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
-            fetch_piece<NC>(zp, xz, k, zrow + c0, valid, aligned);
-            fetch_piece<DYC>(dp, d, k, drow + c0, valid, aligned);
+            fetch_piece<NC>(zp, zh, k, zrow + c0, valid, aligned);
+            fetch_piece<DYC>(dp, dh, k, drow + c0, valid, aligned);
 #if HAS_W
-            fetch_weight(wp, wf, k, wrow + c0, valid, aligned, offset);
+            fetch_weight(wp, wh, k, wrow + c0, valid, aligned, offset);
 #else
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) wp[i] = 1.0f;
@@ -412,6 +442,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             part[k] = pair_tree<PIECE>(prod);
         }
         const float c = __fdiv_rn(row_sum(part, scratch, it & 1), static_cast<float>(n));
+#if HOLD
+        launder(zh), launder(dh);
+        if constexpr (HOLD_WEIGHT) launder(wh);
+#endif
         n_t* xrow = dx + offset_of(r, xs0, xs1, xsg, r1, g);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -437,7 +471,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #pragma unroll
                 for (int i = 0; i < PIECE; ++i) {
                     const float contrib = __fmul_rn(dp[i], normalized(zp[i], rstd));
-#if HOLD
+#if HOLD && !DW_SMEM
                     dw_acc.v[k][i] = __fadd_rn(dw_acc.v[k][i], contrib);
 #else
                     if (i < valid) dw_row[c0 + i] = __fadd_rn(dw_row[c0 + i], contrib);
@@ -454,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         const int c0 = piece_col(k, t), cols = piece_valid(k, t, n);
 #pragma unroll
         for (int i = 0; i < PIECE; ++i)
-#if HOLD
+#if HOLD && !DW_SMEM
             if (i < cols) dw_part[part_row * n + c0 + i] = dw_acc.v[k][i];
 #else
             if (i < cols) dw_part[part_row * n + c0 + i] = dw_row[c0 + i];

@@ -1,0 +1,79 @@
+"""One call of each norm kernel inside a profiler range, for Nsight Compute:
+    ncu --profile-from-start off --clock-control none [sections] python3 bench/ncu_probe.py M N case...
+Cases: cuda-fwd, cuda-bwd (the tables' block shapes), cuda-fwd-hold<V> / cuda-fwd-stream<T> /
+cuda-bwd-hold<V> / cuda-bwd-stream<T> (a fixed block shape), triton-fwd, triton-bwd, liger-fwd,
+liger-bwd, quack-fwd, quack-bwd. bf16 x, dy and weight, llama mode, fast dW. Warm-up calls (compiles)
+run outside the range; each case's range holds one call.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from strictnorm.backends.cuda.backend import NormTuning
+from strictnorm.backends.registry import get_backend
+from strictnorm.contract import make_spec
+
+EPS = 1e-6
+
+
+def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor):
+    spec = make_spec(x.dtype, EPS, 0.0, "llama", x.dtype)
+    backend, op, *shape = name.split("-")
+    if backend in ("cuda", "triton"):
+        b = get_backend(backend)
+        b.fwd_tuning = b.bwd_tuning = None  # the tables (or STRICTNORM_CUDA_TUNING)
+        if shape:  # cuda-fwd-hold16, cuda-bwd-stream256
+            kind = shape[0]
+            tu = (NormTuning(values=int(kind[4:])) if kind.startswith("hold")
+                  else NormTuning(hold_max_p=0, stream_threads=int(kind[6:]), partial_blocks_per_sm=0))
+            b.fwd_tuning = b.bwd_tuning = tu
+        if op == "fwd":
+            return lambda: b.rms_norm_fwd(x, w, None, spec)
+        return lambda: b.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None)
+    if backend == "liger":
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        xg = x.detach().requires_grad_(op == "bwd")
+        wg = w.detach().requires_grad_(op == "bwd")
+        if op == "fwd":
+            return lambda: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+        y = LigerRMSNormFunction.apply(xg, wg, EPS, 0.0, "llama", False)
+        return lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True)
+    if backend == "quack":
+        from quack.rmsnorm import rmsnorm
+
+        xg = x.detach().requires_grad_(op == "bwd")
+        wg = w.detach().requires_grad_(op == "bwd")
+        if op == "fwd":
+            return lambda: rmsnorm(x, w, eps=EPS)
+        y = rmsnorm(xg, wg, eps=EPS)
+        return lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True)
+    raise SystemExit(f"unknown case {name}")
+
+
+def main() -> None:
+    m, n, cases = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+    dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    rstd = get_backend("torch").rms_norm_fwd(x, w, None, make_spec(x.dtype, EPS, 0.0, "llama", x.dtype))[1]
+    for name in cases:
+        fn = case_fn(name, x, w, dy, rstd)
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(name)
+        torch.cuda.profiler.start()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        torch.cuda.nvtx.range_pop()
+        print(f"profiled {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
