@@ -25,11 +25,11 @@ from strictnorm.reference import next_pow2
 
 # Rows held in registers (values per thread, weight held or reloaded) or read twice (threads per row);
 # the backward adds where the fast dW partials live and how many blocks per SM produce them.
-_HOLD = [NormTuning(values=v, hold_weight=hw) for v in (8, 16, 32, 64) for hw in (True, False)]
+_HOLD = [NormTuning(values=v, hold_weight=hw, hold_max_p=65536) for v in (8, 16, 32, 64) for hw in (True, False)]
 _STREAM = [NormTuning(hold_max_p=0, stream_threads=s) for s in (128, 256, 512, 1024)]
 FWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=0) for t in _HOLD + _STREAM]
 BWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=b, dw_smem=d)
-               for t in _HOLD if t.values >= 16 for b in (4, 8) for d in (False, True)]
+               for t in _HOLD for b in (4, 8) for d in (False, True)]
 BWD_TUNINGS += [dataclasses.replace(t, partial_blocks_per_sm=b) for t in _STREAM[:3] for b in (4, 8)]
 
 
@@ -82,16 +82,20 @@ def _sweep_shape(timer: Timer, cb, ref, spec, m: int, n: int, ceiling: float) ->
 
 
 def best_tunings(results: list[dict]) -> dict:
-    """Fastest bitwise configuration per padded row length, forward and backward apart."""
+    """Fastest bitwise configuration per padded row length and row count, forward and backward apart, as
+    STRICTNORM_CUDA_TUNING reads it: per P, [max rows, knobs] entries, the largest row count unbounded."""
     fields = [f.name for f in dataclasses.fields(NormTuning)]
     out: dict[str, dict] = {"fwd": {}, "bwd": {}}
     for key in ("fwd", "bwd"):
         for n in sorted({r["N"] for r in results}):
             ok = [r for r in results if r["N"] == n and r["direction"] == key and r.get("bitwise") and "us" in r]
-            if ok:  # the largest M of this N decides (the bandwidth-bound case)
-                m = max(r["M"] for r in ok)
+            ms = sorted({r["M"] for r in ok})
+            entries = []
+            for m in ms:
                 top = min((r for r in ok if r["M"] == m), key=lambda r: r["us"])
-                out[key][str(next_pow2(n))] = {f: top[f] for f in fields}
+                entries.append([m if m != ms[-1] else None, {f: top[f] for f in fields}])
+            if entries:
+                out[key][str(next_pow2(n))] = entries
     return out
 
 

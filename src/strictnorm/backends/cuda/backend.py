@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -89,30 +90,29 @@ class NormTuning:
     dw_smem: bool = False  # held rows, fast dW: the fp32 partials in shared memory instead of registers
 
 
-# Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (results in
-# bench/results/); a P between entries takes the nearest one (log scale). A JSON file named by
-# STRICTNORM_CUDA_TUNING ({"fwd": {"4096": {"values": 16, ...}}, "bwd": {...}}) replaces entries.
-Tuning = tuple[tuple[int | None, NormTuning], ...]  # (max rows, tuning) entries, the last one unbounded
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
-# (bench/results/2026-11-29-h200-run2/c-sweep-cuda.json); a P between entries takes the nearest one (log
-# scale). The unbounded entries are the sweep's choice at its largest row count; bounded ones come from its
-# smaller row counts (the backward at 2048 x 4096: 45 us with 1024-thread rows, 64 us with the large-M
-# choice). The launch shape may follow the row count because no shape changes a bit. A JSON file named by
-# STRICTNORM_CUDA_TUNING ({"fwd": {"4096": {"values": 16, ...}}, "bwd": {...}}) replaces entries.
+# (bench/results/2026-11-29-h200-run3/a-sweep-cuda.json); a P between entries takes the nearest one (log
+# scale). Unbounded entries are the sweep's choice at its largest row count; bounded ones come from its
+# smaller row counts (the launch shape may follow the row count because no shape changes a bit). A JSON
+# file named by STRICTNORM_CUDA_TUNING replaces entries: {"fwd": {"4096": [[128, {"values": 8, ...}],
+# [null, {...}]], ...}, "bwd": {...}} ([max rows or null, knobs] pairs; a bare knobs object is one
+# unbounded entry), as bench/sweep_cuda.py writes it.
+Tuning = tuple[tuple[int | None, NormTuning], ...]  # (max rows, tuning) entries, the last one unbounded
 FWD_TABLE: dict[int, Tuning] = {
-    128: ((None, NormTuning(values=8, partial_blocks_per_sm=0)),),
-    4096: ((128, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=1024)),
-           (None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=128))),
-    8192: ((None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0)),),
+    128: ((None, NormTuning(values=8, hold_weight=False, partial_blocks_per_sm=0)),),
+    4096: ((128, NormTuning(values=8, hold_weight=False, partial_blocks_per_sm=0)),
+           (8192, NormTuning(values=16, hold_weight=False, partial_blocks_per_sm=0)),
+           (None, NormTuning(values=64, hold_weight=False, partial_blocks_per_sm=0))),
+    8192: ((None, NormTuning(values=64, hold_weight=False, partial_blocks_per_sm=0)),),
     32768: ((None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=512)),),
 }
 BWD_TABLE: dict[int, Tuning] = {
-    128: ((None, NormTuning(values=8, partial_blocks_per_sm=0)),),
-    4096: ((2048, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=1024)),
-           (8192, NormTuning(values=16)),
-           (None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=128))),
-    8192: ((None, NormTuning(values=8, partial_blocks_per_sm=4)),),
-    32768: ((None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=512)),),
+    128: ((None, NormTuning(values=16, partial_blocks_per_sm=4)),),
+    4096: ((128, NormTuning(values=16, hold_weight=False, partial_blocks_per_sm=4, dw_smem=True)),
+           (8192, NormTuning(values=16, partial_blocks_per_sm=8)),
+           (None, NormTuning(values=32, partial_blocks_per_sm=4))),
+    8192: ((None, NormTuning(values=32, partial_blocks_per_sm=8)),),
+    32768: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8)),),
 }
 
 
@@ -123,8 +123,12 @@ def _load_tuning_file() -> None:
     with open(path) as f:
         data = json.load(f)
     for key, table in (("fwd", FWD_TABLE), ("bwd", BWD_TABLE)):
-        for p, knobs in data.get(key, {}).items():
-            table[int(p)] = ((None, NormTuning(**knobs)),)
+        for p, entries in data.get(key, {}).items():
+            if isinstance(entries, dict):
+                entries = [[None, entries]]
+            table[int(p)] = tuple((bound, NormTuning(**knobs)) for bound, knobs in entries)
+            if table[int(p)][-1][0] is not None:
+                raise ValueError(f"{path}: the last {key} entry for P = {p} must be unbounded (null)")
 
 
 _load_tuning_file()
@@ -335,7 +339,7 @@ class CudaBackend:
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         grid = self._grid(dev, kernel, fl.threads, -(-rows // fl.rows_per_block),
                           fl.partial_blocks_per_sm if partials else 0, shmem)
-        part = torch.empty((grid * fl.rows_per_block, n), dtype=torch.float32, device=z.device) if partials else v.rstd
+        part = self._partials_buffer(grid * fl.rows_per_block, n, z.device) if partials else v.rstd
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
                              (v.dx_kernel, v.xlay.args()), *(((v.weight, (wsg,)),) if v.weight is not None else ()))
@@ -348,9 +352,32 @@ class CudaBackend:
                   np.int32(aligned))
         if v.dx_kernel is not v.dx:
             v.dx.copy_(v.dx_kernel)
-        if partials:  # the partial rows in a fixed order: the fold kernel
-            dw = self.left_fold(part).to(weight.dtype)
+        if partials:
+            dw = self._sum_partials(part).to(weight.dtype)
         return v.dx, dw
+
+    @staticmethod
+    def _partial_groups(rows: int) -> int:
+        """Groups of the two-level partial sum: a power of two near sqrt(rows) (chains of ~2 sqrt(rows) adds)."""
+        return 1 << (math.isqrt(rows).bit_length() - 1) if rows >= 64 else 1
+
+    def _partials_buffer(self, rows: int, n: int, device: torch.device) -> Tensor:
+        """(rows, n) fp32 for the kernel's partial rows, padded with zero rows to a multiple of the groups."""
+        g = self._partial_groups(rows)
+        padded = -(-rows // g) * g
+        buf = torch.empty((padded, n), dtype=torch.float32, device=device)
+        if padded > rows:
+            buf[rows:].zero_()  # +0.0 rows: exact no-ops in a fold from +0.0
+        return buf
+
+    def _sum_partials(self, part: Tensor) -> Tensor:
+        """The fast dW's partial rows summed in a fixed order: group h folds rows h, h + g, h + 2g, ...
+        (one fold launch), then the g group sums are folded in order."""
+        g = self._partial_groups(part.shape[0])
+        if g == 1:
+            return self.left_fold(part)
+        lay = row_layout(part)[1]
+        return self.left_fold(self.fold(part, lay, part, lay, part, 0, g))
 
     def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:
         if rows.numel() == 0:
