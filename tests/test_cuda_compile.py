@@ -180,7 +180,10 @@ def test_tuning_tables_cover_every_row_length():
 def test_row_bounded_entries_apply_within_their_bound():
     from strictnorm.backends.cuda.backend import BWD_TABLE, tuning_for
 
-    (b_small, small), (b_mid, mid), (_, big) = BWD_TABLE[4096]
-    assert tuning_for(BWD_TABLE, 4096, 1) is small and tuning_for(BWD_TABLE, 4096, b_small) is small
-    assert tuning_for(BWD_TABLE, 4096, b_small + 1) is mid and tuning_for(BWD_TABLE, 4096, b_mid) is mid
-    assert tuning_for(BWD_TABLE, 4096, b_mid + 1) is big
+    entries = BWD_TABLE[4096]
+    assert len(entries) > 1 and entries[-1][0] is None
+    low = 1
+    for bound, tuning in entries[:-1]:
+        assert tuning_for(BWD_TABLE, 4096, low) is tuning and tuning_for(BWD_TABLE, 4096, bound) is tuning
+        low = bound + 1
+    assert tuning_for(BWD_TABLE, 4096, low) is entries[-1][1] and tuning_for(BWD_TABLE, 4096) is entries[-1][1]

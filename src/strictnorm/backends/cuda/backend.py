@@ -91,28 +91,33 @@ class NormTuning:
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
-# (bench/results/2026-11-29-h200-run3/a-sweep-cuda.json); a P between entries takes the nearest one (log
+# (bench/results/2026-11-29-h200-run3/, sweeps b and c); a P between entries takes the nearest one (log
 # scale). Unbounded entries are the sweep's choice at its largest row count; bounded ones come from its
 # smaller row counts (the launch shape may follow the row count because no shape changes a bit). A JSON
 # file named by STRICTNORM_CUDA_TUNING replaces entries: {"fwd": {"4096": [[128, {"values": 8, ...}],
 # [null, {...}]], ...}, "bwd": {...}} ([max rows or null, knobs] pairs; a bare knobs object is one
 # unbounded entry), as bench/sweep_cuda.py writes it.
 Tuning = tuple[tuple[int | None, NormTuning], ...]  # (max rows, tuning) entries, the last one unbounded
+_H = 65536  # hold_max_p: rows held in registers at every P the tables serve
 FWD_TABLE: dict[int, Tuning] = {
-    128: ((None, NormTuning(values=8, hold_weight=False, partial_blocks_per_sm=0)),),
-    4096: ((128, NormTuning(values=8, hold_weight=False, partial_blocks_per_sm=0)),
-           (8192, NormTuning(values=16, hold_weight=False, partial_blocks_per_sm=0)),
-           (None, NormTuning(values=64, hold_weight=False, partial_blocks_per_sm=0))),
-    8192: ((None, NormTuning(values=64, hold_weight=False, partial_blocks_per_sm=0)),),
-    32768: ((None, NormTuning(partial_blocks_per_sm=0, hold_max_p=0, stream_threads=512)),),
+    128: ((None, NormTuning(values=16, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),),
+    4096: ((128, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),
+           (2048, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),
+           (8192, NormTuning(values=16, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),
+           (None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0))),
+    8192: ((None, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),),
+    32768: ((None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),),
 }
+# P = 4096 and 8192 from the first sweep (its partial rows were summed by one fold, as now for up to
+# 4096 partial rows); P = 128 and 32768 from the second.
 BWD_TABLE: dict[int, Tuning] = {
-    128: ((None, NormTuning(values=16, partial_blocks_per_sm=4)),),
+    128: ((None, NormTuning(values=16, hold_max_p=_H, partial_blocks_per_sm=8)),),
     4096: ((128, NormTuning(values=16, hold_weight=False, partial_blocks_per_sm=4, dw_smem=True)),
+           (2048, NormTuning(values=16, hold_weight=False, partial_blocks_per_sm=8)),
            (8192, NormTuning(values=16, partial_blocks_per_sm=8)),
            (None, NormTuning(values=32, partial_blocks_per_sm=4))),
     8192: ((None, NormTuning(values=32, partial_blocks_per_sm=8)),),
-    32768: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8)),),
+    32768: ((None, NormTuning(values=64, hold_max_p=_H, partial_blocks_per_sm=4, dw_smem=True)),),
 }
 
 
@@ -358,8 +363,9 @@ class CudaBackend:
 
     @staticmethod
     def _partial_groups(rows: int) -> int:
-        """Groups of the two-level partial sum: a power of two near sqrt(rows) (chains of ~2 sqrt(rows) adds)."""
-        return 1 << (math.isqrt(rows).bit_length() - 1) if rows >= 64 else 1
+        """Groups of the two-level partial sum past 4096 partial rows: a power of two near sqrt(rows)
+        (chains of ~2 sqrt(rows) adds instead of rows); one fold below (each launch costs more there)."""
+        return 1 << (math.isqrt(rows).bit_length() - 1) if rows > 4096 else 1
 
     def _partials_buffer(self, rows: int, n: int, device: torch.device) -> Tensor:
         """(rows, n) fp32 for the kernel's partial rows, padded with zero rows to a multiple of the groups."""
