@@ -239,6 +239,7 @@ def _cute_candidate(eps: float, mode: str, offset: float) -> Callable | str:
     class CuteNorm(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w):
+            x, w = x.detach(), w.detach()  # DLPack exports no tensor that requires grad
             y, rstd, _ = cute_kernels.forward(x, w, eps, offset, mode, x.dtype)
             ctx.save_for_backward(x, w, rstd)
             return y
@@ -597,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="dtype of x, weight and dy")
     p.add_argument("--mode", choices=MODES, default="llama", help="strictnorm's casting mode (gemma: offset 1.0)")
     p.add_argument("--shapes", help="MxN list instead of the preset, e.g. 128x4096,2048x4096")
+    p.add_argument("--only", help="comma-separated name parts: time only the providers whose names contain one")
     p.add_argument("--fold", action="store_true", help="also the strict-fold section (GPU)")
     p.add_argument("--no-norm", action="store_true", help="skip the norm section")
     p.add_argument("--rounds", type=int, default=3, help="rounds per shape, providers shuffled each round")
@@ -627,12 +629,17 @@ def main(argv: list[str] | None = None) -> int:
         shapes = parse_shapes(args.shapes) if args.shapes else PRESETS[args.preset]
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         providers, result["skipped_anchors"] = norm_providers(device, args.compile, args.op, args.mode)
+        if args.only:
+            parts = [q.strip() for q in args.only.split(",") if q.strip()]
+            providers = {k: f for k, f in providers.items() if any(q in k for q in parts)}
+            result["only"] = parts
         result["norm"] = []
         result["case"] = {"op": args.op, "dtype": args.dtype, "mode": args.mode}
         bench_norm(timer, shapes, result["copy_GBps"], providers, args.rounds, save, result["norm"], op=args.op,
                    dtype=dtype)
         result["aa_spread"] = aa_spread(result["norm"])
-        result["host_us"] = host_cost_us(device, norm_providers(device, False)[0])
+        result["host_us"] = host_cost_us(device, {k: f for k, f in norm_providers(device, False)[0].items()
+                                                  if not args.only or k in providers})
     if args.fold:
         if device.type != "cuda":
             result["fold_skipped"] = "the fold section times GPU kernels"
