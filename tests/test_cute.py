@@ -153,3 +153,161 @@ def test_fused_add_forward_bitwise_on_gpu(n, seed):
         got = K.forward(x, w, 1e-6, 1.0, "gemma", torch.float32, residual=res)
         for a, b in zip(want, got, strict=True):
             assert bits_equal(a, b), f"{rows}x{n}"
+
+
+# ---- the registered backend (backends/cute/backend.py) ----------------------------------------------
+
+def test_as_rows_reads_views_in_place_and_copies_the_rest():
+    from strictnorm.backends.cute.backend import as_rows
+
+    base = torch.randn(4, 6, 10)
+    view = base[:, :, 2:]  # leading dims merge: rows of one stride, read in place
+    rows = as_rows(view)
+    assert rows.shape == (24, 8) and rows.stride() == (10, 1) and rows.data_ptr() == view.data_ptr()
+    crossed = base.transpose(0, 1)[:, :, 2:]  # leading dims that do not merge: a copy
+    rows = as_rows(crossed)
+    assert rows.is_contiguous() and torch.equal(rows, crossed.reshape(24, 8))
+    strided = base[..., ::2]  # a strided last dim: a copy with unit stride
+    rows = as_rows(strided)
+    assert rows.stride(-1) == 1 and torch.equal(rows, strided.reshape(-1, 5))
+
+
+def test_row_length_limit_is_a_clear_error():
+    from strictnorm.backends.cute.backend import check_row_length
+
+    check_row_length(32768)
+    with pytest.raises(ValueError, match="up to 32768 elements.*backend='cuda'"):
+        check_row_length(32769)
+
+
+def test_backend_is_registered_and_says_why_it_cannot_run_here():
+    import strictnorm as sn
+    from strictnorm.backends import registry
+
+    assert "cute" in registry.names() and "cute" not in registry.PREFERENCE  # by name only
+    if not HAS_CUDA:
+        assert "NVIDIA GPU" in registry.status("cute", torch.device("cpu")).reason
+        with pytest.raises(sn.BackendUnavailable, match="'cute'"):
+            sn.rms_norm(torch.randn(2, 8), backend="cute")
+
+
+def _backend_fwd_cases():
+    bf16, f32, f16 = torch.bfloat16, torch.float32, torch.float16
+    # x, residual, weight, y dtypes: plain bf16; fp16 rows with an fp32 weight and output; fp32 without a
+    # weight; bf16 x added to a bf16 residual stream with an fp32 weight
+    return ((bf16, None, bf16, bf16), (f16, None, f32, f32), (f32, None, None, f32), (bf16, bf16, f32, bf16))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [7, 1000, 4096, 4097, 8192, 16384, 18432])
+def test_backend_bitwise_against_reference(n, seed):
+    """backend='cute' against the reference: y, rstd, residual_out for every mode and dtype case; dx
+    (with and without a residual gradient), strict dW bitwise, fast dW repeatable and close, in place."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    cb, tr = get_backend("cute"), get_backend("torch")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for rows, shift in ((1, 0), (37, 3), (600, 0)):
+        def rand(dtype, rows=rows, shift=shift):  # shift: rows read in place from a wider buffer
+            return torch.randn(rows, n + shift, device="cuda", generator=g).to(dtype)[:, shift:]
+
+        for mode in ("llama", "gemma", "none"):
+            for x_dt, r_dt, w_dt, y_dt in _backend_fwd_cases():
+                x, res = rand(x_dt), (rand(r_dt) if r_dt else None)
+                w = (torch.randn(n, device="cuda", generator=g) * 0.01).to(w_dt) if w_dt else None  # tiny: Gemma
+                offset = 1.0 if mode == "gemma" and w is not None else 0.0
+                spec = make_spec(r_dt or x_dt, 1e-6, offset, mode, y_dt)
+                for name, a, b in zip(("y", "rstd", "z"), tr.rms_norm_fwd(x, w, res, spec),
+                                      cb.rms_norm_fwd(x, w, res, spec), strict=True):
+                    assert (a is None) == (b is None) and (a is None or bits_equal(a, b)), \
+                        f"{name} {rows}x{n} {mode} {x_dt} {r_dt} {w_dt}"
+            bf16 = torch.bfloat16
+            z, dy, w = rand(bf16), rand(bf16), (torch.randn(n, device="cuda", generator=g) * 0.01).bfloat16()
+            dres = rand(bf16) if rows != 37 else None
+            spec = make_spec(bf16, 1e-6, 1.0 if mode == "gemma" else 0.5, mode, bf16)
+            _, rstd, _ = tr.rms_norm_fwd(z, w, None, spec)
+            want_dx, want_dw = tr.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
+            dx, dw = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
+            assert bits_equal(dx, want_dx) and bits_equal(dw, want_dw), f"strict {rows}x{n} {mode}"
+            fast1 = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "fast", True, None)
+            fast2 = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "fast", True, None)
+            assert bits_equal(fast1[0], want_dx) and bits_equal(fast1[1], fast2[1])
+            rel = ((fast1[1].double() - want_dw.double()).norm() / want_dw.double().norm().clamp_min(1e-30)).item()
+            assert rel < 1e-2
+            buf = dy.clone()
+            got_dx, _ = cb.rms_norm_bwd(buf, z, w, rstd, dres, spec, "strict", True, buf)
+            assert got_dx is buf and bits_equal(buf, want_dx)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_backend_kernels_keyed_by_mode_and_offset(seed):
+    """One shape, the casting mode and the offset changed between calls: each call has the reference's
+    bits (a kernel compiled for another mode is never reused; the offset is a runtime argument)."""
+    from strictnorm.backends.cute import kernels
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(300, 2048, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(2048, device="cuda", generator=g) * 0.01).bfloat16()
+    before = kernels.compile_forward.cache_info().currsize
+    for mode, offset in (("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("none", 1.0), ("llama", 1.0)):
+        spec = make_spec(torch.bfloat16, 1e-6, offset, mode, torch.bfloat16)
+        want = get_backend("torch").rms_norm_fwd(x, w, None, spec)
+        got = get_backend("cute").rms_norm_fwd(x, w, None, spec)
+        assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1]), (mode, offset)
+    assert kernels.compile_forward.cache_info().currsize - before <= 3  # one kernel per mode at most
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dw", ["fast", "strict"])
+def test_backend_autograd_in_place_and_graph_replay(dw, seed):
+    """FusedAddRMSNorm through the public API on backend='cute' (gemma, offset 1.0, in-place backward,
+    a gradient through residual_out) captured in a CUDA graph, replayed with new x, weight and dy:
+    equal to the reference backend, bit for bit (dW too in strict mode)."""
+    import strictnorm as sn
+
+    m, n = 1024, 4096
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def data():
+        return (torch.randn(m, n, device="cuda", generator=g).bfloat16(),
+                (torch.randn(n, device="cuda", generator=g) * 0.01).bfloat16(),
+                torch.randn(m, n, device="cuda", generator=g).bfloat16())
+
+    x0, w0, dy0 = data()
+    sx, sdy, sw = x0.clone(), dy0.clone(), w0.clone().requires_grad_(True)
+
+    def step(backend, x, w, dy):
+        xs, rs = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+        y, res = sn.fused_add_rms_norm(xs, rs, w, casting_mode="gemma", offset=1.0, dw=dw, in_place=True,
+                                       backend=backend)
+        torch.autograd.backward([y, res], [dy, dy])
+        return y, res, xs.grad, rs.grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # kernels compiled and loaded before the capture
+        for _ in range(2):
+            sw.grad = None
+            step("cute", sx, sw, sdy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    sw.grad = None
+    with torch.cuda.graph(graph):
+        out = step("cute", sx, sw, sdy)
+    for _ in range(2):
+        nx, nw, ndy = data()
+        sx.copy_(nx)
+        sdy.copy_(ndy)
+        with torch.no_grad():
+            sw.copy_(nw)
+        graph.replay()
+        torch.cuda.synchronize()
+        ws = nw.clone().requires_grad_(True)
+        want = step("torch", nx, ws, ndy)
+        for a, b in zip(out, want, strict=True):
+            assert bits_equal(a, b)
+        if dw == "strict":
+            assert bits_equal(sw.grad, ws.grad)

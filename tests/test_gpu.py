@@ -223,6 +223,37 @@ def test_hf_training_loop(family, backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_hf_patched_model_and_compiled_layer(backend, seed):
+    """A patched Qwen3 model (RMSNorms and q/k norms) on a kernel backend: logits and gradients follow the
+    unpatched model; a patched decoder layer compiles with fullgraph=True and dynamic shapes (Inductor)
+    and its forward and input gradient follow eager at two sequence lengths."""
+    pytest.importorskip("transformers")
+    from test_hf import _loss_and_grads, _model, _rel
+
+    from strictnorm import hf
+
+    model = _model("qwen3", seed % 1000).to(DEV)
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(seed)).to(DEV)
+    logits0, grads0 = _loss_and_grads(model, ids)
+    report = hf.patch_model(model, dw="strict", backend=backend)
+    assert any(n.endswith(("q_norm", "k_norm")) for n in report.patched)
+    logits1, grads1 = _loss_and_grads(model, ids)
+    assert _rel(logits1, logits0) < 1e-5
+    for name, g in grads0.items():
+        assert _rel(grads1[name], g) < 1e-4, name
+    layer = model.model.layers[0]
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for s in (8, 13):
+        x = torch.randn(1, s, 64, device=DEV, requires_grad=True)
+        pos = model.model.rotary_emb(x, torch.arange(s, device=DEV)[None])
+        outs = [f(x, position_embeddings=pos) for f in (compiled, layer)]
+        outs = [o[0] if isinstance(o, tuple) else o for o in outs]
+        assert _rel(outs[0], outs[1]) < 1e-5
+        grads = [torch.autograd.grad(o.square().sum(), x)[0] for o in outs]
+        assert _rel(grads[0], grads[1]) < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_hf_block_cuda_graph_replay(backend, seed):
     """Forward + backward of a patched Qwen3 decoder layer (RMSNorms and q/k norms) captured once in a
     CUDA graph, replayed with new input values: output and every gradient equal eager, bit for bit."""

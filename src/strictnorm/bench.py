@@ -205,7 +205,9 @@ def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_no
         providers = {name: (lambda x, w, r, f=f: f(x, w)) for name, f in base.items()}
     providers = {"torch F.rms_norm": providers["torch F.rms_norm"], AA_CONTROL: providers["torch F.rms_norm"],
                  **providers}
-    kernel_backends = [b for b in ("cuda", "triton") if status(b, device).available] if device.type == "cuda" else []
+    # cute runs per-head QK-norm weights on the CUDA kernels: not timed under its name for qk_norm
+    kernel_backends = ([b for b in ("cuda", "triton", "cute") if status(b, device).available
+                        and not (b == "cute" and op == "qk_norm")] if device.type == "cuda" else [])
     kw = {"offset": offset, "casting_mode": mode}
     for backend in kernel_backends or ["torch"]:
         label = f"strictnorm {backend}" if device.type == "cuda" else "strictnorm torch"
@@ -219,38 +221,7 @@ def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_no
             else:
                 providers[f"{label} {dw}"] = (lambda x, w, r, dw=dw, b=backend: api.rms_norm(
                     x, w, eps, dw=dw, backend=b, **kw))
-    if device.type == "cuda" and op == "rms_norm":
-        cute_candidate = _cute_candidate(eps, mode, offset)
-        if isinstance(cute_candidate, str):
-            skipped["strictnorm cute candidate"] = cute_candidate
-        else:
-            providers["strictnorm cute candidate"] = cute_candidate
     return providers, skipped
-
-
-def _cute_candidate(eps: float, mode: str, offset: float) -> Callable | str:
-    """The CuTe DSL kernels (backends/cute/kernels.py), timed as a labelled candidate before any backend
-    offers them: forward, and a backward with the fast dW partials; 2D inputs. Or why it is missing."""
-    try:
-        from .backends.cute import kernels as cute_kernels
-    except Exception as e:  # the DSL is an optional extra
-        return f"CuTe DSL not importable: {type(e).__name__}: {e}"[:160]
-
-    class CuteNorm(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            x, w = x.detach(), w.detach()  # DLPack exports no tensor that requires grad
-            y, rstd, _ = cute_kernels.forward(x, w, eps, offset, mode, x.dtype)
-            ctx.save_for_backward(x, w, rstd)
-            return y
-
-        @staticmethod
-        def backward(ctx, gy):
-            x, w, rstd = ctx.saved_tensors
-            dx, part = cute_kernels.backward(gy.contiguous(), x, w, rstd, None, offset, mode, partials=True)
-            return dx, part.sum(0).to(w.dtype)
-
-    return lambda x, w, r: CuteNorm.apply(x, w)
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:

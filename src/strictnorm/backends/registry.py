@@ -24,8 +24,9 @@ _SPECS = {
     "cuda": ("strictnorm.backends.cuda.backend", "CudaBackend"),
     "triton": ("strictnorm.backends.triton.backend", "TritonBackend"),
     "torch": ("strictnorm.backends.torch_ref", "TorchBackend"),
+    "cute": ("strictnorm.backends.cute.backend", "CuteBackend"),
 }
-# Automatic choice, fastest first.
+# Automatic choice, fastest first. `cute` is offered by name only while it is slower than `cuda`.
 PREFERENCE = ("cuda", "triton", "torch")
 
 

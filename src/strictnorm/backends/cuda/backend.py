@@ -358,7 +358,7 @@ class CudaBackend:
         if v.dx_kernel is not v.dx:
             v.dx.copy_(v.dx_kernel)
         if partials:
-            dw = self._sum_partials(part).to(weight.dtype)
+            dw = self.sum_rows(part).to(weight.dtype)
         return v.dx, dw
 
     @staticmethod
@@ -376,13 +376,17 @@ class CudaBackend:
             buf[rows:].zero_()  # +0.0 rows: exact no-ops in a fold from +0.0
         return buf
 
-    def _sum_partials(self, part: Tensor) -> Tensor:
-        """The fast dW's partial rows summed in a fixed order: group h folds rows h, h + g, h + 2g, ...
-        (one fold launch), then the g group sums are folded in order."""
+    def sum_rows(self, part: Tensor) -> Tensor:
+        """Sum over the rows of (R, N) fp32 in a fixed order (the fast dW's partial rows): one left fold up
+        to 4096 rows; past that, group h folds rows h, h + g, h + 2g, ... (one launch; zero rows pad R to
+        a multiple of g, a copy that _partials_buffer's buffers never need) and the g group sums are
+        folded in order."""
         g = self._partial_groups(part.shape[0])
         if g == 1:
             return self.left_fold(part)
-        lay = row_layout(part)[1]
+        if part.shape[0] % g:
+            part = torch.cat([part, part.new_zeros(g - part.shape[0] % g, part.shape[1])])
+        part, lay = row_layout(part)
         return self.left_fold(self.fold(part, lay, part, lay, part, 0, g))
 
     def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:

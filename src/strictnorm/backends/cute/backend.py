@@ -1,0 +1,127 @@
+"""Backend `cute`: RMSNorm and FusedAddRMSNorm forward and backward as CuTe DSL kernels (kernels.py).
+
+Weight and Gemma offset reach the kernels separately; the offset is added to the widened weight in
+fp32 inside the forward and the backward. What the kernels do not cover runs on the CUDA backend's
+kernels, which give the same bits (the contract fixes every bit, and both are tested against the
+reference): the strict dW left fold, the fast dW's partial-row sum, and QK-norm with per-head (H, D)
+weights. Hence the backend needs the CUDA backend too. It is offered by name (`backend="cute"`), not
+chosen automatically, while it is slower than the CUDA backend (bench/results/).
+
+Inputs: any (..., N) tensor whose leading dims merge into rows with one row stride and unit stride
+along N is read in place; anything else is copied first (memory traffic, never other bits). Rows of
+up to 32768 lanes (N <= 32768).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...contract import NormSpec
+from ...reference import next_pow2
+from ..layout import row_layout
+
+_MAX_P = 32768  # longest padded row the kernels' register mapping was built and tested for
+_MIN_ARCH = (9, 0)
+_MODES = {"llama": 0, "gemma": 1, "none": 2}
+_INSTALL = "pip install 'strictnorm[cute]'"
+
+
+def _kernels():
+    from . import kernels
+
+    return kernels
+
+
+def _cuda():
+    from ..registry import get_backend
+
+    return get_backend("cuda")
+
+
+def as_rows(t: Tensor) -> Tensor:
+    """t as (rows, N) with unit stride along N and one row stride: a view where the layout allows,
+    a contiguous copy otherwise."""
+    n = t.shape[-1]
+    try:
+        rows = t.view(-1, n)
+    except RuntimeError:  # leading dims that do not merge
+        rows = t.reshape(-1, n)
+    if n > 1 and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def check_row_length(n: int) -> None:
+    if next_pow2(n) > _MAX_P:
+        raise ValueError(f"backend 'cute' handles rows of up to {_MAX_P} elements, got N = {n}; "
+                         "use backend='cuda' or 'triton' (same bits)")
+
+
+class CuteBackend:
+    name = "cute"
+    ops = frozenset({"rms_norm", "left_fold"})
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"CuTe DSL kernels run on NVIDIA GPUs; tensors are on {device.type}"
+        if torch.version.hip is not None or not torch.cuda.is_available():
+            return "needs an NVIDIA GPU with CUDA (torch.cuda.is_available() is False or this is ROCm)"
+        if torch.cuda.get_device_capability(device) < _MIN_ARCH:
+            return "needs a Hopper or newer GPU (compute capability >= 9.0)"
+        try:
+            _kernels()
+        except Exception as e:  # the optional extra is missing or broken
+            return f"nvidia-cutlass-dsl is not usable ({type(e).__name__}: {e}); {_INSTALL}"
+        reason = _cuda().unavailable_reason(device)
+        if reason is not None:
+            return f"the strict dW fold and per-head weights run on the CUDA backend, which is unavailable: {reason}"
+        return None
+
+    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+        if weight is not None and weight.dim() == 2:  # per-head QK-norm weights
+            return _cuda().rms_norm_fwd(x, weight, residual, spec)
+        n = x.shape[-1]
+        check_row_length(n)
+        if weight is not None and weight.stride(-1) != 1:
+            weight = weight.contiguous()
+        y, rstd, z = _kernels().forward(as_rows(x), weight, spec.eps, spec.offset, spec.mode, spec.out_dtype,
+                                        residual=as_rows(residual) if residual is not None else None)
+        return y.view(x.shape), rstd.view(x.shape[:-1]), (z.view(x.shape) if z is not None else None)
+
+    def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
+                     spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
+                     ) -> tuple[Tensor, Tensor | None]:
+        if weight is not None and weight.dim() == 2:
+            return _cuda().rms_norm_bwd(dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dx_out)
+        n = z.shape[-1]
+        check_row_length(n)
+        if weight is not None and weight.stride(-1) != 1:
+            weight = weight.contiguous()
+        z2, dy2 = as_rows(z), as_rows(dy)
+        rows = z2.shape[0]
+        rstd2 = rstd.reshape(-1).contiguous()
+        dw = None
+        if need_dw and (dw_mode == "strict" or rows == 0):  # before dx: an in-place dx may overwrite dy
+            dw = self._strict_dw(dy2, z2, rstd2, spec, weight)
+        partials = need_dw and dw is None
+        dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
+                                       spec.offset, spec.mode, partials=partials)
+        if partials:
+            dw = _cuda().sum_rows(part).to(weight.dtype)
+        dx = dx.view(z.shape)
+        if dx_out is not None:
+            dx_out.copy_(dx)
+            dx = dx_out
+        return dx, dw
+
+    def _strict_dw(self, dy2: Tensor, z2: Tensor, rstd: Tensor, spec: NormSpec, weight: Tensor) -> Tensor:
+        if z2.shape[0] == 0:
+            return torch.zeros(weight.shape, dtype=weight.dtype, device=z2.device)
+        dk, dlay = row_layout(dy2)
+        zk, zlay = row_layout(z2)
+        return _cuda().fold(dk, dlay, zk, zlay, rstd, _MODES[spec.mode] + 1, 1).reshape(weight.shape).to(weight.dtype)
+
+    def left_fold(self, rows: Tensor) -> Tensor:
+        return _cuda().left_fold(rows)
