@@ -151,3 +151,21 @@ def test_short_training_loop(family):
     assert ((a - base).abs() / base.abs()).max() < 1e-4
     assert bits_equal(a, b)
     assert all(bits_equal(p, q) for p, q in zip(params_a, params_b, strict=True))
+
+
+def test_patched_layer_compiles_with_dynamic_shapes_forward_and_backward(seed):
+    """A patched Qwen3 decoder layer (RMSNorms and q/k norms, whose incoming gradients are transposed
+    views) under torch.compile(fullgraph=True, dynamic=True): no graph break at two sequence lengths, and
+    forward and input gradient equal eager. Guards the weight-shape check against symbolic N and the
+    custom op's contiguous dx."""
+    model = _model("qwen3", seed % 1000)
+    hf.patch_model(model, dw="strict", backend="torch")
+    layer = model.model.layers[0]
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    for s in (8, 13):
+        x = torch.randn(1, s, 64, requires_grad=True, generator=torch.Generator().manual_seed(seed + s))
+        pos = model.model.rotary_emb(x, torch.arange(s)[None])
+        outs = [f(x, position_embeddings=pos) for f in (compiled, layer)]
+        outs = [o[0] if isinstance(o, tuple) else o for o in outs]
+        grads = [torch.autograd.grad(o.square().sum(), x)[0] for o in outs]
+        assert bits_equal(outs[0], outs[1]) and bits_equal(grads[0], grads[1])

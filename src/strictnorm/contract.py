@@ -114,10 +114,13 @@ def check_weight(weight: torch.Tensor | None, x: torch.Tensor, n: int, *,
         raise StrictNormError(f"weight has unsupported dtype {weight.dtype}; expected one of {KERNEL_DTYPES}")
     if weight.device != x.device:
         raise StrictNormError(f"x is on {x.device} but weight is on {weight.device}")
-    allowed = [(n,)] if heads is None else [(n,), (heads, n)]
-    if tuple(weight.shape) not in allowed:
-        want = " or ".join(str(s) for s in allowed)
-        raise StrictNormError(f"weight has shape {tuple(weight.shape)}; expected {want}")
+    # element-wise comparisons: under torch.compile with dynamic shapes N may be symbolic while the weight's
+    # shape is static, and a tuple membership test then fails to trace
+    shape = weight.shape
+    if not ((weight.dim() == 1 and shape[0] == n)
+            or (heads is not None and weight.dim() == 2 and shape[0] == heads and shape[1] == n)):
+        want = f"({n},)" if heads is None else f"({n},) or ({heads}, {n})"
+        raise StrictNormError(f"weight has shape {tuple(shape)}; expected {want}")
 
 
 def check_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

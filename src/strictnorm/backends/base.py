@@ -30,7 +30,8 @@ class Backend(Protocol):
     def rms_norm_bwd(self, dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None,
                      rstd: torch.Tensor, dres: torch.Tensor | None, spec: NormSpec, dw_mode: str,
                      need_dw: bool, dx_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(dz, dw). dz in z's dtype, written into dx_out when given (in-place backward);
+        """(dz, dw). dz in z's dtype and contiguous (the custom op's fake says so: a compiled graph may
+        view it), written into dx_out when given (in-place backward);
         dw in weight's dtype and shape when need_dw, else None."""
 
     def left_fold(self, rows: torch.Tensor) -> torch.Tensor:

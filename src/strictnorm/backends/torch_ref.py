@@ -29,7 +29,7 @@ class TorchBackend:
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
-        dz = ref.rms_norm_backward_dx(dy, z, weight, rstd, spec, dres)
+        dz = ref.rms_norm_backward_dx(dy, z, weight, rstd, spec, dres).contiguous()  # as the protocol says
         dw = ref.reduce_dw(dy, z, rstd, spec, weight, dw_mode) if need_dw else None
         if dx_out is not None:
             dx_out.copy_(dz)

@@ -455,7 +455,8 @@ def _stream(device):
 def _dlpack(*tensors) -> list:
     from cutlass.cute.runtime import from_dlpack
 
-    return [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
+    # detached: DLPack exports no tensor that requires grad (eager autograd calls reach the backend)
+    return [from_dlpack(t.detach()).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
 
 
 def _vector_ok(n: int, *tensors) -> bool:
