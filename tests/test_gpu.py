@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal
+from helpers import bits_equal, check_fused_add_graph_replay
 
 import strictnorm as sn
 from strictnorm.backends.registry import get_backend, status
@@ -101,46 +101,12 @@ def test_run_to_run_determinism(seed):
             assert bits_equal(a, b)
 
 
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dw", ["fast", "strict"])
-def test_cuda_graph_replay_with_new_inputs(dw, seed):
-    m, n = 4096, 2048
-    x, w, dy = _data(m, n, torch.bfloat16, torch.bfloat16, seed)
-    sx, sdy = x.clone(), dy.clone()
-    sw = w.clone().requires_grad_(True)
-
-    def step():
-        xs = sx.detach().requires_grad_(True)
-        y, res = sn.fused_add_rms_norm(xs, sx, sw, casting_mode="gemma", offset=1.0, dw=dw, backend="triton")
-        torch.autograd.backward([y, res], [sdy, sdy])
-        return y, res, xs.grad
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            sw.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    sw.grad = None
-    with torch.cuda.graph(graph):
-        out = step()
-    for k in range(3):
-        nx, nw, ndy = _data(m, n, torch.bfloat16, torch.bfloat16, seed + 100 + k)
-        sx.copy_(nx)
-        sdy.copy_(ndy)
-        with torch.no_grad():
-            sw.copy_(nw)
-        graph.replay()
-        torch.cuda.synchronize()
-        ws = nw.clone().requires_grad_(True)
-        xs = nx.clone().requires_grad_(True)
-        rs = nx.clone().requires_grad_(True)
-        y, res = sn.fused_add_rms_norm(xs, rs, ws, casting_mode="gemma", offset=1.0, dw=dw, backend="torch")
-        torch.autograd.backward([y, res], [ndy, ndy])
-        assert bits_equal(out[0], y) and bits_equal(out[1], res) and bits_equal(out[2], xs.grad)
-        if dw == "strict":
-            assert bits_equal(sw.grad, ws.grad)
+def test_cuda_graph_replay_with_new_inputs(backend, dw, seed):
+    seeds = iter(range(seed, seed + 10))
+    check_fused_add_graph_replay(backend, dw, lambda: _data(4096, 2048, torch.bfloat16, torch.bfloat16,
+                                                            next(seeds)), replays=3)
 
 
 def _loop(rows):
