@@ -187,3 +187,17 @@ def test_row_bounded_entries_apply_within_their_bound():
         assert tuning_for(BWD_TABLE, 4096, low) is tuning and tuning_for(BWD_TABLE, 4096, bound) is tuning
         low = bound + 1
     assert tuning_for(BWD_TABLE, 4096, low) is entries[-1][1] and tuning_for(BWD_TABLE, 4096) is entries[-1][1]
+
+
+@pytest.mark.parametrize("what, dtype", [(0, torch.float32), (1, torch.bfloat16)])
+def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
+    """fold.cu's sweep knobs (bench/sweep_fold.py): other ring shapes and the whole-stage unroll compile;
+    the default launch carries no FULL_STAGE macro (the default cubins stay what the tests ran)."""
+    from strictnorm.backends.cuda.backend import FoldTuning
+
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    assert "FULL_STAGE" not in fold_launch(128, dtype, dtype, what, True, True, num_sms=132).defines
+    for tuning in (FoldTuning(full_stage=True), FoldTuning(cols=16, rows_per_stage=64, full_stage=True)):
+        fl = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=tuning)
+        assert fl.defines["FULL_STAGE"] == 1 and fl.shmem <= 48 * 1024
+        assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"

@@ -38,12 +38,25 @@ class FoldLaunch:
     shmem: int
 
 
-def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int) -> tuple[int, int, int, bool, int]:
+@dataclass(frozen=True)
+class FoldTuning:
+    """Shape knobs of fold.cu's ring (any values give the same bits: the order is the rows' order).
+    cols: columns per CTA (0: automatic); rows_per_stage (0: automatic); full_stage: the consumer's loop
+    over a whole stage fully unrolled (FULL_STAGE)."""
+
+    cols: int = 0
+    rows_per_stage: int = 0
+    full_stage: bool = False
+
+
+def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
+                ) -> tuple[int, int, int, bool, int]:
     """(COLS, ROWS_PER_STAGE, STAGES, CONVERT, shared bytes). Few columns per CTA when columns are few
     (the chain of adds is the floor: spread columns over many SMs); a warp-wide 32 when there are
     enough CTAs anyway. CONVERT (producers compute the dW contributions) where at least 4 stages fit."""
-    cols = 32 if -(-n // 32) >= num_sms else 8
-    rows_per_stage = 128 if cols == 8 else 64
+    tuning = tuning or FoldTuning()
+    cols = tuning.cols or (32 if -(-n // 32) >= num_sms else 8)
+    rows_per_stage = tuning.rows_per_stage or (128 if cols == 8 else 64)
     stage_bytes = rows_per_stage * cols * (a_size + (b_size if what else 0)) + (rows_per_stage * 4 if what else 0)
     contrib_bytes = 2 * rows_per_stage * cols * 4
     convert = bool(what) and (_SMEM_LIMIT - contrib_bytes) // stage_bytes >= 4
@@ -53,13 +66,15 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int) -> tu
 
 
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
-                ring: bool, num_sms: int) -> FoldLaunch:
+                ring: bool, num_sms: int, tuning: FoldTuning | None = None) -> FoldLaunch:
     """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel."""
     defines = {"A_CODE": _CODE[a_dtype], "B_CODE": _CODE[b_dtype], "WHAT": what, "SIMPLE_ROWS": int(simple_rows)}
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
-    cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms)
+    cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
     defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
+    if tuning is not None and tuning.full_stage:
+        defines["FULL_STAGE"] = 1
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
 
 
@@ -214,9 +229,11 @@ class CudaBackend:
         self._cache = None
         self._resident: dict[tuple, tuple[int, int]] = {}
         self._loaded: dict[tuple, object] = {}
-        # fixed block shapes for rms_norm.cu instead of the tables (sweeps and tests; same bits)
+        # fixed block shapes for rms_norm.cu instead of the tables, and fold.cu ring knobs (sweeps and
+        # tests; same bits)
         self.fwd_tuning: NormTuning | None = None
         self.bwd_tuning: NormTuning | None = None
+        self.fold_tuning: FoldTuning | None = None
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
         key = (dev, name, fl.key)
@@ -276,7 +293,7 @@ class CudaBackend:
         simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
         dev = _device_index(a)
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        fl = fold_launch(n, a.dtype, b.dtype, what, simple, ring, num_sms)
+        fl = fold_launch(n, a.dtype, b.dtype, what, simple, ring, num_sms, self.fold_tuning)
         kc = self._kernels()
         kernel = kc.get(dev, _SOURCE, fl.kernel, fl.defines)
         i64 = np.int64

@@ -7,7 +7,9 @@
 //
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), and for fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
-// CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3).
+// CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), FULL_STAGE
+// (the consumer's loop over a whole stage fully unrolled, so that its shared-memory loads run ahead of
+// the chain of adds; default 0: unrolled by 16, each block's first load latency exposed).
 //
 // Rows are addressed through the layout of ../layout.py: for logical row r,
 //   g = r % G; t = r / G; offset = (t / R1) * s0 + (t % R1) * s1 + g * sg.
@@ -81,6 +83,24 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+#ifndef FULL_STAGE
+#define FULL_STAGE 0
+#endif
+
+// Folds `rows` rows of a stage into acc: value(i) is row i's fp32 addend. Whole stages are unrolled
+// completely with FULL_STAGE; the last, partial stage (and every stage without it) by 16.
+template <typename Value>
+__device__ __forceinline__ float fold_stage(float acc, int rows, Value value) {
+    if (FULL_STAGE && rows == ROWS_PER_STAGE) {
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_STAGE; ++i) acc = __fadd_rn(acc, value(i));
+        return acc;
+    }
+#pragma unroll 16
+    for (int i = 0; i < rows; ++i) acc = __fadd_rn(acc, value(i));
+    return acc;
 }
 
 constexpr int A_ROW_BYTES = COLS * sizeof(a_t);
@@ -173,8 +193,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
             const float* tc = contrib + (s % 2) * ROWS_PER_STAGE * COLS;
             const long long left = rows_per_group - s * ROWS_PER_STAGE;
             const int rows = left < ROWS_PER_STAGE ? static_cast<int>(left) : ROWS_PER_STAGE;
-#pragma unroll 16
-            for (int i = 0; i < rows; ++i) acc = __fadd_rn(acc, tc[i * COLS + lane]);
+            acc = fold_stage(acc, rows, [&](int i) { return tc[i * COLS + lane]; });
         }
     }
 #else
@@ -200,8 +219,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
             };
             const long long left = rows_per_group - s * ROWS_PER_STAGE;
             const int rows = left < ROWS_PER_STAGE ? static_cast<int>(left) : ROWS_PER_STAGE;
-#pragma unroll 16
-            for (int i = 0; i < rows; ++i) acc = __fadd_rn(acc, value(i));
+            acc = fold_stage(acc, rows, value);
         }
     }
 #endif  // CONVERT

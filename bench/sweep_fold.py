@@ -1,0 +1,90 @@
+"""Tuning sweep for the strict left fold's ring (kernels/fold.cu): columns per CTA, rows per stage and the
+consumer's whole-stage unroll, on plain fp32 rows and on the RMSNorm strict dW (bf16 dy and x).
+
+Any configuration must give the same bits (the order is the rows' order): each is checked against the
+default configuration, and the plain folds up to 16384 rows against the Python loop. Kernel-only time as
+in strictnorm.bench. Run on the GPU machine:
+    python3 bench/sweep_fold.py [out.json]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import torch
+
+from strictnorm.backends.cuda.backend import FoldTuning
+from strictnorm.backends.layout import row_layout
+from strictnorm.backends.registry import get_backend
+from strictnorm.bench import CHAIN_NS_PER_ROW, Timer, copy_ceiling_gbps
+
+TUNINGS = [None] + [FoldTuning(cols=c, rows_per_stage=r, full_stage=f)
+                    for c in (8, 16, 32) for r in (64, 128, 256) for f in (False, True)]
+PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
+STRICT_DW = [(262144, 128), (32768, 4096)]  # rows x N of bf16 dy and x; llama contributions
+
+
+def _cases(dev: torch.device):
+    g = torch.Generator(device=dev).manual_seed(0)
+    cb = get_backend("cuda")
+    for m, n in PLAIN:
+        c = torch.randn(m, n, device=dev, generator=g)
+        ref = None
+        if m <= 16384:
+            ref = torch.zeros(n, device=dev)
+            for r in c:
+                ref = ref + r
+        yield f"fold {m}x{n}", m, n, (lambda c=c: cb.left_fold(c)), ref
+    for m, n in STRICT_DW:
+        dy = torch.randn(m, n, device=dev, generator=g).bfloat16()
+        x = torch.randn(m, n, device=dev, generator=g).bfloat16()
+        rstd = torch.rand(m, device=dev, generator=g) + 0.5
+        (dk, dlay), (xk, xlay) = row_layout(dy), row_layout(x)
+        yield f"strict dW {m}x{n}", m, n, (lambda dk=dk, dlay=dlay, xk=xk, xlay=xlay, rstd=rstd:
+                                           cb.fold(dk, dlay, xk, xlay, rstd, 1, 1)), None
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    timer = Timer(dev, iters=9)
+    ceiling = copy_ceiling_gbps(dev)
+    cb = get_backend("cuda")
+    rows = []
+    for name, m, n, fn, ref in _cases(dev):
+        cb.fold_tuning = None
+        base = fn()
+        chain_us = m * CHAIN_NS_PER_ROW / 1e3
+        for tu in TUNINGS:
+            cb.fold_tuning = tu
+            row = {"case": name, "M": m, "N": n, **(dataclasses.asdict(tu) if tu else {"default": True})}
+            try:
+                out = fn()
+                row["bitwise_vs_default"] = bool(torch.equal(out.view(torch.int32), base.view(torch.int32)))
+                if ref is not None:
+                    row["bitwise_vs_loop"] = bool(torch.equal(out.view(torch.int32), ref.view(torch.int32)))
+                row["us"] = timer.kernel_us(fn)
+                row["x_chain_floor"] = row["us"] / chain_us
+            except Exception as e:  # e.g. a shape whose shared memory does not fit
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        cb.fold_tuning = None
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"copy_GBps": ceiling, "rows": rows}, f, indent=1)
+    ok = all(r.get("bitwise_vs_default", False) and r.get("bitwise_vs_loop", True) for r in rows if "us" in r)
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s; every timed configuration bitwise: {ok}")
+    for name in dict.fromkeys(r["case"] for r in rows):
+        timed = [r for r in rows if r["case"] == name and "us" in r]
+        default = next(r for r in timed if r.get("default")) if any(r.get("default") for r in timed) else None
+        best = min(timed, key=lambda r: r["us"]) if timed else None
+        if best:
+            knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage") if k in best}
+            print(f"{name:>24}: default {default['us'] if default else float('nan'):8.1f} us, best {best['us']:8.1f}"
+                  f" us ({best['x_chain_floor']:.2f}x chain floor) {knobs or 'default'}")
+
+
+if __name__ == "__main__":
+    main()
