@@ -27,7 +27,8 @@ from strictnorm.reference import next_pow2
 # the backward adds where the fast dW partials live and how many blocks per SM produce them.
 _HOLD = [NormTuning(values=v, hold_weight=hw, hold_max_p=65536) for v in (8, 16, 32, 64) for hw in (True, False)]
 _STREAM = [NormTuning(hold_max_p=0, stream_threads=s) for s in (128, 256, 512, 1024)]
-FWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=0) for t in _HOLD + _STREAM]
+FWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=0, persistent=p) for t in _HOLD + _STREAM
+               for p in (True, False)]
 BWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=b, dw_smem=d)
                for t in _HOLD for b in (4, 8) for d in (False, True)]
 BWD_TUNINGS += [dataclasses.replace(t, partial_blocks_per_sm=b) for t in _STREAM[:3] for b in (4, 8)]
@@ -120,7 +121,7 @@ def main() -> None:
     print("tuning:", json.dumps(best))
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
-    knobs = ("values", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm", "dw_smem")
+    knobs = ("values", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm", "dw_smem", "persistent")
     for m, n in NORM_SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):

@@ -27,6 +27,7 @@ _SOURCE = "fold.cu"
 _THREADS = 256
 _SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
 _MIN_ARCH = (8, 0)  # cp.async
+_MAX_GRID_X = 2**31 - 1  # the kernels stride over rows, so a capped grid is still complete
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class NormLaunch:
     rows_per_block: int
     threads: int
     partial_blocks_per_sm: int = 0
+    persistent: bool = True
 
     @functools.cached_property
     def key(self) -> tuple:
@@ -103,6 +105,9 @@ class NormTuning:
     stream_threads: int = 256  # threads per row for those
     hold_weight: bool = True  # held rows: the weight's lanes stay in registers across rows (else reloaded)
     dw_smem: bool = False  # held rows, fast dW: the fp32 partials in shared memory instead of registers
+    # a grid of at most the resident blocks, striding over rows; False: one block per row group (not for the
+    # fast dW, whose partial rows are one per block)
+    persistent: bool = True
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
@@ -183,7 +188,7 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
                "HOLD_W": int(hold and tuning.hold_weight)}
-    return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm)
+    return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm, tuning.persistent)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -196,7 +201,7 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
     fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning)
     defines = dict(fl.defines, YC=_CODE[z_dtype], BACKWARD=1, DYC=_CODE[dy_dtype], HAS_DRES=int(has_dres),
                    DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_partials and fl.defines["HOLD"] and tuning.dw_smem))
-    return NormLaunch(defines, fl.rows_per_block, fl.threads, fl.partial_blocks_per_sm)
+    return NormLaunch(defines, fl.rows_per_block, fl.threads, fl.partial_blocks_per_sm, fl.persistent)
 
 
 def _aligned16(*tensors_and_layouts) -> bool:
@@ -321,7 +326,8 @@ class CudaBackend:
         kc = self._kernels()
         i64 = np.int64
         kernel = self._norm_kernel(dev, "rms_fwd", fl)
-        grid = self._grid(dev, kernel, fl.threads, -(-v.lay.rows // fl.rows_per_block))
+        groups = -(-v.lay.rows // fl.rows_per_block)
+        grid = self._grid(dev, kernel, fl.threads, groups) if fl.persistent else min(groups, _MAX_GRID_X)
         kc.launch(dev, kernel, (grid, 1, 1), fl.threads, 0,
                   v.x.data_ptr(), *map(i64, v.lay.args()), v.res.data_ptr(), *map(i64, v.rlay.args()),
                   (v.z if v.z is not None else v.y).data_ptr(),
@@ -359,8 +365,9 @@ class CudaBackend:
         dev = _device_index(z)
         kc = self._kernels()
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
-        grid = self._grid(dev, kernel, fl.threads, -(-rows // fl.rows_per_block),
-                          fl.partial_blocks_per_sm if partials else 0, shmem)
+        groups = -(-rows // fl.rows_per_block)
+        grid = (self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem)
+                if fl.persistent or partials else min(groups, _MAX_GRID_X))
         part = self._partials_buffer(grid * fl.rows_per_block, n, z.device) if partials else v.rstd
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
