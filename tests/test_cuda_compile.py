@@ -201,3 +201,41 @@ def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
         fl = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=tuning)
         assert fl.defines["FULL_STAGE"] == 1 and fl.shmem <= 48 * 1024
         assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"
+
+
+def test_tuning_file_replaces_entries_with_row_bounds(tmp_path, monkeypatch):
+    """STRICTNORM_CUDA_TUNING as bench/sweep_cuda.py writes it: [max rows, knobs] entries per P (or one
+    bare knobs object); the last entry must be unbounded."""
+    import json
+
+    from strictnorm.backends.cuda import backend as cb
+
+    monkeypatch.setattr(cb, "FWD_TABLE", dict(cb.FWD_TABLE))
+    monkeypatch.setattr(cb, "BWD_TABLE", dict(cb.BWD_TABLE))
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"fwd": {"4096": [[64, {"values": 8}], [None, {"values": 32, "persistent": False}]]},
+                                "bwd": {"128": {"values": 16, "partial_blocks_per_sm": 4}}}))
+    monkeypatch.setenv("STRICTNORM_CUDA_TUNING", str(path))
+    cb._load_tuning_file()
+    assert cb.tuning_for(cb.FWD_TABLE, 4096, 64).values == 8
+    assert cb.tuning_for(cb.FWD_TABLE, 4096, 65) == cb.NormTuning(values=32, persistent=False)
+    assert cb.tuning_for(cb.BWD_TABLE, 100) == cb.NormTuning(values=16, partial_blocks_per_sm=4)
+    path.write_text(json.dumps({"fwd": {"4096": [[64, {"values": 8}]]}}))
+    with pytest.raises(ValueError, match="must be unbounded"):
+        cb._load_tuning_file()
+
+
+def test_partial_rows_padded_to_whole_groups():
+    """The fast dW's partial-row buffer: one fold up to 4096 rows; beyond, a power-of-two group count
+    near sqrt(rows) and zero rows (exact no-ops of a fold from +0.0) up to a multiple of it."""
+    from strictnorm.backends.cuda.backend import CudaBackend
+
+    groups = CudaBackend._partial_groups
+    assert groups(1) == groups(528) == groups(4096) == 1
+    for rows in (4097, 8448, 16383, 16896, 100_000):
+        g = groups(rows)
+        assert g & (g - 1) == 0 and g * g <= rows < 4 * g * g
+        buf = CudaBackend()._partials_buffer(rows, 3, torch.device("cpu"))
+        assert buf.shape[0] % g == 0 and rows <= buf.shape[0] < rows + g
+        assert groups(buf.shape[0]) == g or buf.shape[0] % groups(buf.shape[0]) == 0
+        assert not buf[rows:].any()
