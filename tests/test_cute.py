@@ -272,3 +272,28 @@ def test_backend_autograd_in_place_and_graph_replay(dw, seed):
                 torch.randn(1024, 4096, device="cuda", generator=g).bfloat16())
 
     check_fused_add_graph_replay("cute", dw, data)
+
+
+@pytest.mark.parametrize("n", [4096, 8192])
+def test_backward_partials_stay_in_registers(n, tmp_path):
+    """The backend keeps fast-dW partials in the backward kernel up to P = 8192 (backend.py): there the
+    sm_90a cubin has no stack (past it, at N = 18432, the partials spilled: a 2 KB stack per thread)."""
+    import pathlib
+    import subprocess
+
+    triton = pytest.importorskip("triton")
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump in this Triton install")
+    import cutlass.cute as cute
+
+    from strictnorm.backends.cute.backend import _PARTIALS_MAX_P
+
+    assert next_pow2(n) <= _PARTIALS_MAX_P
+    bf16 = cutlass.BFloat16
+    op, args = K.backward_args(n, bf16, bf16, bf16, "llama", True, False, True)
+    cute.compile(op, *args, options=f"--keep-cubin --dump-dir {tmp_path}")
+    (cubin,) = list(tmp_path.glob("*.cubin"))
+    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage

@@ -22,6 +22,10 @@ from ...reference import next_pow2
 from ..layout import row_layout
 
 _MAX_P = 32768  # longest padded row the kernels' register mapping was built and tested for
+# Longest padded row whose fast dW keeps per-thread fp32 partials in the backward kernel: past it they
+# spill (N = 18432: 32 registers and a 2 KB stack per thread in the sm_90a cubin; its backward took
+# 1.6 ms on an H200) and the strict fold, deterministic too, serves dw="fast"
+_PARTIALS_MAX_P = 8192
 _MIN_ARCH = (9, 0)
 _MODES = {"llama": 0, "gemma": 1, "none": 2}
 _INSTALL = "pip install 'strictnorm[cute]'"
@@ -103,7 +107,8 @@ class CuteBackend:
         rows = z2.shape[0]
         rstd2 = rstd.reshape(-1).contiguous()
         dw = None
-        if need_dw and (dw_mode == "strict" or rows == 0):  # before dx: an in-place dx may overwrite dy
+        strict = dw_mode == "strict" or next_pow2(n) > _PARTIALS_MAX_P
+        if need_dw and (strict or rows == 0):  # before dx: an in-place dx may overwrite dy
             dw = self._strict_dw(dy2, z2, rstd2, spec, weight)
         partials = need_dw and dw is None
         dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
