@@ -20,12 +20,12 @@ from strictnorm.backends.cuda import nvrtc
 from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, norm_launch
 from strictnorm.backends.registry import get_backend
 from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps, norm_bytes
+from strictnorm.contract import make_spec
+from strictnorm.reference import next_pow2
 
 # The PERF.md shapes, and the longest rows (P = 65536 takes the P = 32768 entry unless it has its own: its
 # backward there compiles to 1024 threads capped at 64 registers with a 392-byte stack per thread)
 SHAPES = NORM_SHAPES + [(1024, 65536)]
-from strictnorm.contract import make_spec
-from strictnorm.reference import next_pow2
 
 # Rows held in registers (values per thread, weight held or reloaded) or read twice (threads per row);
 # the backward adds where the fast dW partials live and how many blocks per SM produce them.
