@@ -151,9 +151,9 @@ def _load_tuning_file() -> None:
         for p, entries in data.get(key, {}).items():
             if isinstance(entries, dict):
                 entries = [[None, entries]]
-            table[int(p)] = tuple((bound, NormTuning(**knobs)) for bound, knobs in entries)
-            if table[int(p)][-1][0] is not None:
+            if entries[-1][0] is not None:
                 raise ValueError(f"{path}: the last {key} entry for P = {p} must be unbounded (null)")
+            table[int(p)] = tuple((bound, NormTuning(**knobs)) for bound, knobs in entries)
 
 
 _load_tuning_file()
@@ -247,9 +247,12 @@ class CudaBackend:
             kernel = self._loaded[key] = self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
         return kernel
 
-    def _grid(self, dev: int, kernel, threads: int, groups: int, per_sm_cap: int = 0, shmem: int = 0) -> int:
+    def _grid(self, dev: int, kernel, threads: int, groups: int, per_sm_cap: int = 0, shmem: int = 0,
+              persistent: bool = True) -> int:
         """Blocks for a grid-stride kernel: every row group, at most what the GPU holds at once
-        (and at most per_sm_cap blocks per SM when that is set)."""
+        (and at most per_sm_cap blocks per SM when that is set); one per row group when not persistent."""
+        if not persistent:
+            return min(groups, _MAX_GRID_X)
         key = (dev, id(kernel), threads, shmem)
         per_sm, sms = self._resident.get(key, (0, 0))
         if not per_sm:
@@ -327,7 +330,7 @@ class CudaBackend:
         i64 = np.int64
         kernel = self._norm_kernel(dev, "rms_fwd", fl)
         groups = -(-v.lay.rows // fl.rows_per_block)
-        grid = self._grid(dev, kernel, fl.threads, groups) if fl.persistent else min(groups, _MAX_GRID_X)
+        grid = self._grid(dev, kernel, fl.threads, groups, persistent=fl.persistent)
         kc.launch(dev, kernel, (grid, 1, 1), fl.threads, 0,
                   v.x.data_ptr(), *map(i64, v.lay.args()), v.res.data_ptr(), *map(i64, v.rlay.args()),
                   (v.z if v.z is not None else v.y).data_ptr(),
@@ -359,15 +362,13 @@ class CudaBackend:
                 dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
             return v.dx, dw
         if need_dw and not partials:  # strict (or per-head): fold first, as dx may overwrite dy
-            groups = weight.shape[0] if v.per_head else 1
-            dw = self.fold(v.dy, v.dlay, v.z, v.lay, v.rstd, _MODES[spec.mode] + 1, groups)
-            dw = dw.reshape(weight.shape).to(weight.dtype)
+            dw = self.strict_dw(v.dy, v.dlay, v.z, v.lay, v.rstd, spec.mode, weight)
         dev = _device_index(z)
         kc = self._kernels()
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         groups = -(-rows // fl.rows_per_block)
-        grid = (self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem)
-                if fl.persistent or partials else min(groups, _MAX_GRID_X))
+        grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
+                          persistent=fl.persistent or partials)  # one partial row per block
         part = self._partials_buffer(grid * fl.rows_per_block, n, z.device) if partials else v.rstd
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
@@ -384,6 +385,13 @@ class CudaBackend:
         if partials:
             dw = self.sum_rows(part).to(weight.dtype)
         return v.dx, dw
+
+    def strict_dw(self, dy: Tensor, dlay: RowLayout, z: Tensor, zlay: RowLayout, rstd: Tensor, mode: str,
+                  weight: Tensor) -> Tensor:
+        """dW in weight's dtype and shape as the ascending left fold of the rows' contributions (per head
+        for (H, N) weights), recomputed from dy, z and rstd by the fold kernel; zeros for no rows."""
+        groups = weight.shape[0] if weight.dim() == 2 else 1
+        return self.fold(dy, dlay, z, zlay, rstd, _MODES[mode] + 1, groups).reshape(weight.shape).to(weight.dtype)
 
     @staticmethod
     def _partial_groups(rows: int) -> int:

@@ -27,7 +27,6 @@ _MAX_P = 32768  # longest padded row the kernels' register mapping was built and
 # 1.6 ms on an H200) and the strict fold, deterministic too, serves dw="fast"
 _PARTIALS_MAX_P = 8192
 _MIN_ARCH = (9, 0)
-_MODES = {"llama": 0, "gemma": 1, "none": 2}
 _INSTALL = "pip install 'strictnorm[cute]'"
 
 
@@ -108,8 +107,8 @@ class CuteBackend:
         rstd2 = rstd.reshape(-1).contiguous()
         dw = None
         strict = dw_mode == "strict" or next_pow2(n) > _PARTIALS_MAX_P
-        if need_dw and (strict or rows == 0):  # before dx: an in-place dx may overwrite dy
-            dw = self._strict_dw(dy2, z2, rstd2, spec, weight)
+        if need_dw and (strict or rows == 0):
+            dw = _cuda().strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight)
         partials = need_dw and dw is None
         dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
                                        spec.offset, spec.mode, partials=partials)
@@ -120,13 +119,6 @@ class CuteBackend:
             dx_out.copy_(dx)
             dx = dx_out
         return dx, dw
-
-    def _strict_dw(self, dy2: Tensor, z2: Tensor, rstd: Tensor, spec: NormSpec, weight: Tensor) -> Tensor:
-        if z2.shape[0] == 0:
-            return torch.zeros(weight.shape, dtype=weight.dtype, device=z2.device)
-        dk, dlay = row_layout(dy2)
-        zk, zlay = row_layout(z2)
-        return _cuda().fold(dk, dlay, zk, zlay, rstd, _MODES[spec.mode] + 1, 1).reshape(weight.shape).to(weight.dtype)
 
     def left_fold(self, rows: Tensor) -> Tensor:
         return _cuda().left_fold(rows)
