@@ -23,7 +23,7 @@ def _configs():
         for a in DTYPES:
             for b in DTYPES if what else [a]:
                 for ring in (False, True):
-                    for n in (128, 8192):
+                    for n in (128, 4096, 8192):
                         for simple in (True, False):
                             yield what, a, b, ring, n, simple
 
@@ -191,16 +191,19 @@ def test_row_bounded_entries_apply_within_their_bound():
 
 @pytest.mark.parametrize("what, dtype", [(0, torch.float32), (1, torch.bfloat16)])
 def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
-    """fold.cu's sweep knobs (bench/sweep_fold.py): other ring shapes and the whole-stage unroll compile;
-    the default launch carries no FULL_STAGE macro (the default cubins stay what the tests ran)."""
+    """fold.cu's sweep knobs (bench/sweep_fold.py): the default launch unrolls whole stages (FULL_STAGE);
+    other ring shapes and the 16-row unroll compile; a ring whose two stages exceed the shared memory
+    limit is refused with a clear error instead of failing at launch."""
     from strictnorm.backends.cuda.backend import FoldTuning
 
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
-    assert "FULL_STAGE" not in fold_launch(128, dtype, dtype, what, True, True, num_sms=132).defines
-    for tuning in (FoldTuning(full_stage=True), FoldTuning(cols=16, rows_per_stage=64, full_stage=True)):
+    assert fold_launch(128, dtype, dtype, what, True, True, num_sms=132).defines["FULL_STAGE"] == 1
+    for tuning in (FoldTuning(full_stage=False), FoldTuning(cols=16, rows_per_stage=64, full_stage=False)):
         fl = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=tuning)
-        assert fl.defines["FULL_STAGE"] == 1 and fl.shmem <= 48 * 1024
+        assert "FULL_STAGE" not in fl.defines and fl.shmem <= 48 * 1024
         assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"
+    with pytest.raises(ValueError, match="shared memory"):
+        fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=FoldTuning(cols=32, rows_per_stage=512))
 
 
 def test_tuning_file_replaces_entries_with_row_bounds(tmp_path, monkeypatch):

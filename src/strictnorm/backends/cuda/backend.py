@@ -43,26 +43,33 @@ class FoldLaunch:
 class FoldTuning:
     """Shape knobs of fold.cu's ring (any values give the same bits: the order is the rows' order).
     cols: columns per CTA (0: automatic); rows_per_stage (0: automatic); full_stage: the consumer's loop
-    over a whole stage fully unrolled (FULL_STAGE)."""
+    over a whole stage fully unrolled (FULL_STAGE: its shared-memory loads then run ahead of the adds)."""
 
     cols: int = 0
     rows_per_stage: int = 0
-    full_stage: bool = False
+    full_stage: bool = True
 
 
 def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
                 ) -> tuple[int, int, int, bool, int]:
     """(COLS, ROWS_PER_STAGE, STAGES, CONVERT, shared bytes). Few columns per CTA when columns are few
     (the chain of adds is the floor: spread columns over many SMs); a warp-wide 32 when there are
-    enough CTAs anyway. CONVERT (producers compute the dW contributions) where at least 4 stages fit."""
+    enough CTAs anyway. CONVERT (producers compute the dW contributions) where at least 4 stages fit.
+    Defaults from bench/sweep_fold.py on an H200 (bench/results/2026-11-29-h200-run4/a-sweep-fold.json):
+    plain folds 16 columns x 256 rows a stage (1.6x the chain floor at 128 columns, 2.5x before), the
+    dW folds 8 x 128."""
     tuning = tuning or FoldTuning()
-    cols = tuning.cols or (32 if -(-n // 32) >= num_sms else 8)
-    rows_per_stage = tuning.rows_per_stage or (128 if cols == 8 else 64)
+    narrow = 16 if what == 0 else 8
+    cols = tuning.cols or (32 if -(-n // 32) >= num_sms else narrow)
+    rows_per_stage = tuning.rows_per_stage or (64 if cols == 32 else (256 if what == 0 else 128))
     stage_bytes = rows_per_stage * cols * (a_size + (b_size if what else 0)) + (rows_per_stage * 4 if what else 0)
     contrib_bytes = 2 * rows_per_stage * cols * 4
     convert = bool(what) and (_SMEM_LIMIT - contrib_bytes) // stage_bytes >= 4
     budget = _SMEM_LIMIT - (contrib_bytes if convert else 0)
-    stages = max(2, min(12, budget // stage_bytes))
+    stages = min(12, budget // stage_bytes)
+    if stages < 2:
+        raise ValueError(f"fold ring of {cols} columns x {rows_per_stage} rows a stage: two stages need "
+                         f"{2 * stage_bytes} bytes of shared memory, more than {_SMEM_LIMIT}")
     return cols, rows_per_stage, stages, convert, stages * stage_bytes + (contrib_bytes if convert else 0)
 
 
@@ -74,7 +81,7 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
     defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
-    if tuning is not None and tuning.full_stage:
+    if (tuning or FoldTuning()).full_stage:
         defines["FULL_STAGE"] = 1
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
 

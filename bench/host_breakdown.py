@@ -1,0 +1,139 @@
+"""Host time of the pieces of an eager strictnorm call, timed apart (no profiler: it inflates small calls).
+
+Each figure is the median over 5 loops of 2000 calls, microseconds per call, no synchronization in a loop
+(the inputs are tiny: the GPU never holds the host back). Run on the GPU machine:
+    python3 bench/host_breakdown.py [out.json]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+import strictnorm as sn
+from strictnorm.backends.layout import forward_views
+from strictnorm.backends.registry import get_backend
+from strictnorm.contract import make_spec
+
+_NOOP = r"""
+extern "C" __global__ void noop(const float* a, long long s0, long long s1, float* y, long long rows, int n,
+                                 float eps) {
+    if (rows < 0) y[0] = a[0] + eps;
+}
+"""
+
+
+def per_call_us(fn: Callable[[], object], calls: int = 2000, loops: int = 5) -> float:
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def _noop_launchers(dev: int) -> dict[str, Callable[[], object]]:
+    """The same empty kernel launched through cuda.core's launch and through cuLaunchKernel with a
+    parameter array built once (the candidate fast path)."""
+    import ctypes
+    import struct
+
+    from cuda.bindings import driver
+    from cuda.core import Device, LaunchConfig, Program, ProgramOptions, Stream, launch
+
+    d = Device(dev)
+    d.set_current()
+    major, minor = d.compute_capability
+    code = Program(_NOOP, code_type="c++", options=ProgramOptions(arch=f"sm_{major}{minor}")).compile("cubin")
+    kernel = code.get_kernel("noop")
+    a = torch.zeros(4, device="cuda")
+    handle = torch.cuda.current_stream(dev).cuda_stream
+    stream = Stream.from_handle(handle)
+    cfg = LaunchConfig(grid=(1, 1, 1), block=128, shmem_size=0)
+    i64 = np.int64
+
+    def core() -> None:
+        launch(stream, LaunchConfig(grid=(1, 1, 1), block=128, shmem_size=0), kernel, a.data_ptr(), i64(4),
+               i64(0), a.data_ptr(), i64(1), np.int32(4), np.float32(1e-6))
+
+    def core_cfg() -> None:
+        launch(stream, cfg, kernel, a.data_ptr(), i64(4), i64(0), a.data_ptr(), i64(1), np.int32(4),
+               np.float32(1e-6))
+
+    fmt = "QqqQqif"
+    offsets = [struct.calcsize("@" + fmt[:i]) for i in range(len(fmt))]
+    offsets = [o + (-o % struct.calcsize(c)) for o, c in zip(offsets, fmt, strict=True)]
+    buf = ctypes.create_string_buffer(struct.calcsize("@" + fmt) + 8)
+    base = ctypes.addressof(buf)
+    ptrs = (ctypes.c_void_p * len(fmt))(*[base + o for o in offsets])
+    params = ctypes.addressof(ptrs)
+    func = int(kernel.handle)
+    raw_stream = torch._C._cuda_getCurrentRawStream
+
+    def driver_direct() -> None:
+        struct.pack_into("@" + fmt, buf, 0, a.data_ptr(), 4, 0, a.data_ptr(), 1, 4, 1e-6)
+        (err,) = driver.cuLaunchKernel(func, 1, 1, 1, 128, 1, 1, 0, raw_stream(dev), params, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(err)
+
+    return {"launch: cuda.core launch (new LaunchConfig)": core, "launch: cuda.core launch (cached config)": core_cfg,
+            "launch: cuLaunchKernel, packed params": driver_direct}
+
+
+def main() -> None:
+    dev = torch.cuda.current_device()
+    x = torch.randn(4, 4096, device="cuda").bfloat16()
+    w = torch.ones(4096, device="cuda").bfloat16()
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    dy = torch.randn_like(x)
+    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    cb, tb = get_backend("cuda"), get_backend("triton")
+    y, rstd, _ = cb.rms_norm_fwd(x, w, None, spec)
+    cases: dict[str, Callable[[], object]] = {
+        "torch.empty (4, 4096) bf16": lambda: torch.empty((4, 4096), dtype=torch.bfloat16, device=x.device),
+        "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev).cuda_stream,
+        "torch._C._cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(dev),
+        "forward_views": lambda: forward_views(x, w, None, torch.bfloat16),
+        **_noop_launchers(dev),
+        "cuda backend rms_norm_fwd": lambda: cb.rms_norm_fwd(x, w, None, spec),
+        "triton backend rms_norm_fwd": lambda: tb.rms_norm_fwd(x, w, None, spec),
+        "cuda backend rms_norm_bwd fast": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None),
+        "cuda backend rms_norm_bwd strict": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True,
+                                                                    None),
+        "torch F.rms_norm forward": lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
+        "sn.rms_norm cuda forward": lambda: sn.rms_norm(x, w, backend="cuda"),
+        "sn.rms_norm triton forward": lambda: sn.rms_norm(x, w, backend="triton"),
+        "torch F.rms_norm fwd+bwd (autograd)": lambda: torch.autograd.grad(
+            torch.nn.functional.rms_norm(xg, (4096,), wg, 1e-6), (xg, wg), dy),
+        "sn.rms_norm cuda fwd+bwd (autograd)": lambda: torch.autograd.grad(
+            sn.rms_norm(xg, wg, backend="cuda"), (xg, wg), dy),
+        "sn.rms_norm triton fwd+bwd (autograd)": lambda: torch.autograd.grad(
+            sn.rms_norm(xg, wg, backend="triton"), (xg, wg), dy),
+    }
+    results = {}
+    for name, fn in cases.items():
+        try:
+            results[name] = per_call_us(fn)
+        except Exception as e:  # report and go on: one broken piece must not hide the others
+            results[name] = f"{type(e).__name__}: {e}"[:200]
+        print(f"{name:45s} {results[name]:8.1f} us" if isinstance(results[name], float)
+              else f"{name:45s} {results[name]}", flush=True)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us_per_call": results},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
