@@ -45,12 +45,10 @@ def per_call_us(fn: Callable[[], object], calls: int = 2000, loops: int = 5) -> 
 
 def _noop_launchers(dev: int) -> dict[str, Callable[[], object]]:
     """The same empty kernel launched through cuda.core's launch and through cuLaunchKernel with a
-    parameter array built once (the candidate fast path)."""
-    import ctypes
-    import struct
-
-    from cuda.bindings import driver
+    parameter block built once (strictnorm's LoadedKernel)."""
     from cuda.core import Device, LaunchConfig, Program, ProgramOptions, Stream, launch
+
+    from strictnorm.backends.cuda.nvrtc import LoadedKernel, current_stream
 
     d = Device(dev)
     d.set_current()
@@ -71,24 +69,14 @@ def _noop_launchers(dev: int) -> dict[str, Callable[[], object]]:
         launch(stream, cfg, kernel, a.data_ptr(), i64(4), i64(0), a.data_ptr(), i64(1), np.int32(4),
                np.float32(1e-6))
 
-    fmt = "QqqQqif"
-    offsets = [struct.calcsize("@" + fmt[:i]) for i in range(len(fmt))]
-    offsets = [o + (-o % struct.calcsize(c)) for o, c in zip(offsets, fmt, strict=True)]
-    buf = ctypes.create_string_buffer(struct.calcsize("@" + fmt) + 8)
-    base = ctypes.addressof(buf)
-    ptrs = (ctypes.c_void_p * len(fmt))(*[base + o for o in offsets])
-    params = ctypes.addressof(ptrs)
-    func = int(kernel.handle)
-    raw_stream = torch._C._cuda_getCurrentRawStream
+    loaded = LoadedKernel(code, kernel)
 
-    def driver_direct() -> None:
-        struct.pack_into("@" + fmt, buf, 0, a.data_ptr(), 4, 0, a.data_ptr(), 1, 4, 1e-6)
-        (err,) = driver.cuLaunchKernel(func, 1, 1, 1, 128, 1, 1, 0, raw_stream(dev), params, 0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(err)
+    def packed() -> None:
+        loaded.launch(current_stream(dev), (1, 1, 1), 128, 0, a.data_ptr(), 4, 0, a.data_ptr(), 1, np.int32(4),
+                      np.float32(1e-6))
 
     return {"launch: cuda.core launch (new LaunchConfig)": core, "launch: cuda.core launch (cached config)": core_cfg,
-            "launch: cuLaunchKernel, packed params": driver_direct}
+            "launch: strictnorm LoadedKernel (packed block)": packed}
 
 
 def main() -> None:

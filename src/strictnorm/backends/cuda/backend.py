@@ -19,7 +19,8 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..layout import RowLayout, backward_views, forward_views, row_layout
+from ..layout import RowLayout, backward_views, contiguous_layout, forward_views, row_layout
+from .nvrtc import current_stream
 
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODES = {"llama": 0, "gemma": 1, "none": 2}
@@ -94,10 +95,6 @@ class NormLaunch:
     partial_blocks_per_sm: int = 0
     persistent: bool = True
 
-    @functools.cached_property
-    def key(self) -> tuple:
-        return tuple(sorted(self.defines.items()))
-
 
 @dataclass(frozen=True)
 class NormTuning:
@@ -118,33 +115,38 @@ class NormTuning:
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
-# (bench/results/2026-11-29-h200-run3/, sweeps b and c); a P between entries takes the nearest one (log
-# scale). Unbounded entries are the sweep's choice at its largest row count; bounded ones come from its
-# smaller row counts (the launch shape may follow the row count because no shape changes a bit). A JSON
-# file named by STRICTNORM_CUDA_TUNING replaces entries: {"fwd": {"4096": [[128, {"values": 8, ...}],
-# [null, {...}]], ...}, "bwd": {...}} ([max rows or null, knobs] pairs; a bare knobs object is one
-# unbounded entry), as bench/sweep_cuda.py writes it.
+# (bench/results/2026-11-29-h200-run4/b-tuning.json, every configuration bitwise); a P between entries
+# takes the nearest one (log scale). Unbounded entries are the sweep's choice at its largest row count;
+# bounded ones come from its smaller row counts (the launch shape may follow the row count because no
+# shape changes a bit). A JSON file named by STRICTNORM_CUDA_TUNING replaces entries: {"fwd": {"4096":
+# [[128, {"values": 8, ...}], [null, {...}]], ...}, "bwd": {...}} ([max rows or null, knobs] pairs; a
+# bare knobs object is one unbounded entry), as bench/sweep_cuda.py writes it.
 Tuning = tuple[tuple[int | None, NormTuning], ...]  # (max rows, tuning) entries, the last one unbounded
-_H = 65536  # hold_max_p: rows held in registers at every P the tables serve
+_H = 65536  # hold_max_p: rows held in registers
+
+
+def _fwd(values: int, persistent: bool = False) -> NormTuning:
+    """The forward's entries: rows held, the weight reloaded per row (registers go to the row)."""
+    return NormTuning(values=values, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0, persistent=persistent)
+
+
 FWD_TABLE: dict[int, Tuning] = {
-    128: ((None, NormTuning(values=16, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),),
-    4096: ((128, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),
-           (2048, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),
-           (8192, NormTuning(values=16, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),
-           (None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0))),
-    8192: ((None, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),),
-    32768: ((None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0)),),
+    128: ((None, _fwd(32)),),
+    4096: ((128, _fwd(8, persistent=True)), (2048, _fwd(64)), (8192, _fwd(32)), (None, _fwd(64))),
+    8192: ((None, _fwd(32)),),
+    32768: ((None, _fwd(64, persistent=True)),),
+    65536: ((None, _fwd(32, persistent=True)),),
 }
-# P = 4096 and 8192 from the first sweep (its partial rows were summed by one fold, as now for up to
-# 4096 partial rows); P = 128 and 32768 from the second.
 BWD_TABLE: dict[int, Tuning] = {
-    128: ((None, NormTuning(values=16, hold_max_p=_H, partial_blocks_per_sm=8)),),
-    4096: ((128, NormTuning(values=16, hold_weight=False, partial_blocks_per_sm=4, dw_smem=True)),
-           (2048, NormTuning(values=16, hold_weight=False, partial_blocks_per_sm=8)),
-           (8192, NormTuning(values=16, partial_blocks_per_sm=8)),
-           (None, NormTuning(values=32, partial_blocks_per_sm=4))),
-    8192: ((None, NormTuning(values=32, partial_blocks_per_sm=8)),),
-    32768: ((None, NormTuning(values=64, hold_max_p=_H, partial_blocks_per_sm=4, dw_smem=True)),),
+    128: ((None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8)),),
+    4096: ((128, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True)),
+           (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4)),
+           (8192, NormTuning(hold_max_p=_H, partial_blocks_per_sm=8)),
+           (None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=8))),
+    8192: ((None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4)),),
+    32768: ((None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4)),),
+    # rows read twice: held, the backward spills at this length (392-byte stack with 1024 threads)
+    65536: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8)),),
 }
 
 
@@ -226,11 +228,85 @@ def _ring_ok(t: torch.Tensor, lay: RowLayout) -> bool:
 
 
 def _device_index(t: Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    index = t.get_device()
+    return index if index >= 0 else torch.cuda.current_device()
 
 
 def _simple_rows(lay: RowLayout) -> bool:
     return lay.g == 1 and lay.r1 == 1
+
+
+def _meta(t: Tensor | None) -> tuple | None:
+    """All a launch plan depends on in a tensor besides its values: shape, strides, dtype and whether its
+    start is 16-byte aligned. Outputs the plans allocate come from torch's caching allocator, whose
+    blocks are 512-byte aligned."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+
+
+_PLANS_MAX = 4096  # plans kept per kind (one per input shape and layout); beyond, the cache starts over
+
+
+@dataclass(frozen=True)
+class _FoldPlan:
+    """One fold launch with everything but the addresses fixed (fold.cu's argument order)."""
+
+    kernel: object | None  # LoadedKernel; None when a group has no rows (the result is zeros)
+    grid: tuple[int, int, int]
+    block: int
+    shmem: int
+    a_strides: tuple[int, int, int]
+    b_strides: tuple[int, int, int]
+    r1: int
+    g: int
+    rows_per_group: int
+    n: np.int32
+    groups: int
+    out_shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class _FwdPlan:
+    """An rms_norm forward for one input signature (see _meta): which inputs need a contiguous copy
+    (layout.py), the outputs' dtypes and the launch."""
+
+    copy_weight: bool
+    copy_x: bool
+    copy_res: bool
+    y_dtype: torch.dtype
+    kernel: object | None  # None for zero rows
+    grid: int
+    threads: int
+    x_strides: tuple[int, int, int]
+    r_strides: tuple[int, int, int]
+    wsg: int
+    tail: tuple  # rows, n, r1, g, eps, offset, aligned
+
+
+@dataclass(frozen=True)
+class _BwdPlan:
+    """An rms_norm backward for one input signature: copies, the strict dW fold (before the dx kernel,
+    which may overwrite dy), the dx kernel and the fast dW's partial rows and their fixed-order sum."""
+
+    copy_weight: bool
+    copy_z: bool
+    copy_dy: bool
+    copy_dx: bool  # the kernel writes a contiguous copy, then dx gets it
+    copy_dres: bool
+    copy_rstd: bool
+    rows: int
+    strict: _FoldPlan | None
+    kernel: object | None
+    grid: int
+    threads: int
+    shmem: int
+    dy_strides: tuple[int, int, int]
+    z_strides: tuple[int, int, int]
+    dres_strides: tuple[int, int, int]
+    dx_strides: tuple[int, int, int]
+    wsg: int
+    tail: tuple  # rows, n, r1, g, offset, aligned
+    partial_rows: int  # fp32 partial rows the kernel writes (0: no fast-dW partials)
+    partial_sum: tuple[_FoldPlan, ...]  # folds that sum the partial rows in a fixed order
 
 
 class CudaBackend:
@@ -240,19 +316,24 @@ class CudaBackend:
     def __init__(self) -> None:
         self._cache = None
         self._resident: dict[tuple, tuple[int, int]] = {}
-        self._loaded: dict[tuple, object] = {}
+        self._fwd_plans: dict[tuple, _FwdPlan] = {}
+        self._bwd_plans: dict[tuple, _BwdPlan] = {}
+        self._fold_plans: dict[tuple, _FoldPlan] = {}
         # fixed block shapes for rms_norm.cu instead of the tables, and fold.cu ring knobs (sweeps and
         # tests; same bits)
         self.fwd_tuning: NormTuning | None = None
         self.bwd_tuning: NormTuning | None = None
         self.fold_tuning: FoldTuning | None = None
 
+    @staticmethod
+    def _remember(plans: dict, key: tuple, plan):
+        if len(plans) >= _PLANS_MAX:
+            plans.clear()
+        plans[key] = plan
+        return plan
+
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
-        key = (dev, name, fl.key)
-        kernel = self._loaded.get(key)
-        if kernel is None:
-            kernel = self._loaded[key] = self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
-        return kernel
+        return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
 
     def _grid(self, dev: int, kernel, threads: int, groups: int, per_sm_cap: int = 0, shmem: int = 0,
               persistent: bool = True) -> int:
@@ -263,7 +344,7 @@ class CudaBackend:
         key = (dev, id(kernel), threads, shmem)
         per_sm, sms = self._resident.get(key, (0, 0))
         if not per_sm:
-            per_sm = max(1, kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shmem))
+            per_sm = max(1, kernel.kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shmem))
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             self._resident[key] = (per_sm, sms)
         if per_sm_cap:
@@ -296,34 +377,69 @@ class CudaBackend:
             self._cache = KernelCache()
         return self._cache
 
+    # ---- the strict left fold ----------------------------------------------------------------------
+    def _fold_plan(self, dev: int, alay: RowLayout, a_dtype: torch.dtype, blay: RowLayout, b_dtype: torch.dtype,
+                   what: int, groups: int, ring: bool, simple: bool) -> _FoldPlan:
+        n = alay.n
+        rows_per_group = alay.rows // groups
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning)
+        kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
+        return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
+                         alay.g, rows_per_group, np.int32(n), groups, (groups, n))
+
+    def _run_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor) -> Tensor:
+        out = torch.empty(plan.out_shape, dtype=torch.float32, device=a.device)
+        if plan.kernel is None:
+            return out.zero_()
+        plan.kernel.launch(current_stream(_device_index(a)), plan.grid, plan.block, plan.shmem,
+                           a.data_ptr(), *plan.a_strides, b.data_ptr(), *plan.b_strides, plan.r1, plan.g,
+                           rstd.data_ptr(), out.data_ptr(), plan.rows_per_group, plan.n, plan.groups)
+        return out
+
     def fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
              what: int, groups: int, ring: bool = True) -> torch.Tensor:
         """(groups, N) fp32: group h folds logical rows t * groups + h (see fold.cu)."""
-        n = alay.n
-        out = torch.empty((groups, n), dtype=torch.float32, device=a.device)
-        rows_per_group = alay.rows // groups
-        if rows_per_group == 0:
-            return out.zero_()
-        ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
-        simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
         dev = _device_index(a)
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        fl = fold_launch(n, a.dtype, b.dtype, what, simple, ring, num_sms, self.fold_tuning)
-        kc = self._kernels()
-        kernel = kc.get(dev, _SOURCE, fl.kernel, fl.defines)
-        i64 = np.int64
-        kc.launch(dev, kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem,
-                  a.data_ptr(), *map(i64, alay.args()), b.data_ptr(), *map(i64, blay.args()),
-                  i64(alay.r1), i64(alay.g), rstd.data_ptr(), out.data_ptr(), i64(rows_per_group),
-                  np.int32(n), i64(groups))
-        return out
+        key = (dev, alay, a.dtype, a.data_ptr() % 16 == 0, blay, b.dtype, b.data_ptr() % 16 == 0, what, groups,
+               ring, self.fold_tuning)
+        plan = self._fold_plans.get(key)
+        if plan is None:
+            ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
+            simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
+            plan = self._remember(self._fold_plans, key, self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what,
+                                                                         groups, ring, simple))
+        return self._run_fold(plan, a, b, rstd)
 
+    # ---- rms_norm forward ----------------------------------------------------------------------------
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(y, rstd, residual_out), as the Backend protocol says; see kernels/rms_norm.cu."""
+        """(y, rstd, residual_out), as the Backend protocol says; see kernels/rms_norm.cu. The launch is
+        planned once per input signature; a call allocates the outputs and launches."""
+        key = (x.get_device(), _meta(x), _meta(weight), _meta(residual), spec, self.fwd_tuning)
+        plan = self._fwd_plans.get(key)
+        if plan is None:
+            plan = self._remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
+        y = torch.empty(x.shape, dtype=plan.y_dtype, device=x.device)
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        z = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
+        if plan.kernel is None:
+            return y, rstd, z
+        if plan.copy_weight:
+            weight = weight.contiguous()
+        xk = x.contiguous() if plan.copy_x else x
+        rk = xk if residual is None else (residual.contiguous() if plan.copy_res else residual)
+        plan.kernel.launch(current_stream(_device_index(x)), (plan.grid, 1, 1), plan.threads, 0,
+                           xk.data_ptr(), *plan.x_strides, rk.data_ptr(), *plan.r_strides,
+                           (z if z is not None else y).data_ptr(), (weight if weight is not None else xk).data_ptr(),
+                           plan.wsg, y.data_ptr(), rstd.data_ptr(), *plan.tail)
+        return y, rstd, z
+
+    def _plan_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec) -> _FwdPlan:
         v = forward_views(x, weight, residual, spec.out_dtype)
+        copies = (v.weight is not weight, v.x is not x, residual is not None and v.res is not residual)
         if v.lay.rows == 0:
-            return v.y, v.rstd, v.z
+            return _FwdPlan(*copies, spec.out_dtype, None, 0, 0, (), (), 0, ())
         n = v.lay.n
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
                          v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
@@ -333,24 +449,54 @@ class CudaBackend:
                              *(((v.z, (n,)),) if v.z is not None else ()),
                              *(((v.weight, (wsg,)),) if v.weight is not None else ()))
         dev = _device_index(x)
-        kc = self._kernels()
-        i64 = np.int64
         kernel = self._norm_kernel(dev, "rms_fwd", fl)
         groups = -(-v.lay.rows // fl.rows_per_block)
         grid = self._grid(dev, kernel, fl.threads, groups, persistent=fl.persistent)
-        kc.launch(dev, kernel, (grid, 1, 1), fl.threads, 0,
-                  v.x.data_ptr(), *map(i64, v.lay.args()), v.res.data_ptr(), *map(i64, v.rlay.args()),
-                  (v.z if v.z is not None else v.y).data_ptr(),
-                  (v.weight if v.weight is not None else v.x).data_ptr(), i64(wsg), v.y.data_ptr(),
-                  v.rstd.data_ptr(), i64(v.lay.rows), np.int32(n), i64(v.lay.r1), i64(v.lay.g),
-                  np.float32(spec.eps), np.float32(spec.offset), np.int32(aligned))
-        return v.y, v.rstd, v.z
+        tail = (v.lay.rows, np.int32(n), v.lay.r1, v.lay.g, np.float32(spec.eps), np.float32(spec.offset),
+                np.int32(aligned))
+        return _FwdPlan(*copies, spec.out_dtype, kernel, grid, fl.threads, v.lay.args(), v.rlay.args(), wsg, tail)
 
+    # ---- rms_norm backward ---------------------------------------------------------------------------
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
-        """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD)."""
+        """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD). Planned once per
+        input signature, like the forward."""
+        key = (z.get_device(), _meta(dy), _meta(z), _meta(weight), _meta(rstd), _meta(dres), _meta(dx_out),
+               spec.mode, spec.offset, dw_mode, need_dw, self.bwd_tuning, self.fold_tuning)
+        plan = self._bwd_plans.get(key)
+        if plan is None:
+            plan = self._remember(self._bwd_plans, key,
+                                  self._plan_bwd(dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dx_out))
+        dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        if plan.rows == 0:
+            return dx, (torch.zeros(weight.shape, dtype=weight.dtype, device=z.device) if need_dw else None)
+        w = weight.contiguous() if plan.copy_weight else weight
+        zk = z.contiguous() if plan.copy_z else z
+        dyk = dy.contiguous() if plan.copy_dy else dy
+        dxk = dx.contiguous() if plan.copy_dx else dx
+        dresk = dyk if dres is None else (dres.contiguous() if plan.copy_dres else dres)
+        rstd = rstd.contiguous() if plan.copy_rstd else rstd
+        dw = None
+        if plan.strict is not None:  # strict (or per-head): fold first, as dx may overwrite dy
+            dw = self._run_fold(plan.strict, dyk, zk, rstd).reshape(weight.shape).to(weight.dtype)
+        # the partial rows (an unused pointer without them)
+        part = self._partials_buffer(plan.partial_rows, zk.shape[-1], z.device) if plan.partial_rows else rstd
+        plan.kernel.launch(current_stream(_device_index(z)), (plan.grid, 1, 1), plan.threads, plan.shmem,
+                           dyk.data_ptr(), *plan.dy_strides, zk.data_ptr(), *plan.z_strides,
+                           (w if w is not None else zk).data_ptr(), plan.wsg, rstd.data_ptr(), dresk.data_ptr(),
+                           *plan.dres_strides, dxk.data_ptr(), *plan.dx_strides, part.data_ptr(), *plan.tail)
+        if dxk is not dx:
+            dx.copy_(dxk)
+        if plan.partial_rows:
+            dw = self._sum_partials(plan.partial_sum, part).reshape(weight.shape).to(weight.dtype)
+        return dx, dw
+
+    def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
+                  spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None) -> _BwdPlan:
         v = backward_views(dy, z, weight, rstd, dres, dx_out)
+        copies = (v.weight is not weight, v.z is not z, v.dy is not dy, v.dx_kernel is not v.dx,
+                  dres is not None and v.dres is not dres, v.rstd is not rstd)
         n, rows = v.lay.n, v.lay.rows
         w_dtype = v.weight.dtype if v.weight is not None else None
         partials = need_dw and dw_mode == "fast" and not v.per_head
@@ -363,35 +509,27 @@ class CudaBackend:
         if shmem > _SMEM_LIMIT:
             partials, shmem = False, 0
             fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, False, tuning)
-        dw = None
         if rows == 0:
-            if need_dw:
-                dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
-            return v.dx, dw
-        if need_dw and not partials:  # strict (or per-head): fold first, as dx may overwrite dy
-            dw = self.strict_dw(v.dy, v.dlay, v.z, v.lay, v.rstd, spec.mode, weight)
+            return _BwdPlan(*copies, 0, None, None, 0, 0, 0, (), (), (), (), 0, (), 0, ())
         dev = _device_index(z)
-        kc = self._kernels()
+        strict = None
+        if need_dw and not partials:
+            groups = weight.shape[0] if weight.dim() == 2 else 1
+            ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
+            strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, _MODES[spec.mode] + 1, groups, ring,
+                                     _simple_rows(v.dlay) and _simple_rows(v.lay))
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         groups = -(-rows // fl.rows_per_block)
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
                           persistent=fl.persistent or partials)  # one partial row per block
-        part = self._partials_buffer(grid * fl.rows_per_block, n, z.device) if partials else v.rstd
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
                              (v.dx_kernel, v.xlay.args()), *(((v.weight, (wsg,)),) if v.weight is not None else ()))
-        i64 = np.int64
-        kc.launch(dev, kernel, (grid, 1, 1), fl.threads, shmem,
-                  v.dy.data_ptr(), *map(i64, v.dlay.args()), v.z.data_ptr(), *map(i64, v.lay.args()),
-                  (v.weight if v.weight is not None else v.z).data_ptr(), i64(wsg), v.rstd.data_ptr(),
-                  v.dres.data_ptr(), *map(i64, v.elay.args()), v.dx_kernel.data_ptr(), *map(i64, v.xlay.args()),
-                  part.data_ptr(), i64(rows), np.int32(n), i64(v.lay.r1), i64(v.lay.g), np.float32(spec.offset),
-                  np.int32(aligned))
-        if v.dx_kernel is not v.dx:
-            v.dx.copy_(v.dx_kernel)
-        if partials:
-            dw = self.sum_rows(part).to(weight.dtype)
-        return v.dx, dw
+        part_rows = grid * fl.rows_per_block if partials else 0
+        tail = (rows, np.int32(n), v.lay.r1, v.lay.g, np.float32(spec.offset), np.int32(aligned))
+        return _BwdPlan(*copies, rows, strict, kernel, grid, fl.threads, shmem, v.dlay.args(), v.lay.args(),
+                        v.elay.args(), v.xlay.args(), wsg, tail, part_rows,
+                        self._partial_sum_plan(dev, part_rows, n) if partials else ())
 
     def strict_dw(self, dy: Tensor, dlay: RowLayout, z: Tensor, zlay: RowLayout, rstd: Tensor, mode: str,
                   weight: Tensor) -> Tensor:
@@ -400,33 +538,61 @@ class CudaBackend:
         groups = weight.shape[0] if weight.dim() == 2 else 1
         return self.fold(dy, dlay, z, zlay, rstd, _MODES[mode] + 1, groups).reshape(weight.shape).to(weight.dtype)
 
+    # ---- fixed-order sums of fp32 partial rows -------------------------------------------------------
     @staticmethod
     def _partial_groups(rows: int) -> int:
         """Groups of the two-level partial sum past 4096 partial rows: a power of two near sqrt(rows)
         (chains of ~2 sqrt(rows) adds instead of rows); one fold below (each launch costs more there)."""
         return 1 << (math.isqrt(rows).bit_length() - 1) if rows > 4096 else 1
 
+    @classmethod
+    def _padded_rows(cls, rows: int) -> int:
+        g = cls._partial_groups(rows)
+        return -(-rows // g) * g
+
     def _partials_buffer(self, rows: int, n: int, device: torch.device) -> Tensor:
         """(rows, n) fp32 for the kernel's partial rows, padded with zero rows to a multiple of the groups."""
-        g = self._partial_groups(rows)
-        padded = -(-rows // g) * g
+        padded = self._padded_rows(rows)
         buf = torch.empty((padded, n), dtype=torch.float32, device=device)
         if padded > rows:
             buf[rows:].zero_()  # +0.0 rows: exact no-ops in a fold from +0.0
         return buf
 
+    def _partial_sum_plan(self, dev: int, rows: int, n: int) -> tuple[_FoldPlan, ...]:
+        """The folds summing a dense, 16-byte aligned (padded rows, n) fp32 buffer of partial rows, padded as
+        _partials_buffer pads: one left fold up to 4096 rows; past that, group h folds rows h, h + g, h + 2g,
+        ... (one launch) and the g group sums are folded in order."""
+        g = self._partial_groups(rows)
+        ring = n % 4 == 0  # rows of whole 16-byte chunks
+        first = contiguous_layout(self._padded_rows(rows), n)
+        plans = (self._fold_plan(dev, first, torch.float32, first, torch.float32, 0, g, ring, True),)
+        if g > 1:
+            second = contiguous_layout(g, n)
+            plans += (self._fold_plan(dev, second, torch.float32, second, torch.float32, 0, 1, ring, True),)
+        return plans
+
+    def _sum_partials(self, plans: tuple[_FoldPlan, ...], part: Tensor) -> Tensor:
+        for plan in plans:
+            part = self._run_fold(plan, part, part, part)
+        return part.reshape(part.shape[-1])
+
     def sum_rows(self, part: Tensor) -> Tensor:
-        """Sum over the rows of (R, N) fp32 in a fixed order (the fast dW's partial rows): one left fold up
-        to 4096 rows; past that, group h folds rows h, h + g, h + 2g, ... (one launch; zero rows pad R to
-        a multiple of g, a copy that _partials_buffer's buffers never need) and the g group sums are
-        folded in order."""
-        g = self._partial_groups(part.shape[0])
-        if g == 1:
-            return self.left_fold(part)
-        if part.shape[0] % g:
-            part = torch.cat([part, part.new_zeros(g - part.shape[0] % g, part.shape[1])])
-        part, lay = row_layout(part)
-        return self.left_fold(self.fold(part, lay, part, lay, part, 0, g))
+        """Sum over the rows of (R, N) fp32 in the fixed order of _partial_sum_plan (the fast dW's partial
+        rows); R is padded with zero rows when it is not a multiple of the groups (a copy)."""
+        rows, n = part.shape
+        if rows == 0:
+            return torch.zeros(n, dtype=torch.float32, device=part.device)
+        padded = self._padded_rows(rows)
+        if padded != rows or not part.is_contiguous() or part.data_ptr() % 16:
+            buf = part.new_zeros(padded, n)
+            buf[:rows] = part
+            part = buf
+        dev = _device_index(part)
+        key = (dev, rows, n, self.fold_tuning)
+        plans = self._fold_plans.get(key)
+        if plans is None:
+            plans = self._remember(self._fold_plans, key, self._partial_sum_plan(dev, rows, n))
+        return self._sum_partials(plans, part)
 
     def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:
         if rows.numel() == 0:

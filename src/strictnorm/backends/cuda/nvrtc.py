@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import threading
 from functools import cache
 from importlib import resources
@@ -93,15 +94,103 @@ class _Log:
         self.text += s
 
 
+class CudaLaunchError(RuntimeError):
+    """The driver refused a kernel launch."""
+
+
+def _slot_format(value: object) -> str:
+    """struct format of one kernel parameter in an 8-byte slot, from the kind of value passed: numpy int32
+    and float32 for the kernels' int and float parameters (4 bytes and 4 pad bytes), Python or numpy
+    64-bit ints for pointers and long long."""
+    import numpy as np
+
+    if isinstance(value, np.int32):
+        return "i4x"
+    if isinstance(value, np.float32):
+        return "f4x"
+    if isinstance(value, (int, np.int64)) and not isinstance(value, bool):
+        return "q"
+    raise CudaLaunchError(f"kernel parameter {value!r} ({type(value).__name__}): pass numpy int32 or float32 "
+                          "for 4-byte parameters, ints for pointers and long long")
+
+
+def _param_sizes(kernel) -> list[int] | None:
+    """The kernel's parameter sizes from its image (None where the driver or cuda-core cannot say)."""
+    try:
+        return [info[1] if isinstance(info, tuple) else info.size for info in kernel.arguments_info]
+    except Exception:  # an older driver without cuFuncGetParamInfo: the count goes unchecked
+        return None
+
+
+class LoadedKernel:
+    """A loaded kernel and a parameter block built once: a launch packs the values into the block (one
+    struct call) and calls cuLaunchKernel with it. cuda.core's launch builds its parameter holder on
+    every call, several microseconds of host time per launch on a GPU machine's CPU.
+
+    The struct format is fixed by the first launch: every call site passes one kernel the same kinds of
+    values (ints for pointers and long long, numpy int32 and float32 for int and float parameters), and
+    is checked against the parameter sizes in the kernel's image."""
+
+    def __init__(self, module, kernel) -> None:
+        import ctypes
+
+        from cuda.bindings import driver
+
+        self.module = module  # keeps the library loaded
+        self.kernel = kernel  # cuda.core Kernel: occupancy queries
+        self._driver = driver
+        self.function = _checked(driver.cuKernelGetFunction(kernel.handle), "cuKernelGetFunction")
+        self._ctypes = ctypes
+        self._sizes = _param_sizes(kernel)
+        self._struct: struct.Struct | None = None
+        self._lock = threading.Lock()  # one block per kernel: pack and launch together
+
+    def _build_block(self, args: tuple) -> None:
+        formats = [_slot_format(a) for a in args]
+        sizes = [4 if f.endswith("4x") else 8 for f in formats]
+        if self._sizes is not None and sizes != self._sizes:
+            raise CudaLaunchError(f"kernel parameters of {self._sizes} bytes, passed {sizes}")
+        self._block = self._ctypes.create_string_buffer(8 * max(1, len(args)))
+        base = self._ctypes.addressof(self._block)
+        self._ptrs = (self._ctypes.c_void_p * max(1, len(args)))(*[base + 8 * i for i in range(len(args))])
+        self._params = self._ctypes.addressof(self._ptrs)
+        self._struct = struct.Struct("<" + "".join(formats))
+
+    def launch(self, stream: int, grid: tuple[int, int, int], block: int, shmem: int, *args) -> None:
+        with self._lock:
+            if self._struct is None:
+                self._build_block(args)
+            self._struct.pack_into(self._block, 0, *args)
+            (err,) = self._driver.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem,
+                                                 stream, self._params, 0)
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            raise CudaLaunchError(f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, shared {shmem} B)")
+
+
+def _checked(result: tuple, what: str):
+    err, *values = result
+    if int(err) != 0:
+        raise CudaLaunchError(f"{what} failed: {err!r}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def current_stream(device_index: int) -> int:
+    """torch's current stream on a device, as a raw handle (the private accessor torch's own compiled
+    code uses: a tenth of the host time of torch.cuda.current_stream)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
 class KernelCache:
     """Loaded kernels per (device, source, kernel, macros); launches on torch's current stream."""
 
     def __init__(self) -> None:
-        self._kernels: dict[tuple, object] = {}
-        self._streams: dict[int, object] = {}
+        self._kernels: dict[tuple, LoadedKernel] = {}
         self._lock = threading.Lock()
 
-    def get(self, device_index: int, name: str, kernel: str, defines: dict[str, int]):
+    def get(self, device_index: int, name: str, kernel: str, defines: dict[str, int]) -> LoadedKernel:
         key = (device_index, name, kernel, tuple(sorted(defines.items())))
         entry = self._kernels.get(key)
         if entry is None:
@@ -109,10 +198,10 @@ class KernelCache:
                 entry = self._kernels.get(key)
                 if entry is None:
                     entry = self._kernels[key] = self._load(device_index, name, kernel, defines)
-        return entry[1]
+        return entry
 
     @staticmethod
-    def _load(device_index: int, name: str, kernel: str, defines: dict[str, int]):
+    def _load(device_index: int, name: str, kernel: str, defines: dict[str, int]) -> LoadedKernel:
         from cuda.core import Device, ObjectCode
 
         dev = Device(device_index)
@@ -120,14 +209,4 @@ class KernelCache:
         major, minor = dev.compute_capability
         cubin = compile_cubin(name, f"sm_{major}{minor}", defines)
         module = ObjectCode.from_cubin(cubin, name=name)
-        return module, module.get_kernel(kernel)  # the module stays referenced beside its kernel
-
-    def launch(self, device_index: int, kernel, grid: tuple[int, ...], block: int, shmem: int, *args) -> None:
-        import torch
-        from cuda.core import LaunchConfig, Stream, launch
-
-        handle = torch.cuda.current_stream(device_index).cuda_stream
-        stream = self._streams.get(handle)
-        if stream is None:
-            stream = self._streams[handle] = Stream.from_handle(handle)
-        launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=shmem), kernel, *args)
+        return LoadedKernel(module, module.get_kernel(kernel))

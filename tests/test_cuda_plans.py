@@ -1,0 +1,122 @@
+"""The CUDA backend's launch plans and packed kernel parameters, on the CPU with recording stand-in kernels
+(no GPU, no driver): what each launch receives, call after call. The GPU tests check the bits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strictnorm.backends.cuda import backend as cuda_backend
+from strictnorm.backends.cuda import nvrtc
+from strictnorm.contract import make_spec
+
+
+class _Occupancy:
+    @staticmethod
+    def max_active_blocks_per_multiprocessor(threads: int, shmem: int) -> int:
+        return 4
+
+
+class _RecordingKernel:
+    def __init__(self, name: str, defines: dict, log: list) -> None:
+        self.name, self.defines, self.log = name, dict(defines), log
+        self.kernel = self
+        self.occupancy = _Occupancy()
+
+    def launch(self, stream, grid, block, shmem, *args) -> None:
+        self.log.append((self.name, grid, block, shmem, args))
+
+
+class _RecordingCache:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def get(self, device_index, name, kernel, defines):
+        return _RecordingKernel(kernel, defines, self.log)
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    """A CudaBackend whose kernels record their launches; CPU tensors stand in for device memory."""
+    props = type("Props", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_backend, "current_stream", lambda device_index: 0)
+    log: list = []
+    cb = cuda_backend.CudaBackend()
+    cache = _RecordingCache(log)
+    monkeypatch.setattr(cb, "_kernels", lambda: cache)
+    return cb, log
+
+
+def _spec(mode: str = "llama"):
+    return make_spec(torch.bfloat16, 1e-6, 0.0, mode, torch.bfloat16)
+
+
+def test_forward_plan_serves_new_tensors_of_the_same_signature(recording):
+    """The second call of a signature reuses the plan and passes that call's own tensors and outputs."""
+    cb, log = recording
+    for _ in range(3):
+        x, w = torch.randn(5, 256).bfloat16(), torch.randn(256).bfloat16()
+        y, rstd, z = cb.rms_norm_fwd(x, w, None, _spec())
+        name, grid, block, shmem, args = log.pop()
+        assert name == "rms_fwd" and z is None
+        assert args[0] == x.data_ptr() and args[9] == w.data_ptr()
+        assert args[11] == y.data_ptr() and args[12] == rstd.data_ptr()
+        assert args[13] == 5 and isinstance(args[14], np.int32) and args[14] == 256
+    assert len(cb._fwd_plans) == 1 and not log
+
+
+def test_strided_rows_are_read_in_place_and_odd_layouts_through_a_copy(recording):
+    """Rows with a leading stride are addressed in place (their stride passed); a strided last dimension
+    is copied to a contiguous tensor first, every call (a plan records that decision, not the copy)."""
+    cb, log = recording
+    base = torch.randn(6, 512).bfloat16()
+    x = base[:, :256]
+    cb.rms_norm_fwd(x, None, None, _spec())
+    args = log.pop()[4]
+    assert args[0] == x.data_ptr() and args[1] == 512
+    for _ in range(2):
+        xt = torch.randn(256, 6).bfloat16().t()  # last-dim stride 6
+        cb.rms_norm_fwd(xt, None, None, _spec())
+        args = log.pop()[4]
+        assert args[0] != xt.data_ptr() and args[1] == 256
+
+
+def test_backward_plans_fold_before_dx_and_sum_partials(recording):
+    """dw="strict": the fold launches before the dx kernel (dx may overwrite dy in place); dw="fast": the dx
+    kernel writes partial rows that folds then sum; zero rows launch nothing and give zeros."""
+    cb, log = recording
+    x, dy, w = torch.randn(64, 128).bfloat16(), torch.randn(64, 128).bfloat16(), torch.randn(128).bfloat16()
+    rstd = torch.rand(64) + 0.5
+    cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, dy)
+    assert [e[0] for e in log] == ["fold_ring", "rms_bwd"]
+    assert log[0][4][0] == dy.data_ptr() and log[1][4][0] == dy.data_ptr()
+    log.clear()
+    cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "fast", True, None)
+    assert log[0][0] == "rms_bwd" and all(e[0] == "fold_ring" for e in log[1:]) and len(log) >= 2
+    assert log[1][4][0] == log[0][4][-7]  # the fold reads the partial rows the dx kernel wrote
+    log.clear()
+    empty = torch.empty(0, 128).bfloat16()
+    dx, dw = cb.rms_norm_bwd(empty, empty, w, torch.empty(0), None, _spec(), "strict", True, None)
+    assert not log and dx.shape == (0, 128) and torch.equal(dw, torch.zeros_like(w))
+
+
+def test_plan_cache_is_bounded(recording, monkeypatch):
+    cb, log = recording
+    monkeypatch.setattr(cuda_backend, "_PLANS_MAX", 4)
+    for rows in range(1, 10):
+        cb.rms_norm_fwd(torch.randn(rows, 64).bfloat16(), None, None, _spec())
+    assert 1 <= len(cb._fwd_plans) <= 4 and len(log) == 9
+
+
+def test_packed_parameter_formats():
+    """Kernel parameters go into 8-byte slots: numpy int32/float32 as 4 bytes plus padding, ints as 8;
+    anything else (a Python float, whose width the call does not say) is refused."""
+    assert nvrtc._slot_format(np.int32(3)) == "i4x"
+    assert nvrtc._slot_format(np.float32(1.5)) == "f4x"
+    assert nvrtc._slot_format(2**40) == "q" and nvrtc._slot_format(np.int64(-1)) == "q"
+    for bad in (1.5, True, "x"):
+        with pytest.raises(nvrtc.CudaLaunchError, match="4-byte parameters"):
+            nvrtc._slot_format(bad)
