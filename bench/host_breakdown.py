@@ -79,6 +79,20 @@ def _noop_launchers(dev: int) -> dict[str, Callable[[], object]]:
             "launch: strictnorm LoadedKernel (packed block)": packed}
 
 
+def _profile_step(step: Callable[[], object]) -> None:
+    """torch.profiler's CPU view of eager training steps (every thread, the autograd engine's included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(50):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60), flush=True)
+
+
 def main() -> None:
     dev = torch.cuda.current_device()
     x = torch.randn(4, 4096, device="cuda").bfloat16()
@@ -109,6 +123,12 @@ def main() -> None:
         "sn.rms_norm triton fwd+bwd (autograd)": lambda: torch.autograd.grad(
             sn.rms_norm(xg, wg, backend="triton"), (xg, wg), dy),
     }
+    y_cuda = sn.rms_norm(xg, wg, backend="cuda")
+    y_torch = torch.nn.functional.rms_norm(xg, (4096,), wg, 1e-6)
+    cases["backward only, sn cuda (retain_graph)"] = lambda: torch.autograd.grad(y_cuda, (xg, wg), dy,
+                                                                                 retain_graph=True)
+    cases["backward only, F.rms_norm (retain_graph)"] = lambda: torch.autograd.grad(y_torch, (xg, wg), dy,
+                                                                                    retain_graph=True)
     results = {}
     for name, fn in cases.items():
         try:
@@ -117,6 +137,7 @@ def main() -> None:
             results[name] = f"{type(e).__name__}: {e}"[:200]
         print(f"{name:45s} {results[name]:8.1f} us" if isinstance(results[name], float)
               else f"{name:45s} {results[name]}", flush=True)
+    _profile_step(lambda: torch.autograd.grad(sn.rms_norm(xg, wg, backend="cuda"), (xg, wg), dy))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us_per_call": results},

@@ -256,6 +256,31 @@ def test_fused_add_gradients_including_residual_out(dtype, seed):
     assert ((xs.grad.double() - x64.grad).norm() / x64.grad.norm()) < TOL[dtype] * 2
 
 
+@pytest.mark.parametrize("used", ["y", "z"])
+def test_fused_add_gradient_through_one_output(used, seed):
+    """Only y or only residual_out reaches the loss: the unused output's gradient is zero (the eager path
+    passes None for it instead of a zero tensor) and the result equals passing that zero explicitly."""
+    g = torch.Generator().manual_seed(seed)
+    m, n = 9, 24
+    x, res, w = randn(m, n, dtype=torch.bfloat16, gen=g), randn(m, n, dtype=torch.bfloat16, gen=g), randn(n, gen=g)
+    grad = randn(m, n, dtype=torch.bfloat16, gen=g)
+    zero = torch.zeros_like(grad)
+    results = []
+    for explicit in (False, True):
+        xs, rs, ws = (t.clone().requires_grad_(True) for t in (x, res, w))
+        y, z = sn.fused_add_rms_norm(xs, rs, ws, backend="torch", dw="strict")
+        if explicit:
+            torch.autograd.backward([y, z], [grad, zero] if used == "y" else [zero, grad])
+        else:
+            (y if used == "y" else z).backward(grad)
+        results.append((xs.grad, rs.grad, ws.grad))
+    (gx, gr, gw), (ex, er, ew) = results
+    assert bits_equal(gx, ex) and bits_equal(gr, er)
+    assert (gw is None and ew is None) or bits_equal(gw, ew)
+    if used == "z":
+        assert bits_equal(gx, grad) and not gw.any()
+
+
 def test_qk_norm_per_head_weight_and_strided_view(seed):
     g = torch.Generator().manual_seed(seed)
     b, s, h, d = 2, 3, 4, 16

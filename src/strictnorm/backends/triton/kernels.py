@@ -2,14 +2,17 @@
 
 Exactness notes, each found the hard way (../docs/contract.md, "Implementing a backend"):
 - fp32 division and square root are `tl.div_rn` / `tl.sqrt_rn`; Triton's `/` is not IEEE on GPUs.
-- fp32 -> bf16 rounding is done with integer operations on the bit pattern and bf16 results are
-  stored as int16 bits: the Triton interpreter (CI) truncates instead of rounding and flushes
-  subnormals on a float store; the integer form gives round-to-nearest-even everywhere.
+- fp32 -> bf16 rounding: on a GPU the hardware conversion (round to nearest even, cvt.rn.bf16.f32 on
+  NVIDIA); under the Triton interpreter (CI), which truncates and flushes subnormals on that path,
+  integer operations on the bit pattern give the same round to nearest even. bf16 results are stored
+  as int16 bits either way.
 - canon_sum is the contract's adjacent-first pairwise tree, written as reshape + split levels,
   which fixes the order independently of the compiler's layouts and of the launch shape.
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -22,6 +25,9 @@ F16: tl.constexpr = tl.constexpr(2)
 LLAMA: tl.constexpr = tl.constexpr(0)
 GEMMA: tl.constexpr = tl.constexpr(1)
 NONE: tl.constexpr = tl.constexpr(2)
+# bf16 rounding by the hardware conversion, except in the interpreter (decided, as Triton decides whether
+# to interpret, when this module is imported)
+NATIVE_BF16: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # what the fold kernel folds: raw rows, or a casting mode's dW contribution (LLAMA/GEMMA/NONE + 1)
 RAW_ROWS: tl.constexpr = tl.constexpr(0)
 
@@ -38,7 +44,10 @@ def _bf16_bits(v):
 def round_f32(v, DT: tl.constexpr):
     """rd(v, DT) widened back to fp32 (exact)."""
     if DT == BF16:
-        return (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
+        if NATIVE_BF16:
+            return v.to(tl.bfloat16).to(tl.float32)
+        else:
+            return (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
     elif DT == F16:
         return v.to(tl.float16).to(tl.float32)
     else:
@@ -49,7 +58,10 @@ def round_f32(v, DT: tl.constexpr):
 def store_rounded(ptr, v, mask, DT: tl.constexpr):
     """Store rd(v, DT); bf16 outputs are passed to kernels as int16 views."""
     if DT == BF16:
-        tl.store(ptr, _bf16_bits(v).to(tl.int16), mask=mask)
+        if NATIVE_BF16:
+            tl.store(ptr, v.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
+        else:
+            tl.store(ptr, _bf16_bits(v).to(tl.int16), mask=mask)
     elif DT == F16:
         tl.store(ptr, v.to(tl.float16), mask=mask)
     else:
