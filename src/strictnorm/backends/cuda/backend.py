@@ -75,9 +75,13 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
 
 
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
-                ring: bool, num_sms: int, tuning: FoldTuning | None = None) -> FoldLaunch:
-    """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel."""
+                ring: bool, num_sms: int, tuning: FoldTuning | None = None,
+                out_dtype: torch.dtype = torch.float32) -> FoldLaunch:
+    """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel. out_dtype:
+    the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
     defines = {"A_CODE": _CODE[a_dtype], "B_CODE": _CODE[b_dtype], "WHAT": what, "SIMPLE_ROWS": int(simple_rows)}
+    if out_dtype != torch.float32:
+        defines["OUT_CODE"] = _CODE[out_dtype]
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
@@ -262,6 +266,7 @@ class _FoldPlan:
     n: np.int32
     groups: int
     out_shape: tuple[int, int]
+    out_dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -379,17 +384,17 @@ class CudaBackend:
 
     # ---- the strict left fold ----------------------------------------------------------------------
     def _fold_plan(self, dev: int, alay: RowLayout, a_dtype: torch.dtype, blay: RowLayout, b_dtype: torch.dtype,
-                   what: int, groups: int, ring: bool, simple: bool) -> _FoldPlan:
+                   what: int, groups: int, ring: bool, simple: bool, out_dtype: torch.dtype) -> _FoldPlan:
         n = alay.n
         rows_per_group = alay.rows // groups
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning)
+        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning, out_dtype)
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
-                         alay.g, rows_per_group, np.int32(n), groups, (groups, n))
+                         alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype)
 
     def _run_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor) -> Tensor:
-        out = torch.empty(plan.out_shape, dtype=torch.float32, device=a.device)
+        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=a.device)
         if plan.kernel is None:
             return out.zero_()
         plan.kernel.launch(current_stream(_device_index(a)), plan.grid, plan.block, plan.shmem,
@@ -398,17 +403,17 @@ class CudaBackend:
         return out
 
     def fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
-             what: int, groups: int, ring: bool = True) -> torch.Tensor:
-        """(groups, N) fp32: group h folds logical rows t * groups + h (see fold.cu)."""
+             what: int, groups: int, ring: bool = True, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(groups, N) in out_dtype: group h folds logical rows t * groups + h in fp32 (see fold.cu)."""
         dev = _device_index(a)
         key = (dev, alay, a.dtype, a.data_ptr() % 16 == 0, blay, b.dtype, b.data_ptr() % 16 == 0, what, groups,
-               ring, self.fold_tuning)
+               ring, self.fold_tuning, out_dtype)
         plan = self._fold_plans.get(key)
         if plan is None:
             ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
             simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
             plan = self._remember(self._fold_plans, key, self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what,
-                                                                         groups, ring, simple))
+                                                                         groups, ring, simple, out_dtype))
         return self._run_fold(plan, a, b, rstd)
 
     # ---- rms_norm forward ----------------------------------------------------------------------------
@@ -479,7 +484,7 @@ class CudaBackend:
         rstd = rstd.contiguous() if plan.copy_rstd else rstd
         dw = None
         if plan.strict is not None:  # strict (or per-head): fold first, as dx may overwrite dy
-            dw = self._run_fold(plan.strict, dyk, zk, rstd).reshape(weight.shape).to(weight.dtype)
+            dw = self._run_fold(plan.strict, dyk, zk, rstd).reshape(weight.shape)
         # the partial rows (an unused pointer without them)
         part = self._partials_buffer(plan.partial_rows, zk.shape[-1], z.device) if plan.partial_rows else rstd
         plan.kernel.launch(current_stream(_device_index(z)), (plan.grid, 1, 1), plan.threads, plan.shmem,
@@ -489,7 +494,7 @@ class CudaBackend:
         if dxk is not dx:
             dx.copy_(dxk)
         if plan.partial_rows:
-            dw = self._sum_partials(plan.partial_sum, part).reshape(weight.shape).to(weight.dtype)
+            dw = self._sum_partials(plan.partial_sum, part)
         return dx, dw
 
     def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
@@ -517,7 +522,7 @@ class CudaBackend:
             groups = weight.shape[0] if weight.dim() == 2 else 1
             ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
             strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, _MODES[spec.mode] + 1, groups, ring,
-                                     _simple_rows(v.dlay) and _simple_rows(v.lay))
+                                     _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype)
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         groups = -(-rows // fl.rows_per_block)
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
@@ -529,14 +534,15 @@ class CudaBackend:
         tail = (rows, np.int32(n), v.lay.r1, v.lay.g, np.float32(spec.offset), np.int32(aligned))
         return _BwdPlan(*copies, rows, strict, kernel, grid, fl.threads, shmem, v.dlay.args(), v.lay.args(),
                         v.elay.args(), v.xlay.args(), wsg, tail, part_rows,
-                        self._partial_sum_plan(dev, part_rows, n) if partials else ())
+                        self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
 
     def strict_dw(self, dy: Tensor, dlay: RowLayout, z: Tensor, zlay: RowLayout, rstd: Tensor, mode: str,
                   weight: Tensor) -> Tensor:
         """dW in weight's dtype and shape as the ascending left fold of the rows' contributions (per head
         for (H, N) weights), recomputed from dy, z and rstd by the fold kernel; zeros for no rows."""
         groups = weight.shape[0] if weight.dim() == 2 else 1
-        return self.fold(dy, dlay, z, zlay, rstd, _MODES[mode] + 1, groups).reshape(weight.shape).to(weight.dtype)
+        dw = self.fold(dy, dlay, z, zlay, rstd, _MODES[mode] + 1, groups, out_dtype=weight.dtype)
+        return dw.reshape(weight.shape)
 
     # ---- fixed-order sums of fp32 partial rows -------------------------------------------------------
     @staticmethod
@@ -558,17 +564,18 @@ class CudaBackend:
             buf[rows:].zero_()  # +0.0 rows: exact no-ops in a fold from +0.0
         return buf
 
-    def _partial_sum_plan(self, dev: int, rows: int, n: int) -> tuple[_FoldPlan, ...]:
+    def _partial_sum_plan(self, dev: int, rows: int, n: int, out_dtype: torch.dtype) -> tuple[_FoldPlan, ...]:
         """The folds summing a dense, 16-byte aligned (padded rows, n) fp32 buffer of partial rows, padded as
-        _partials_buffer pads: one left fold up to 4096 rows; past that, group h folds rows h, h + g, h + 2g,
-        ... (one launch) and the g group sums are folded in order."""
+        _partials_buffer pads, into out_dtype: one left fold up to 4096 rows; past that, group h folds rows h,
+        h + g, h + 2g, ... (one launch) and the g group sums are folded in order."""
         g = self._partial_groups(rows)
         ring = n % 4 == 0  # rows of whole 16-byte chunks
+        f32 = torch.float32
         first = contiguous_layout(self._padded_rows(rows), n)
-        plans = (self._fold_plan(dev, first, torch.float32, first, torch.float32, 0, g, ring, True),)
+        plans = (self._fold_plan(dev, first, f32, first, f32, 0, g, ring, True, f32 if g > 1 else out_dtype),)
         if g > 1:
             second = contiguous_layout(g, n)
-            plans += (self._fold_plan(dev, second, torch.float32, second, torch.float32, 0, 1, ring, True),)
+            plans += (self._fold_plan(dev, second, f32, second, f32, 0, 1, ring, True, out_dtype),)
         return plans
 
     def _sum_partials(self, plans: tuple[_FoldPlan, ...], part: Tensor) -> Tensor:
@@ -576,22 +583,23 @@ class CudaBackend:
             part = self._run_fold(plan, part, part, part)
         return part.reshape(part.shape[-1])
 
-    def sum_rows(self, part: Tensor) -> Tensor:
+    def sum_rows(self, part: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
         """Sum over the rows of (R, N) fp32 in the fixed order of _partial_sum_plan (the fast dW's partial
-        rows); R is padded with zero rows when it is not a multiple of the groups (a copy)."""
+        rows), rounded once to out_dtype; R is padded with zero rows when it is not a multiple of the groups
+        (a copy)."""
         rows, n = part.shape
         if rows == 0:
-            return torch.zeros(n, dtype=torch.float32, device=part.device)
+            return torch.zeros(n, dtype=out_dtype, device=part.device)
         padded = self._padded_rows(rows)
         if padded != rows or not part.is_contiguous() or part.data_ptr() % 16:
             buf = part.new_zeros(padded, n)
             buf[:rows] = part
             part = buf
         dev = _device_index(part)
-        key = (dev, rows, n, self.fold_tuning)
+        key = (dev, rows, n, self.fold_tuning, out_dtype)
         plans = self._fold_plans.get(key)
         if plans is None:
-            plans = self._remember(self._fold_plans, key, self._partial_sum_plan(dev, rows, n))
+            plans = self._remember(self._fold_plans, key, self._partial_sum_plan(dev, rows, n, out_dtype))
         return self._sum_partials(plans, part)
 
     def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:

@@ -113,7 +113,7 @@ class CuteBackend:
         dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
                                        spec.offset, spec.mode, partials=partials)
         if partials:
-            dw = _cuda().sum_rows(part).to(weight.dtype)
+            dw = _cuda().sum_rows(part, weight.dtype)
         dx = dx.view(z.shape)
         if dx_out is not None:
             dx_out.copy_(dx)

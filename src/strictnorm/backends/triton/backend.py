@@ -123,13 +123,23 @@ class TritonBackend:
         if v.dx_kernel is not v.dx:
             v.dx.copy_(v.dx_kernel)
         if partials:
-            dw = part.sum(0).to(weight.dtype)
+            dw = self._sum_rows(part, weight.dtype)
         return v.dx, dw
 
     # ---- strict fold ---------------------------------------------------------------------------
+    def _cuda_available(self, t: Tensor) -> bool:
+        return self.use_cuda_fold and t.device.type == "cuda" and status("cuda", t.device).available
+
+    def _sum_rows(self, part: Tensor, dtype: torch.dtype) -> Tensor:
+        """The fast dW's partial rows summed in a fixed order: the CUDA backend's fold where it is available
+        (as the strict fold), else torch's sum over rows (deterministic on a given device)."""
+        if self._cuda_available(part):
+            return get_backend("cuda").sum_rows(part, dtype)
+        return part.sum(0).to(dtype)
+
     def _fold(self, a: Tensor, alay: RowLayout, b: Tensor, blay: RowLayout, rstd: Tensor, what: int, xdt: int,
               groups: int) -> Tensor:
-        if self.use_cuda_fold and a.device.type == "cuda" and status("cuda", a.device).available:
+        if self._cuda_available(a):
             return get_backend("cuda").fold(a, alay, b, blay, rstd, what, groups)
         out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)
         grid = (_cdiv(alay.n, _FOLD_BN), groups)

@@ -5,7 +5,8 @@
 // rstd, so no (rows, N) fp32 buffer exists. Every add is __fadd_rn, every multiply __fmul_rn: no
 // contraction, no reassociation, no atomics, and the order is the rows' logical order.
 //
-// Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), WHAT,
+// Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), OUT_CODE (the
+// result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), and for fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
 // CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), FULL_STAGE
 // (the consumer's loop over a whole stage fully unrolled, so that its shared-memory loads run ahead of
@@ -17,8 +18,13 @@
 
 #include "common.cuh"
 
+#ifndef OUT_CODE
+#define OUT_CODE 0
+#endif
+
 typedef Elem<A_CODE>::T a_t;
 typedef Elem<B_CODE>::T b_t;
+typedef Elem<OUT_CODE>::T out_t;
 
 // The dW contribution of one element: f32(dy) times the normalized value as y's scaling step used it.
 __device__ __forceinline__ float contribution(float dy, float x, float rstd) {
@@ -44,7 +50,7 @@ __device__ __forceinline__ long long fold_row_offset(long long r, const Layout& 
 #define FOLD_PARAMS                                                                               \
     const a_t* __restrict__ a, long long as0, long long as1, long long asg,                       \
     const b_t* __restrict__ b, long long bs0, long long bs1, long long bsg,                       \
-    long long r1, long long g, const float* __restrict__ rstd, float* __restrict__ out,           \
+    long long r1, long long g, const float* __restrict__ rstd, out_t* __restrict__ out,           \
     long long rows_per_group, int n, long long group_step
 
 // One thread per column, plain loads: the simplest correct kernel. Any layout or alignment.
@@ -63,7 +69,7 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
 #endif
         acc = __fadd_rn(acc, v);
     }
-    out[static_cast<long long>(h) * n + col] = acc;
+    out[static_cast<long long>(h) * n + col] = Elem<OUT_CODE>::narrow(acc);
 }
 
 #ifdef COLS
@@ -223,6 +229,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
         }
     }
 #endif  // CONVERT
-    if (consumer && lane < COLS && col0 + lane < n) out[static_cast<long long>(h) * n + col0 + lane] = acc;
+    if (consumer && lane < COLS && col0 + lane < n)
+        out[static_cast<long long>(h) * n + col0 + lane] = Elem<OUT_CODE>::narrow(acc);
 }
 #endif  // COLS
