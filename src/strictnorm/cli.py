@@ -40,17 +40,18 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import as_dicts, run_checks
+    from .verify import as_dicts, iter_checks
 
-    results = run_checks(args.backend or None, quick=args.quick)
-    print(f"{'backend':8s} {'device':6s} {'check':20s} {'case':44s} result")
-    for r in results:
+    print(f"{'backend':8s} {'device':6s} {'check':20s} {'case':44s} result", flush=True)
+    results = []
+    for r in iter_checks(args.backend or None, quick=args.quick):  # printed as they run
+        results.append(r)
         verdict = "ok" if r.ok else "MISMATCH"
         if r.detail.startswith("skipped"):
             verdict = r.detail
         elif r.detail:
             verdict += f" ({r.detail})"
-        print(f"{r.backend:8s} {r.device:6s} {r.check:20s} {r.case:44s} {verdict}")
+        print(f"{r.backend:8s} {r.device:6s} {r.check:20s} {r.case:44s} {verdict}", flush=True)
     bad = [r for r in results if not r.ok]
     ran = [r for r in results if not r.detail.startswith("skipped")]
     print(f"verify: {len(ran) - len(bad)} passed, {len(bad)} failed")

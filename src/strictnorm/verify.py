@@ -164,13 +164,13 @@ def _reference_checks() -> Iterator[tuple[str, str, Callable]]:
     yield "rms_norm", "fp32 vs float64, 64x4096", accuracy
 
 
-def run_checks(backends: list[str] | None = None, quick: bool = False) -> list[Check]:
-    results: list[Check] = []
+def iter_checks(backends: list[str] | None = None, quick: bool = False) -> Iterator[Check]:
+    """Each check's result as soon as it has run (the kernel backends compile as they go: minutes)."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     for name in backends or list(registry.names()):
         st = registry.status(name, device)
         if not st.available:
-            results.append(Check(name, str(device), "available", "-", True, f"skipped: {st.reason}"))
+            yield Check(name, str(device), "available", "-", True, f"skipped: {st.reason}")
             continue
         checks = _reference_checks() if name == "torch" else _kernel_checks(name, device, quick)
         for check, case, fn in checks:
@@ -180,13 +180,15 @@ def run_checks(backends: list[str] | None = None, quick: bool = False) -> list[C
             try:
                 diffs = fn()
                 bad = {k: v for k, v in diffs.items() if v != 0}
-                results.append(Check(name, str(device), check, case, not bad,
-                                     ", ".join(f"{k}: {v} differ" for k, v in bad.items()),
-                                     time.perf_counter() - t0))
+                yield Check(name, str(device), check, case, not bad,
+                            ", ".join(f"{k}: {v} differ" for k, v in bad.items()), time.perf_counter() - t0)
             except Exception as e:  # a crash is a failed check, reported, not fatal
-                results.append(Check(name, str(device), check, case, False, f"{type(e).__name__}: {e}"[:300],
-                                     time.perf_counter() - t0))
-    return results
+                yield Check(name, str(device), check, case, False, f"{type(e).__name__}: {e}"[:300],
+                            time.perf_counter() - t0)
+
+
+def run_checks(backends: list[str] | None = None, quick: bool = False) -> list[Check]:
+    return list(iter_checks(backends, quick))
 
 
 def as_dicts(results: list[Check]) -> list[dict]:
