@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from strictnorm.backends import layout
 from strictnorm.backends.cuda import backend as cuda_backend
 from strictnorm.backends.cuda import nvrtc
 from strictnorm.contract import make_spec
@@ -105,7 +106,7 @@ def test_backward_plans_fold_before_dx_and_sum_partials(recording):
 
 def test_plan_cache_is_bounded(recording, monkeypatch):
     cb, log = recording
-    monkeypatch.setattr(cuda_backend, "_PLANS_MAX", 4)
+    monkeypatch.setattr(layout, "PLANS_MAX", 4)
     for rows in range(1, 10):
         cb.rms_norm_fwd(torch.randn(rows, 64).bfloat16(), None, None, _spec())
     assert 1 <= len(cb._fwd_plans) <= 4 and len(log) == 9

@@ -161,3 +161,84 @@ def backward_views(dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | Non
     if dres is None:
         dresk, elay = dyk, dlay
     return BackwardViews(weight, per_head, zk, lay, dyk, dlay, dx, dxk, xlay, dresk, elay, rstd.contiguous())
+
+
+# ---- plans: the views' decisions, reused for every call with the same input signature ------------------
+# What forward_views / backward_views decide (copies, layouts) depends on shapes, strides and dtypes only,
+# never on values: a kernel backend decides once per signature and afterwards only applies the decision.
+
+def signature(*tensors: torch.Tensor | None) -> tuple:
+    """Shape, strides, dtype and 16-byte alignment of the start of each tensor (None stays None): all a
+    plan may depend on. Outputs the backends allocate come from torch's caching allocator (512-byte
+    aligned blocks)."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+
+
+PLANS_MAX = 4096  # plans a backend keeps per kind; beyond, its cache starts over (e.g. ever-new shapes)
+
+
+def remember(plans: dict, key: tuple, plan):
+    """Store plan under key in a bounded plan cache; returns plan."""
+    if len(plans) >= PLANS_MAX:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """forward_views' decisions: which inputs are read through a contiguous copy, and the row layouts."""
+
+    copy_weight: bool
+    copy_x: bool
+    copy_res: bool
+    per_head: bool
+    lay: RowLayout
+    rlay: RowLayout
+
+    @staticmethod
+    def of(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None) -> ForwardPlan:
+        v = forward_views(x, weight, residual, x.dtype)
+        return ForwardPlan(v.weight is not weight, v.x is not x, residual is not None and v.res is not residual,
+                           v.per_head, v.lay, v.rlay)
+
+    def inputs(self, x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(x, weight, residual or x) as the kernel reads them."""
+        xk = x.contiguous() if self.copy_x else x
+        w = weight.contiguous() if self.copy_weight else weight
+        return xk, w, xk if residual is None else (residual.contiguous() if self.copy_res else residual)
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """backward_views' decisions; copy_dx: the kernel writes a contiguous copy of dx, copied back after."""
+
+    copy_weight: bool
+    copy_z: bool
+    copy_dy: bool
+    copy_dx: bool
+    copy_dres: bool
+    copy_rstd: bool
+    per_head: bool
+    lay: RowLayout
+    dlay: RowLayout
+    xlay: RowLayout
+    elay: RowLayout
+
+    @staticmethod
+    def of(dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+           dres: torch.Tensor | None, dx_out: torch.Tensor | None) -> BackwardPlan:
+        v = backward_views(dy, z, weight, rstd, dres, dx_out)
+        return BackwardPlan(v.weight is not weight, v.z is not z, v.dy is not dy, v.dx_kernel is not v.dx,
+                            dres is not None and v.dres is not dres, v.rstd is not rstd, v.per_head, v.lay, v.dlay,
+                            v.xlay, v.elay)
+
+    def inputs(self, dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+               dres: torch.Tensor | None, dx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(dy, z, weight, rstd, dres or dy, dx) as the kernel reads and writes them."""
+        dyk = dy.contiguous() if self.copy_dy else dy
+        return (dyk, z.contiguous() if self.copy_z else z, weight.contiguous() if self.copy_weight else weight,
+                rstd.contiguous() if self.copy_rstd else rstd,
+                dyk if dres is None else (dres.contiguous() if self.copy_dres else dres),
+                dx.contiguous() if self.copy_dx else dx)

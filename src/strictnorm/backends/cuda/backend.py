@@ -19,7 +19,17 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..layout import RowLayout, backward_views, contiguous_layout, forward_views, row_layout
+from ..layout import (
+    BackwardPlan,
+    ForwardPlan,
+    RowLayout,
+    backward_views,
+    contiguous_layout,
+    forward_views,
+    remember,
+    row_layout,
+    signature,
+)
 from .nvrtc import current_stream
 
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -240,16 +250,6 @@ def _simple_rows(lay: RowLayout) -> bool:
     return lay.g == 1 and lay.r1 == 1
 
 
-def _meta(t: Tensor | None) -> tuple | None:
-    """All a launch plan depends on in a tensor besides its values: shape, strides, dtype and whether its
-    start is 16-byte aligned. Outputs the plans allocate come from torch's caching allocator, whose
-    blocks are 512-byte aligned."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
-
-
-_PLANS_MAX = 4096  # plans kept per kind (one per input shape and layout); beyond, the cache starts over
-
-
 @dataclass(frozen=True)
 class _FoldPlan:
     """One fold launch with everything but the addresses fixed (fold.cu's argument order)."""
@@ -271,43 +271,30 @@ class _FoldPlan:
 
 @dataclass(frozen=True)
 class _FwdPlan:
-    """An rms_norm forward for one input signature (see _meta): which inputs need a contiguous copy
-    (layout.py), the outputs' dtypes and the launch."""
+    """An rms_norm forward for one input signature (layout.signature): the views' decisions, the output
+    dtype and the launch."""
 
-    copy_weight: bool
-    copy_x: bool
-    copy_res: bool
+    views: ForwardPlan
     y_dtype: torch.dtype
     kernel: object | None  # None for zero rows
     grid: int
     threads: int
-    x_strides: tuple[int, int, int]
-    r_strides: tuple[int, int, int]
     wsg: int
     tail: tuple  # rows, n, r1, g, eps, offset, aligned
 
 
 @dataclass(frozen=True)
 class _BwdPlan:
-    """An rms_norm backward for one input signature: copies, the strict dW fold (before the dx kernel,
-    which may overwrite dy), the dx kernel and the fast dW's partial rows and their fixed-order sum."""
+    """An rms_norm backward for one input signature: the views' decisions, the strict dW fold (before the
+    dx kernel, which may overwrite dy), the dx kernel and the fast dW's partial rows and their sum."""
 
-    copy_weight: bool
-    copy_z: bool
-    copy_dy: bool
-    copy_dx: bool  # the kernel writes a contiguous copy, then dx gets it
-    copy_dres: bool
-    copy_rstd: bool
+    views: BackwardPlan
     rows: int
     strict: _FoldPlan | None
     kernel: object | None
     grid: int
     threads: int
     shmem: int
-    dy_strides: tuple[int, int, int]
-    z_strides: tuple[int, int, int]
-    dres_strides: tuple[int, int, int]
-    dx_strides: tuple[int, int, int]
     wsg: int
     tail: tuple  # rows, n, r1, g, offset, aligned
     partial_rows: int  # fp32 partial rows the kernel writes (0: no fast-dW partials)
@@ -329,13 +316,6 @@ class CudaBackend:
         self.fwd_tuning: NormTuning | None = None
         self.bwd_tuning: NormTuning | None = None
         self.fold_tuning: FoldTuning | None = None
-
-    @staticmethod
-    def _remember(plans: dict, key: tuple, plan):
-        if len(plans) >= _PLANS_MAX:
-            plans.clear()
-        plans[key] = plan
-        return plan
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
         return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
@@ -412,7 +392,7 @@ class CudaBackend:
         if plan is None:
             ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
             simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
-            plan = self._remember(self._fold_plans, key, self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what,
+            plan = remember(self._fold_plans, key, self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what,
                                                                          groups, ring, simple, out_dtype))
         return self._run_fold(plan, a, b, rstd)
 
@@ -421,30 +401,27 @@ class CudaBackend:
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
         """(y, rstd, residual_out), as the Backend protocol says; see kernels/rms_norm.cu. The launch is
         planned once per input signature; a call allocates the outputs and launches."""
-        key = (x.get_device(), _meta(x), _meta(weight), _meta(residual), spec, self.fwd_tuning)
+        key = (x.get_device(), signature(x, weight, residual), spec, self.fwd_tuning)
         plan = self._fwd_plans.get(key)
         if plan is None:
-            plan = self._remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
+            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
         y = torch.empty(x.shape, dtype=plan.y_dtype, device=x.device)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         z = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
         if plan.kernel is None:
             return y, rstd, z
-        if plan.copy_weight:
-            weight = weight.contiguous()
-        xk = x.contiguous() if plan.copy_x else x
-        rk = xk if residual is None else (residual.contiguous() if plan.copy_res else residual)
+        xk, weight, rk = plan.views.inputs(x, weight, residual)
         plan.kernel.launch(current_stream(_device_index(x)), (plan.grid, 1, 1), plan.threads, 0,
-                           xk.data_ptr(), *plan.x_strides, rk.data_ptr(), *plan.r_strides,
+                           xk.data_ptr(), *plan.views.lay.args(), rk.data_ptr(), *plan.views.rlay.args(),
                            (z if z is not None else y).data_ptr(), (weight if weight is not None else xk).data_ptr(),
                            plan.wsg, y.data_ptr(), rstd.data_ptr(), *plan.tail)
         return y, rstd, z
 
     def _plan_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec) -> _FwdPlan:
+        views = ForwardPlan.of(x, weight, residual)
+        if views.lay.rows == 0:
+            return _FwdPlan(views, spec.out_dtype, None, 0, 0, 0, ())
         v = forward_views(x, weight, residual, spec.out_dtype)
-        copies = (v.weight is not weight, v.x is not x, residual is not None and v.res is not residual)
-        if v.lay.rows == 0:
-            return _FwdPlan(*copies, spec.out_dtype, None, 0, 0, (), (), 0, ())
         n = v.lay.n
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
                          v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
@@ -459,7 +436,7 @@ class CudaBackend:
         grid = self._grid(dev, kernel, fl.threads, groups, persistent=fl.persistent)
         tail = (v.lay.rows, np.int32(n), v.lay.r1, v.lay.g, np.float32(spec.eps), np.float32(spec.offset),
                 np.int32(aligned))
-        return _FwdPlan(*copies, spec.out_dtype, kernel, grid, fl.threads, v.lay.args(), v.rlay.args(), wsg, tail)
+        return _FwdPlan(views, spec.out_dtype, kernel, grid, fl.threads, wsg, tail)
 
     # ---- rms_norm backward ---------------------------------------------------------------------------
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
@@ -467,30 +444,26 @@ class CudaBackend:
                      ) -> tuple[Tensor, Tensor | None]:
         """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD). Planned once per
         input signature, like the forward."""
-        key = (z.get_device(), _meta(dy), _meta(z), _meta(weight), _meta(rstd), _meta(dres), _meta(dx_out),
-               spec.mode, spec.offset, dw_mode, need_dw, self.bwd_tuning, self.fold_tuning)
+        key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
+               self.bwd_tuning, self.fold_tuning)
         plan = self._bwd_plans.get(key)
         if plan is None:
-            plan = self._remember(self._bwd_plans, key,
+            plan = remember(self._bwd_plans, key,
                                   self._plan_bwd(dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dx_out))
         dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         if plan.rows == 0:
             return dx, (torch.zeros(weight.shape, dtype=weight.dtype, device=z.device) if need_dw else None)
-        w = weight.contiguous() if plan.copy_weight else weight
-        zk = z.contiguous() if plan.copy_z else z
-        dyk = dy.contiguous() if plan.copy_dy else dy
-        dxk = dx.contiguous() if plan.copy_dx else dx
-        dresk = dyk if dres is None else (dres.contiguous() if plan.copy_dres else dres)
-        rstd = rstd.contiguous() if plan.copy_rstd else rstd
+        dyk, zk, w, rstd, dresk, dxk = plan.views.inputs(dy, z, weight, rstd, dres, dx)
+        lays = plan.views
         dw = None
         if plan.strict is not None:  # strict (or per-head): fold first, as dx may overwrite dy
             dw = self._run_fold(plan.strict, dyk, zk, rstd).reshape(weight.shape)
         # the partial rows (an unused pointer without them)
         part = self._partials_buffer(plan.partial_rows, zk.shape[-1], z.device) if plan.partial_rows else rstd
         plan.kernel.launch(current_stream(_device_index(z)), (plan.grid, 1, 1), plan.threads, plan.shmem,
-                           dyk.data_ptr(), *plan.dy_strides, zk.data_ptr(), *plan.z_strides,
+                           dyk.data_ptr(), *lays.dlay.args(), zk.data_ptr(), *lays.lay.args(),
                            (w if w is not None else zk).data_ptr(), plan.wsg, rstd.data_ptr(), dresk.data_ptr(),
-                           *plan.dres_strides, dxk.data_ptr(), *plan.dx_strides, part.data_ptr(), *plan.tail)
+                           *lays.elay.args(), dxk.data_ptr(), *lays.xlay.args(), part.data_ptr(), *plan.tail)
         if dxk is not dx:
             dx.copy_(dxk)
         if plan.partial_rows:
@@ -499,9 +472,8 @@ class CudaBackend:
 
     def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                   spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None) -> _BwdPlan:
+        views = BackwardPlan.of(dy, z, weight, rstd, dres, dx_out)
         v = backward_views(dy, z, weight, rstd, dres, dx_out)
-        copies = (v.weight is not weight, v.z is not z, v.dy is not dy, v.dx_kernel is not v.dx,
-                  dres is not None and v.dres is not dres, v.rstd is not rstd)
         n, rows = v.lay.n, v.lay.rows
         w_dtype = v.weight.dtype if v.weight is not None else None
         partials = need_dw and dw_mode == "fast" and not v.per_head
@@ -515,7 +487,7 @@ class CudaBackend:
             partials, shmem = False, 0
             fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, False, tuning)
         if rows == 0:
-            return _BwdPlan(*copies, 0, None, None, 0, 0, 0, (), (), (), (), 0, (), 0, ())
+            return _BwdPlan(views, 0, None, None, 0, 0, 0, 0, (), 0, ())
         dev = _device_index(z)
         strict = None
         if need_dw and not partials:
@@ -532,8 +504,7 @@ class CudaBackend:
                              (v.dx_kernel, v.xlay.args()), *(((v.weight, (wsg,)),) if v.weight is not None else ()))
         part_rows = grid * fl.rows_per_block if partials else 0
         tail = (rows, np.int32(n), v.lay.r1, v.lay.g, np.float32(spec.offset), np.int32(aligned))
-        return _BwdPlan(*copies, rows, strict, kernel, grid, fl.threads, shmem, v.dlay.args(), v.lay.args(),
-                        v.elay.args(), v.xlay.args(), wsg, tail, part_rows,
+        return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, tail, part_rows,
                         self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
 
     def strict_dw(self, dy: Tensor, dlay: RowLayout, z: Tensor, zlay: RowLayout, rstd: Tensor, mode: str,
@@ -599,7 +570,7 @@ class CudaBackend:
         key = (dev, rows, n, self.fold_tuning, out_dtype)
         plans = self._fold_plans.get(key)
         if plans is None:
-            plans = self._remember(self._fold_plans, key, self._partial_sum_plan(dev, rows, n, out_dtype))
+            plans = remember(self._fold_plans, key, self._partial_sum_plan(dev, rows, n, out_dtype))
         return self._sum_partials(plans, part)
 
     def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:

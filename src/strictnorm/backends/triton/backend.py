@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..layout import RowLayout, backward_views, forward_views, row_layout
+from ..layout import BackwardPlan, ForwardPlan, RowLayout, remember, row_layout, signature
 from ..registry import get_backend, status
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -47,6 +48,18 @@ def _row_tile(n: int) -> tuple[int, int, int, int]:
     return rows_per_prog, p, p.bit_length() - 1, num_warps
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A row kernel's launch for one input signature: the views' decisions, the grid (empty for zero rows),
+    the per-head weight stride, the scalar arguments and the constexprs with launch options."""
+
+    views: ForwardPlan | BackwardPlan
+    grid: tuple[int, ...]
+    wsg: int
+    scalars: tuple
+    meta: dict
+
+
 def _launch_opts(num_warps: int) -> dict:
     return {"num_warps": num_warps, "enable_fp_fusion": False}
 
@@ -59,6 +72,8 @@ class TritonBackend:
         # The strict fold runs on the CUDA backend's kernel where that backend is available (same
         # bits, much faster); the Triton fold below serves ROCm and machines without NVRTC.
         self.use_cuda_fold = True
+        self._fwd_plans: dict[tuple, _Plan] = {}
+        self._bwd_plans: dict[tuple, _Plan] = {}
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         try:
@@ -74,57 +89,89 @@ class TritonBackend:
     # ---- forward -------------------------------------------------------------------------------
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
-        v = forward_views(x, weight, residual, spec.out_dtype)
-        if v.lay.rows == 0:
-            return v.y, v.rstd, v.z
-        n = v.lay.n
-        rows_per_prog, p, log2p, num_warps = _row_tile(n)
+        """Planned once per input signature (layout.signature), like the CUDA backend's launches."""
+        key = (x.get_device(), signature(x, weight, residual), spec)
+        plan = self._fwd_plans.get(key)
+        if plan is None:
+            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
+        y = torch.empty(x.shape, dtype=spec.out_dtype, device=x.device)
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        z = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
+        if not plan.grid:
+            return y, rstd, z
+        xk, w, rk = plan.views.inputs(x, weight, residual)
+        _kernels().rms_fwd_kernel[plan.grid](
+            xk, *plan.views.lay.args(), rk, *plan.views.rlay.args(), _store_view(z) if z is not None else y,
+            w if w is not None else xk, plan.wsg, _store_view(y), rstd, *plan.scalars, **plan.meta)
+        return y, rstd, z
+
+    @staticmethod
+    def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec) -> _Plan:
+        views = ForwardPlan.of(x, weight, residual)
+        lay = views.lay
+        if lay.rows == 0:
+            return _Plan(views, (), 0, (), {})
+        w = weight.contiguous() if views.copy_weight else weight
+        rows_per_prog, p, log2p, num_warps = _row_tile(lay.n)
         norm_dtype = residual.dtype if residual is not None else x.dtype
-        _kernels().rms_fwd_kernel[(_cdiv(v.lay.rows, rows_per_prog),)](
-            v.x, *v.lay.args(), v.res, *v.rlay.args(), _store_view(v.z) if v.z is not None else v.y,
-            v.weight if v.weight is not None else v.x, (v.weight.stride(0) if v.per_head else 0),
-            _store_view(v.y), v.rstd, v.lay.rows, n, v.lay.r1, v.lay.g, spec.eps, spec.offset,
-            ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[norm_dtype],
-            YDT=_DT[spec.out_dtype], HAS_W=v.weight is not None, PER_HEAD=v.per_head,
-            HAS_RES=residual is not None, **_launch_opts(num_warps))
-        return v.y, v.rstd, v.z
+        meta = dict(ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[norm_dtype],
+                    YDT=_DT[spec.out_dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
+                    HAS_RES=residual is not None, **_launch_opts(num_warps))
+        return _Plan(views, (_cdiv(lay.rows, rows_per_prog),), w.stride(0) if views.per_head else 0,
+                     (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta)
 
     # ---- backward ------------------------------------------------------------------------------
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
-        v = backward_views(dy, z, weight, rstd, dres, dx_out)
-        n, rows = v.lay.n, v.lay.rows
+        key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw)
+        plan = self._bwd_plans.get(key)
+        if plan is None:
+            plan = remember(self._bwd_plans, key,
+                            self._plan_bwd(dy, z, weight, rstd, dres, dx_out, spec, dw_mode, need_dw))
+        dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        if not plan.grid:
+            return dx, (torch.zeros(weight.shape, dtype=weight.dtype, device=z.device) if need_dw else None)
+        lays = plan.views
+        dyk, zk, w, rstd, dresk, dxk = lays.inputs(dy, z, weight, rstd, dres, dx)
+        partials = plan.meta["DW_PARTIALS"]
+        dw = None
+        if need_dw and not partials:  # before the dx pass: in place, dx overwrites dy
+            dw = self._fold(dyk, lays.dlay, zk, lays.lay, rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
+                            weight.shape[0] if lays.per_head else 1, weight.dtype).reshape(weight.shape)
+        part = torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials else rstd
+        _kernels().rms_bwd_kernel[plan.grid](
+            dyk, *lays.dlay.args(), zk, *lays.lay.args(), w if w is not None else zk, plan.wsg, rstd, dresk,
+            *lays.elay.args(), _store_view(dxk), *lays.xlay.args(), part, *plan.scalars, **plan.meta)
+        if dxk is not dx:
+            dx.copy_(dxk)
+        if partials:
+            dw = self._sum_rows(part, weight.dtype)
+        return dx, dw
+
+    @staticmethod
+    def _plan_bwd(dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
+                  dx_out: Tensor | None, spec: NormSpec, dw_mode: str, need_dw: bool) -> _Plan:
+        views = BackwardPlan.of(dy, z, weight, rstd, dres, dx_out)
+        lay = views.lay
+        if lay.rows == 0:
+            return _Plan(views, (), 0, (), {})
+        n, rows = lay.n, lay.rows
         # fast dW: per-program fp32 partials in the dx pass (shared weight). Per-head weights take the
         # strict fold for both modes (it satisfies "fast" too: deterministic, fixed order).
         # Past P = 8192 the per-program partials (P fp32 values per program, held across rows) cost more
         # than the strict fold: 701 vs 291 us at 2048 x 18432 on an H200 (bench/results/2026-11-29-h200-run2);
         # the fold is deterministic too, so it serves dw="fast" there.
-        partials = need_dw and dw_mode == "fast" and not v.per_head and next_pow2(n) <= _PARTIALS_MAX_P
-        dw = None
-        if rows == 0:
-            if need_dw:
-                dw = torch.zeros(weight.shape, dtype=weight.dtype, device=z.device)
-            return v.dx, dw
-        if need_dw and not partials:  # before the dx pass: in place, dx overwrites dy
-            dw = self._fold(v.dy, v.dlay, v.z, v.lay, v.rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
-                            weight.shape[0] if v.per_head else 1).reshape(weight.shape).to(weight.dtype)
+        partials = need_dw and dw_mode == "fast" and not views.per_head and next_pow2(n) <= _PARTIALS_MAX_P
+        w = weight.contiguous() if views.copy_weight else weight
         rows_per_prog, p, log2p, num_warps = _row_tile(n)
         blocks = _cdiv(rows, rows_per_prog)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
-        part = torch.empty((nprog, n), dtype=torch.float32, device=z.device) if partials else v.rstd  # unused then
-        _kernels().rms_bwd_kernel[(nprog,)](
-            v.dy, *v.dlay.args(), v.z, *v.lay.args(), v.weight if v.weight is not None else v.z,
-            (v.weight.stride(0) if v.per_head else 0), v.rstd, v.dres, *v.elay.args(),
-            _store_view(v.dx_kernel), *v.xlay.args(), part, rows, n, v.lay.r1, v.lay.g, spec.offset,
-            ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[z.dtype],
-            HAS_W=v.weight is not None, PER_HEAD=v.per_head, HAS_DRES=dres is not None,
-            DW_PARTIALS=partials, **_launch_opts(num_warps))
-        if v.dx_kernel is not v.dx:
-            v.dx.copy_(v.dx_kernel)
-        if partials:
-            dw = self._sum_rows(part, weight.dtype)
-        return v.dx, dw
+        meta = dict(ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[z.dtype],
+                    HAS_W=w is not None, PER_HEAD=views.per_head, HAS_DRES=dres is not None,
+                    DW_PARTIALS=partials, **_launch_opts(num_warps))
+        return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
+                     meta)
 
     # ---- strict fold ---------------------------------------------------------------------------
     def _cuda_available(self, t: Tensor) -> bool:
@@ -138,16 +185,17 @@ class TritonBackend:
         return part.sum(0).to(dtype)
 
     def _fold(self, a: Tensor, alay: RowLayout, b: Tensor, blay: RowLayout, rstd: Tensor, what: int, xdt: int,
-              groups: int) -> Tensor:
+              groups: int, out_dtype: torch.dtype = torch.float32) -> Tensor:
+        """(groups, N) in out_dtype: the strict left fold (see fold_kernel)."""
         if self._cuda_available(a):
-            return get_backend("cuda").fold(a, alay, b, blay, rstd, what, groups)
-        out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)
+            return get_backend("cuda").fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype)
+        out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)  # fp32, then rounded once
         grid = (_cdiv(alay.n, _FOLD_BN), groups)
         _kernels().fold_kernel[grid](
             a, *alay.args(), b, *blay.args(), rstd, out, alay.rows // groups, alay.n, alay.r1, alay.g,
             groups, BN=_FOLD_BN, UNROLL=_FOLD_UNROLL, WHAT=what, XDT=xdt,
             **_launch_opts(2))
-        return out
+        return out.to(out_dtype)
 
     def left_fold(self, rows: Tensor) -> Tensor:
         if rows.numel() == 0:
