@@ -392,8 +392,8 @@ class CudaBackend:
         if plan is None:
             ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
             simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
-            plan = remember(self._fold_plans, key, self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what,
-                                                                         groups, ring, simple, out_dtype))
+            plan = remember(self._fold_plans, key,
+                            self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype))
         return self._run_fold(plan, a, b, rstd)
 
     # ---- rms_norm forward ----------------------------------------------------------------------------
@@ -449,7 +449,7 @@ class CudaBackend:
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
-                                  self._plan_bwd(dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dx_out))
+                            self._plan_bwd(dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dx_out))
         dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         if plan.rows == 0:
             return dx, (torch.zeros(weight.shape, dtype=weight.dtype, device=z.device) if need_dw else None)
