@@ -187,9 +187,5 @@ def iter_checks(backends: list[str] | None = None, quick: bool = False) -> Itera
                             time.perf_counter() - t0)
 
 
-def run_checks(backends: list[str] | None = None, quick: bool = False) -> list[Check]:
-    return list(iter_checks(backends, quick))
-
-
 def as_dicts(results: list[Check]) -> list[dict]:
     return [asdict(r) for r in results]

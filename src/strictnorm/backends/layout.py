@@ -126,11 +126,15 @@ def forward_views(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.
     (xk, rk), lay, (_, rlay) = shared_layouts(x, residual, per_head=per_head)
     if residual is None:
         rk, rlay = xk, lay
-    return ForwardViews(
-        weight, per_head, xk, lay, rk, rlay,
-        y=torch.empty(x.shape, dtype=out_dtype, device=x.device),
-        rstd=torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device),
-        z=torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None)
+    return ForwardViews(weight, per_head, xk, lay, rk, rlay, *forward_outputs(x, residual, out_dtype))
+
+
+def forward_outputs(x: torch.Tensor, residual: torch.Tensor | None, out_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A forward's fresh, dense outputs: y, the fp32 rstd per row, residual_out (None without a residual)."""
+    return (torch.empty(x.shape, dtype=out_dtype, device=x.device),
+            torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device),
+            torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None)
 
 
 @dataclass
@@ -197,8 +201,9 @@ class ForwardPlan:
     rlay: RowLayout
 
     @staticmethod
-    def of(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None) -> ForwardPlan:
-        v = forward_views(x, weight, residual, x.dtype)
+    def of(v: ForwardViews, x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None
+           ) -> ForwardPlan:
+        """The decisions in v, the views forward_views made of these inputs."""
         return ForwardPlan(v.weight is not weight, v.x is not x, residual is not None and v.res is not residual,
                            v.per_head, v.lay, v.rlay)
 
@@ -227,9 +232,9 @@ class BackwardPlan:
     elay: RowLayout
 
     @staticmethod
-    def of(dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
-           dres: torch.Tensor | None, dx_out: torch.Tensor | None) -> BackwardPlan:
-        v = backward_views(dy, z, weight, rstd, dres, dx_out)
+    def of(v: BackwardViews, dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+           dres: torch.Tensor | None) -> BackwardPlan:
+        """The decisions in v, the views backward_views made of these inputs."""
         return BackwardPlan(v.weight is not weight, v.z is not z, v.dy is not dy, v.dx_kernel is not v.dx,
                             dres is not None and v.dres is not dres, v.rstd is not rstd, v.per_head, v.lay, v.dlay,
                             v.xlay, v.elay)

@@ -25,6 +25,7 @@ from ..layout import (
     RowLayout,
     backward_views,
     contiguous_layout,
+    forward_outputs,
     forward_views,
     remember,
     row_layout,
@@ -405,9 +406,7 @@ class CudaBackend:
         plan = self._fwd_plans.get(key)
         if plan is None:
             plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
-        y = torch.empty(x.shape, dtype=plan.y_dtype, device=x.device)
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        z = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
+        y, rstd, z = forward_outputs(x, residual, plan.y_dtype)
         if plan.kernel is None:
             return y, rstd, z
         xk, weight, rk = plan.views.inputs(x, weight, residual)
@@ -418,10 +417,10 @@ class CudaBackend:
         return y, rstd, z
 
     def _plan_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec) -> _FwdPlan:
-        views = ForwardPlan.of(x, weight, residual)
+        v = forward_views(x, weight, residual, spec.out_dtype)
+        views = ForwardPlan.of(v, x, weight, residual)
         if views.lay.rows == 0:
             return _FwdPlan(views, spec.out_dtype, None, 0, 0, 0, ())
-        v = forward_views(x, weight, residual, spec.out_dtype)
         n = v.lay.n
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
                          v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
@@ -472,8 +471,8 @@ class CudaBackend:
 
     def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                   spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None) -> _BwdPlan:
-        views = BackwardPlan.of(dy, z, weight, rstd, dres, dx_out)
         v = backward_views(dy, z, weight, rstd, dres, dx_out)
+        views = BackwardPlan.of(v, dy, z, weight, rstd, dres)
         n, rows = v.lay.n, v.lay.rows
         w_dtype = v.weight.dtype if v.weight is not None else None
         partials = need_dw and dw_mode == "fast" and not v.per_head
@@ -561,10 +560,9 @@ class CudaBackend:
         rows, n = part.shape
         if rows == 0:
             return torch.zeros(n, dtype=out_dtype, device=part.device)
-        padded = self._padded_rows(rows)
-        if padded != rows or not part.is_contiguous() or part.data_ptr() % 16:
-            buf = part.new_zeros(padded, n)
-            buf[:rows] = part
+        if self._padded_rows(rows) != rows or not part.is_contiguous() or part.data_ptr() % 16:
+            buf = self._partials_buffer(rows, n, part.device)
+            buf[:rows].copy_(part)
             part = buf
         dev = _device_index(part)
         key = (dev, rows, n, self.fold_tuning, out_dtype)

@@ -10,6 +10,7 @@ square root are switched off explicitly as well.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -132,15 +133,12 @@ class LoadedKernel:
     is checked against the parameter sizes in the kernel's image."""
 
     def __init__(self, module, kernel) -> None:
-        import ctypes
-
         from cuda.bindings import driver
 
         self.module = module  # keeps the library loaded
         self.kernel = kernel  # cuda.core Kernel: occupancy queries
         self._driver = driver
         self.function = _checked(driver.cuKernelGetFunction(kernel.handle), "cuKernelGetFunction")
-        self._ctypes = ctypes
         self._sizes = _param_sizes(kernel)
         self._struct: struct.Struct | None = None
         self._lock = threading.Lock()  # one block per kernel: pack and launch together
@@ -150,10 +148,10 @@ class LoadedKernel:
         sizes = [4 if f.endswith("4x") else 8 for f in formats]
         if self._sizes is not None and sizes != self._sizes:
             raise CudaLaunchError(f"kernel parameters of {self._sizes} bytes, passed {sizes}")
-        self._block = self._ctypes.create_string_buffer(8 * max(1, len(args)))
-        base = self._ctypes.addressof(self._block)
-        self._ptrs = (self._ctypes.c_void_p * max(1, len(args)))(*[base + 8 * i for i in range(len(args))])
-        self._params = self._ctypes.addressof(self._ptrs)
+        self._block = ctypes.create_string_buffer(8 * max(1, len(args)))
+        base = ctypes.addressof(self._block)
+        self._ptrs = (ctypes.c_void_p * max(1, len(args)))(*[base + 8 * i for i in range(len(args))])
+        self._params = ctypes.addressof(self._ptrs)
         self._struct = struct.Struct("<" + "".join(formats))
 
     def launch(self, stream: int, grid: tuple[int, int, int], block: int, shmem: int, *args) -> None:
@@ -184,7 +182,7 @@ def current_stream(device_index: int) -> int:
 
 
 class KernelCache:
-    """Loaded kernels per (device, source, kernel, macros); launches on torch's current stream."""
+    """Loaded kernels per (device, source, kernel, macros), each a LoadedKernel (which launches itself)."""
 
     def __init__(self) -> None:
         self._kernels: dict[tuple, LoadedKernel] = {}

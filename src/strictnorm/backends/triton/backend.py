@@ -10,7 +10,17 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..layout import BackwardPlan, ForwardPlan, RowLayout, remember, row_layout, signature
+from ..layout import (
+    BackwardPlan,
+    ForwardPlan,
+    RowLayout,
+    backward_views,
+    forward_outputs,
+    forward_views,
+    remember,
+    row_layout,
+    signature,
+)
 from ..registry import get_backend, status
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -94,9 +104,7 @@ class TritonBackend:
         plan = self._fwd_plans.get(key)
         if plan is None:
             plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
-        y = torch.empty(x.shape, dtype=spec.out_dtype, device=x.device)
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        z = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
+        y, rstd, z = forward_outputs(x, residual, spec.out_dtype)
         if not plan.grid:
             return y, rstd, z
         xk, w, rk = plan.views.inputs(x, weight, residual)
@@ -107,11 +115,10 @@ class TritonBackend:
 
     @staticmethod
     def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec) -> _Plan:
-        views = ForwardPlan.of(x, weight, residual)
-        lay = views.lay
+        v = forward_views(x, weight, residual, spec.out_dtype)
+        views, lay, w = ForwardPlan.of(v, x, weight, residual), v.lay, v.weight
         if lay.rows == 0:
             return _Plan(views, (), 0, (), {})
-        w = weight.contiguous() if views.copy_weight else weight
         rows_per_prog, p, log2p, num_warps = _row_tile(lay.n)
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[norm_dtype],
@@ -152,8 +159,8 @@ class TritonBackend:
     @staticmethod
     def _plan_bwd(dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                   dx_out: Tensor | None, spec: NormSpec, dw_mode: str, need_dw: bool) -> _Plan:
-        views = BackwardPlan.of(dy, z, weight, rstd, dres, dx_out)
-        lay = views.lay
+        v = backward_views(dy, z, weight, rstd, dres, dx_out)
+        views, lay, w = BackwardPlan.of(v, dy, z, weight, rstd, dres), v.lay, v.weight
         if lay.rows == 0:
             return _Plan(views, (), 0, (), {})
         n, rows = lay.n, lay.rows
@@ -163,7 +170,6 @@ class TritonBackend:
         # than the strict fold: 701 vs 291 us at 2048 x 18432 on an H200 (bench/results/2026-11-29-h200-run2);
         # the fold is deterministic too, so it serves dw="fast" there.
         partials = need_dw and dw_mode == "fast" and not views.per_head and next_pow2(n) <= _PARTIALS_MAX_P
-        w = weight.contiguous() if views.copy_weight else weight
         rows_per_prog, p, log2p, num_warps = _row_tile(n)
         blocks = _cdiv(rows, rows_per_prog)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
