@@ -1,0 +1,64 @@
+"""pytest plugin for the open CUDA backward failure (bench/NOTES.md): records the last CUDA backward call's
+arguments (alive in the test's frame anyway, so allocations stay as they are) and, at the first failing
+bits_equal of a GPU test, reports the stream, the tensors' addresses and what repeating the call gives.
+    python3 -m pytest -p bench.diag_plugin -p no:xdist tests/test_gpu.py -k "cuda_backward_bitwise and tables-5120"
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strictnorm.backends.cuda.backend import CudaBackend
+
+SENTINEL = 12352.0
+_last: dict = {}
+_real_bwd = CudaBackend.rms_norm_bwd
+
+
+def _recording_bwd(self, *args):
+    _last["call"] = (self, args)
+    return _real_bwd(self, *args)
+
+
+CudaBackend.rms_norm_bwd = _recording_bwd
+
+
+def _describe(got: torch.Tensor, want: torch.Tensor) -> str:
+    diff = got.view(torch.int16) != want.view(torch.int16)
+    return f"{int(diff.sum())} of {diff.numel()} differ, NaN {int(got.isnan().sum())}"
+
+
+def _diagnose(want: torch.Tensor, got: torch.Tensor) -> None:
+    self, args = _last["call"]
+    dy, z, w, rstd, dres, spec, dw_mode, need_dw, dx_out = args
+    print(f"\nDIAG mismatch: {_describe(got, want)} | mode {spec.mode} dw {dw_mode} dx_out {dx_out is not None}")
+    print(f"DIAG raw stream {torch._C._cuda_getCurrentRawStream(0)}, torch stream {torch.cuda.current_stream()}")
+    for name, t in (("dy", dy), ("z", z), ("w", w), ("rstd", rstd), ("dres", dres), ("got", got), ("want", want)):
+        if t is not None:
+            print(f"DIAG {name}: ptr {t.data_ptr():#x} ({t.data_ptr() % 512}), {tuple(t.shape)}, {t.dtype}, "
+                  f"finite {bool(t.float().isfinite().all())}")
+    print("DIAG got after a synchronize:", _describe(got, want))
+    torch.cuda.synchronize()
+    again = _real_bwd(self, *args)[0]
+    torch.cuda.synchronize()
+    print("DIAG same call again:", _describe(again, want))
+    out = torch.full_like(dy, SENTINEL)
+    again = _real_bwd(self, dy, z, w, rstd, dres, spec, dw_mode, need_dw, out)[0]
+    print("DIAG sentinel output:", _describe(again, want), "sentinel", int((again == SENTINEL).sum()))
+
+
+def _checking(real):
+    def bits_equal(a, b):
+        ok = real(a, b)
+        if not ok and "call" in _last and not _last.get("done"):
+            _last["done"] = True
+            _diagnose(a, b)
+        return ok
+    return bits_equal
+
+
+def pytest_runtest_setup(item):
+    module = item.module
+    if hasattr(module, "bits_equal") and not getattr(module, "_diag", False):
+        module.bits_equal = _checking(module.bits_equal)
+        module._diag = True
