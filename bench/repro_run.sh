@@ -10,9 +10,9 @@ t() { python3 -m pytest -q -s -p diag_plugin -p no:xdist -p no:cacheprovider tes
       grep -E "DIAG|passed|failed|Error:" ; }
 {
   date -u
-  for i in 1 2; do echo "== seed $SEED"; STRICTNORM_TEST_SEED=$SEED t; done
-  for i in 1 2; do echo "== seed $SEED, CUDA_LAUNCH_BLOCKING=1"; CUDA_LAUNCH_BLOCKING=1 STRICTNORM_TEST_SEED=$SEED t; done
-  for i in 1 2 3 4; do echo "== fresh seed"; t; done
+  echo "== seed $SEED"; STRICTNORM_TEST_SEED=$SEED t
+
+  for i in 1 2; do echo "== fresh seed"; t; done
   date -u
 } > "$OUT/repro.log" 2>&1
 cat "$OUT/repro.log"
