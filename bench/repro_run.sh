@@ -6,13 +6,13 @@ OUT=${OUT:-/tmp/strictnorm-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD/bench" PYTHONUNBUFFERED=1 STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
 SEED=${SEED:-4200501676}
 K="cuda_backward_bitwise and tables-5120"
-t() { python3 -m pytest -q -s -p diag_plugin -p no:xdist -p no:cacheprovider tests/test_gpu.py -k "$K" 2>&1 |
+t() { timeout 120 python3 -m pytest -q -s -p diag_plugin -p no:xdist -p no:cacheprovider tests/test_gpu.py -k "$K" 2>&1 |
       grep -E "DIAG|passed|failed|Error:" ; }
 {
   date -u
   echo "== seed $SEED"; STRICTNORM_TEST_SEED=$SEED t
 
-  for i in 1 2; do echo "== fresh seed"; t; done
+  for i in 1 2 3; do echo "== fresh seed"; t; done
   date -u
 } > "$OUT/repro.log" 2>&1
 cat "$OUT/repro.log"
