@@ -32,6 +32,8 @@ def _logging_launch(self, stream, grid, block, shmem, *args):
 
         rows, n = args[-6], int(args[-5])
         driver.cuMemsetD16Async(args[15], SENTINEL_BITS, rows * n, stream)
+        if "call" in _last:  # the inputs as the kernel will read them (stream-ordered copies)
+            _last["snap"] = [t.clone() if isinstance(t, torch.Tensor) else None for t in _last["call"][1][:5]]
     _last["launches"] = (_last["launches"] + [(name, grid, block, shmem, args, self)])[-6:]
     return _real_launch(self, stream, grid, block, shmem, *args)
 
@@ -43,7 +45,8 @@ _real_bwd = CudaBackend.rms_norm_bwd
 
 def _recording_bwd(self, *args):
     _last["call"] = (self, args)
-    return _real_bwd(self, *args)
+    _last["out"] = _real_bwd(self, *args)
+    return _last["out"]
 
 
 CudaBackend.rms_norm_bwd = _recording_bwd
@@ -63,6 +66,15 @@ def _diagnose(want: torch.Tensor, got: torch.Tensor) -> None:
         if t is not None:
             print(f"DIAG {name}: ptr {t.data_ptr():#x} ({t.data_ptr() % 512}), {tuple(t.shape)}, {t.dtype}, "
                   f"finite {bool(t.float().isfinite().all())}")
+    snap = _last.get("snap") or [None] * 5
+    same = [None if a is None or b is None else bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+            for a, b in zip(snap, args[:5], strict=True)]
+    print("DIAG inputs at launch time equal to the inputs now (dy, z, w, rstd, dres):", same)
+    from strictnorm.backends.registry import get_backend
+
+    ref_dw = get_backend("torch").rms_norm_bwd(*args[:7], True, None)[1]
+    got_dw = _last["out"][1]
+    print("DIAG dw of the failing call:", "no dw" if got_dw is None else _describe(got_dw, ref_dw))
     print("DIAG got after a synchronize:", _describe(got, want), "sentinel", int((got == SENTINEL).sum()))
     for name, grid, block, shmem, a, _ in _last["launches"]:
         print(f"DIAG launch {name} grid {grid} block {block} shmem {shmem} args {a}")
