@@ -6,6 +6,8 @@ bits_equal of a GPU test, reports the stream, the tensors' addresses and what re
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from strictnorm.backends.cuda import nvrtc
@@ -32,7 +34,7 @@ def _logging_launch(self, stream, grid, block, shmem, *args):
 
         rows, n = args[-6], int(args[-5])
         driver.cuMemsetD16Async(args[15], SENTINEL_BITS, rows * n, stream)
-        if "call" in _last:  # the inputs as the kernel will read them (stream-ordered copies)
+        if "call" in _last and os.environ.get("DIAG_SNAP"):  # the inputs as the kernel will read them (stream-ordered copies)
             _last["snap"] = [t.clone() if isinstance(t, torch.Tensor) else None for t in _last["call"][1][:5]]
     _last["launches"] = (_last["launches"] + [(name, grid, block, shmem, args, self)])[-6:]
     return _real_launch(self, stream, grid, block, shmem, *args)
@@ -50,6 +52,17 @@ def _recording_bwd(self, *args):
 
 
 CudaBackend.rms_norm_bwd = _recording_bwd
+_real_run_fold = CudaBackend._run_fold
+
+
+def _fold_then_sync(self, *args):
+    out = _real_run_fold(self, *args)
+    torch.cuda.synchronize()
+    return out
+
+
+if os.environ.get("DIAG_SYNC_AFTER_FOLD"):  # does a synchronize between the fold and the dx kernel matter?
+    CudaBackend._run_fold = _fold_then_sync
 
 
 def _describe(got: torch.Tensor, want: torch.Tensor) -> str:
