@@ -34,7 +34,7 @@ def _logging_launch(self, stream, grid, block, shmem, *args):
 
         rows, n = args[-6], int(args[-5])
         driver.cuMemsetD16Async(args[15], SENTINEL_BITS, rows * n, stream)
-        if "call" in _last and os.environ.get("DIAG_SNAP"):  # the inputs as the kernel will read them (stream-ordered copies)
+        if "call" in _last and os.environ.get("DIAG_SNAP"):  # inputs as the kernel reads them
             _last["snap"] = [t.clone() if isinstance(t, torch.Tensor) else None for t in _last["call"][1][:5]]
     _last["launches"] = (_last["launches"] + [(name, grid, block, shmem, args, self)])[-6:]
     return _real_launch(self, stream, grid, block, shmem, *args)
