@@ -85,7 +85,13 @@ def _diagnose(want: torch.Tensor, got: torch.Tensor) -> None:
     print("DIAG inputs at launch time equal to the inputs now (dy, z, w, rstd, dres):", same)
     from strictnorm.backends.registry import get_backend
 
+    before = [t.clone() if isinstance(t, torch.Tensor) else None for t in args[:5]]
     ref_dw = get_backend("torch").rms_norm_bwd(*args[:7], True, None)[1]
+    torch.cuda.synchronize()
+    changed = [None if a is None else int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+               for a, b in zip(before, args[:5], strict=True)]
+    print("DIAG bytes of (dy, z, w, rstd, dres) changed by the reference's backward:", changed,
+          "non-finite now:", [None if t is None else int((~t.float().isfinite()).sum()) for t in args[:5]])
     got_dw = _last["out"][1]
     print("DIAG dw of the failing call:", "no dw" if got_dw is None else _describe(got_dw, ref_dw))
     print("DIAG got after a synchronize:", _describe(got, want), "sentinel", int((got == SENTINEL).sum()))
