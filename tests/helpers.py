@@ -76,3 +76,16 @@ def check_fused_add_graph_replay(backend: str, dw: str, data, replays: int = 2) 
             assert bits_equal(a, b)
         if dw == "strict":
             assert bits_equal(sw.grad, ws.grad)
+
+
+def guarded(t: torch.Tensor | None, guard: int) -> torch.Tensor | None:
+    """A copy of t placed between two NaN-filled guard bands of `guard` elements in one buffer: a kernel
+    that reads past either end of the tensor (a padded lane loaded instead of zero-filled) sees NaN,
+    which reaches every output of its row. guard should be a multiple of 16 elements, so that the copy
+    keeps the buffer's 16-byte alignment."""
+    if t is None:
+        return None
+    buf = torch.full((2 * guard + t.numel(),), float("nan"), dtype=t.dtype, device=t.device)
+    out = buf[guard:guard + t.numel()].view(t.shape)
+    out.copy_(t)
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, randn
+from helpers import bits_equal, guarded, randn
 
 import strictnorm as sn
 
@@ -206,3 +206,31 @@ def test_fast_dw_of_long_rows_is_the_strict_fold(seed):
     want = _run("torch", x, w, dy, mode="gemma", offset=1.0, dw="strict")
     got = _run("triton", x, w, dy, mode="gemma", offset=1.0, dw="fast", device=DEV)
     _assert_same(want, got)
+
+
+@pytest.mark.parametrize("n", [7, 100] if not HAS_CUDA else [7, 1000, 5120])
+def test_triton_reads_nothing_past_its_inputs(n, seed):
+    """Every input between NaN guard bands of next_pow2(N) elements: a kernel that loads a padded lane
+    from memory instead of masking it turns its row into NaN (see test_gpu.py's CUDA counterpart)."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+    from strictnorm.reference import next_pow2
+
+    tb, tr = get_backend("triton"), get_backend("torch")
+    guard = max(16, next_pow2(n))
+    g = torch.Generator().manual_seed(seed)
+    for mode in ("llama", "gemma", "none"):
+        x, res, dy, dres = (guarded(torch.randn(5, n, generator=g).to(DEV).bfloat16(), guard) for _ in range(4))
+        w = guarded((torch.randn(n, generator=g) * 0.1).to(DEV).bfloat16(), guard)
+        spec = make_spec(torch.bfloat16, 1e-6, 0.5, mode, torch.bfloat16)
+        want, got = tr.rms_norm_fwd(x, w, res, spec), tb.rms_norm_fwd(x, w, res, spec)
+        for name, a, b in zip(("y", "rstd", "z"), want, got, strict=True):
+            assert bits_equal(a, b), f"{name} at {n} {mode}"
+        z, rstd = guarded(want[2], guard), guarded(want[1], guard)
+        want_dx, want_dw = tr.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
+        for dw_mode in ("strict", "fast"):
+            got_dx, got_dw = tb.rms_norm_bwd(dy, z, w, rstd, dres, spec, dw_mode, True, None)
+            assert bits_equal(want_dx, got_dx), f"dx at {n} {mode} dw={dw_mode}"
+            assert got_dw.isfinite().all()
+            if dw_mode == "strict":
+                assert bits_equal(want_dw, got_dw), f"dw at {n} {mode}"
