@@ -89,3 +89,25 @@ def guarded(t: torch.Tensor | None, guard: int) -> torch.Tensor | None:
     out = buf[guard:guard + t.numel()].view(t.shape)
     out.copy_(t)
     return out
+
+
+def zero_dy_case(n: int, device, gen: torch.Generator):
+    """A backward whose answer hinges on signed zeros: rows of dy all zero but one (a masked token), a
+    negative offset (wf < 0) and z > 0, so that the zero rows' products xh * (dy * wf) are all -0.0.
+    canon_sum adds them exactly ((-0) + (-0) = -0) and pads with +0.0: the sum is -0.0 when N is a power
+    of two, +0.0 otherwise, and dx's zeros take the opposite sign. Returns (dy, z, w, rstd, spec, want_dx)
+    with the reference's dx, checked to have those zeros."""
+    from strictnorm.backends.torch_ref import TorchBackend
+    from strictnorm.contract import make_spec
+
+    z = (torch.rand(3, n, generator=gen) + 0.5).bfloat16().to(device)  # xh > 0
+    w = (torch.rand(n, generator=gen) * 0.5).bfloat16().to(device)  # w - 1 < 0
+    dy = torch.zeros(3, n, dtype=torch.bfloat16, device=device)
+    dy[1] = randn(n, dtype=torch.bfloat16, gen=gen).to(device)
+    spec = make_spec(torch.bfloat16, 1e-6, -1.0, "llama", torch.bfloat16)
+    ref = TorchBackend()
+    _, rstd, _ = ref.rms_norm_fwd(z, w, None, spec)
+    want_dx, _ = ref.rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", False, None)
+    bits = want_dx[0].view(torch.int16)
+    assert bool((bits == (0 if n & (n - 1) == 0 else -32768)).all()), "the case lost its signed zeros"
+    return dy, z, w, rstd, spec, want_dx

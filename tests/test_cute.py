@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, check_fused_add_graph_replay
+from helpers import bits_equal, check_fused_add_graph_replay, zero_dy_case
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when the DSL is imported: compile for the H100/H200
 cutlass = pytest.importorskip("cutlass")
@@ -297,3 +297,15 @@ def test_backward_partials_stay_in_registers(n, tmp_path):
     usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
     assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [7, 8, 1000, 4096])
+def test_signed_zeros_of_a_zero_dy_row(n, seed):
+    """helpers.zero_dy_case on the cute backend: padded lanes must add +0.0, (-0) + (-0) must stay -0."""
+    from strictnorm.backends.registry import get_backend
+
+    dy, z, w, rstd, spec, want_dx = zero_dy_case(n, "cuda", torch.Generator().manual_seed(seed))
+    for dw_mode in ("strict", "fast"):
+        got_dx, _ = get_backend("cute").rms_norm_bwd(dy, z, w, rstd, None, spec, dw_mode, True, None)
+        assert bits_equal(want_dx, got_dx), f"dw={dw_mode}"

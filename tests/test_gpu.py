@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, check_fused_add_graph_replay, guarded
+from helpers import bits_equal, check_fused_add_graph_replay, guarded, zero_dy_case
 
 import strictnorm as sn
 from strictnorm.backends.registry import get_backend, status
@@ -410,3 +410,13 @@ def test_cuda_reads_nothing_past_its_inputs(n, cuda_backend, seed):
 
                         culprits = _guard_culprits(run, inputs, guard, run(**inputs))
                         pytest.fail(f"{name} at {m}x{n} {mode} dw={dw_mode}: read past the end of {culprits}")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [7, 8, 1000, 4096, 5120])
+def test_cuda_signed_zeros_of_a_zero_dy_row(n, cuda_backend, seed):
+    """helpers.zero_dy_case on the CUDA backend: padded lanes must add +0.0, (-0) + (-0) must stay -0."""
+    dy, z, w, rstd, spec, want_dx = zero_dy_case(n, DEV, torch.Generator().manual_seed(seed))
+    for dw_mode in ("strict", "fast"):
+        got_dx, _ = cuda_backend.rms_norm_bwd(dy, z, w, rstd, None, spec, dw_mode, True, None)
+        assert bits_equal(want_dx, got_dx), f"dw={dw_mode}"

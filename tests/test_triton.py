@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, guarded, randn
+from helpers import bits_equal, guarded, randn, zero_dy_case
 
 import strictnorm as sn
 
@@ -234,3 +234,16 @@ def test_triton_reads_nothing_past_its_inputs(n, seed):
             assert got_dw.isfinite().all()
             if dw_mode == "strict":
                 assert bits_equal(want_dw, got_dw), f"dw at {n} {mode}"
+
+
+@pytest.mark.parametrize("n", [7, 8, 64, 100])
+def test_signed_zeros_of_a_zero_dy_row(n, seed):
+    """helpers.zero_dy_case: the signs of dx's zeros for zero dy rows. Two ways to get them wrong: padded
+    lanes computed from zero-filled inputs (0 * (0 + offset) is -0.0, canon_sum pads with +0.0), and a
+    reduction that starts from +0.0 (numpy's sum, behind tl.sum in the Triton interpreter)."""
+    from strictnorm.backends.registry import get_backend
+
+    dy, z, w, rstd, spec, want_dx = zero_dy_case(n, DEV, torch.Generator().manual_seed(seed))
+    for dw_mode in ("strict", "fast"):
+        got_dx, _ = get_backend("triton").rms_norm_bwd(dy, z, w, rstd, None, spec, dw_mode, True, None)
+        assert bits_equal(want_dx, got_dx), f"dw={dw_mode}"

@@ -316,7 +316,10 @@ class RMSNormBackward(_RowKernel):
                 prods = []
                 for i in cutlass.range_constexpr(s.piece):
                     g = _mul(ds[i], self._weight(ws[i], offset)) if const_expr(self.has_weight) else ds[i]
-                    prods.append(_mul(_mul(zs[i], rstd), g))
+                    # padded lanes add +0.0, as canon_sum pads: computed from the zero-filled lanes they
+                    # would be 0 * (0 + offset), -0.0 for a negative offset
+                    inside = live & ((kk * s.tpr + t) * s.piece + i < n)
+                    prods.append(cutlass.select_(inside, _mul(_mul(zs[i], rstd), g), Float32(0.0)))
                 part.append(_pair_tree(prods))
             c = _div(row_sum(s, part, th, it % 2), n.to(Float32))
             # pass 2: dx (z, dy, w read again: this thread's own lanes), and the dW contributions

@@ -6,8 +6,12 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
   NVIDIA); under the Triton interpreter (CI), which truncates and flushes subnormals on that path,
   integer operations on the bit pattern give the same round to nearest even. bf16 results are stored
   as int16 bits either way.
-- canon_sum is the contract's adjacent-first pairwise tree, written as reshape + split levels,
-  which fixes the order independently of the compiler's layouts and of the launch shape.
+- canon_sum is the contract's adjacent-first pairwise tree, one level at a time over pairs (2j, 2j+1),
+  which fixes the order independently of the compiler's layouts and of the launch shape. Signed zeros
+  count: (-0) + (-0) is -0. A compiled tl.sum over a pair is that one add; the interpreter's tl.sum is
+  numpy's, which starts from +0.0, so under the interpreter the pair is split and added instead.
+- Padded lanes (columns N..P-1) enter canon_sum as +0.0, as the contract pads: their effective weight is
+  +0.0, not 0 + offset (whose product with a zero-filled dy is -0.0 for a negative offset).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ F16: tl.constexpr = tl.constexpr(2)
 LLAMA: tl.constexpr = tl.constexpr(0)
 GEMMA: tl.constexpr = tl.constexpr(1)
 NONE: tl.constexpr = tl.constexpr(2)
-# bf16 rounding by the hardware conversion, except in the interpreter (decided, as Triton decides whether
-# to interpret, when this module is imported)
-NATIVE_BF16: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# compiled for a GPU, or run by the Triton interpreter (decided, as Triton decides whether to interpret, when
+# this module is imported): bf16 rounding and canon_sum's pair adds take interpreter-safe forms there
+COMPILED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # what the fold kernel folds: raw rows, or a casting mode's dW contribution (LLAMA/GEMMA/NONE + 1)
 RAW_ROWS: tl.constexpr = tl.constexpr(0)
 
@@ -44,7 +48,7 @@ def _bf16_bits(v):
 def round_f32(v, DT: tl.constexpr):
     """rd(v, DT) widened back to fp32 (exact)."""
     if DT == BF16:
-        if NATIVE_BF16:
+        if COMPILED:
             return v.to(tl.bfloat16).to(tl.float32)
         else:
             return (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
@@ -58,7 +62,7 @@ def round_f32(v, DT: tl.constexpr):
 def store_rounded(ptr, v, mask, DT: tl.constexpr):
     """Store rd(v, DT); bf16 outputs are passed to kernels as int16 views."""
     if DT == BF16:
-        if NATIVE_BF16:
+        if COMPILED:
             tl.store(ptr, v.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
         else:
             tl.store(ptr, _bf16_bits(v).to(tl.int16), mask=mask)
@@ -75,7 +79,12 @@ def canon_sum(v, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr):
     # form of the same tree gives the same bits, but Triton 3.6 compiled it to 25x more PTX (48,598 lines
     # against 1,909 at P = 4096) and it ran at ~0.2% of the copy bandwidth on an H200.
     for lvl in tl.static_range(LOG2P):
-        v = tl.sum(tl.reshape(v, (ROWS, P >> (lvl + 1), 2)), axis=2)
+        pairs = tl.reshape(v, (ROWS, P >> (lvl + 1), 2))
+        if COMPILED:
+            v = tl.sum(pairs, axis=2)
+        else:
+            a, b = tl.split(pairs)
+            v = a + b
     return tl.reshape(v, (ROWS,))
 
 
@@ -90,11 +99,13 @@ def row_offsets(rows, R1, G, s0, s1, sg):
 
 @triton.jit
 def effective_weight(W, w_offs, mask, offset, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr):
-    """wf = f32(w) + f32(offset); in casting mode none, rounded to x's dtype. 1.0 without a weight."""
+    """wf = f32(w) + f32(offset); in casting mode none, rounded to x's dtype. 1.0 without a weight; +0.0
+    in padded lanes (so that their products with zero-filled rows are +0.0, as canon_sum pads)."""
     if HAS_W:
         wf = tl.load(W + w_offs, mask=mask, other=0.0).to(tl.float32) + offset
         if MODE == NONE:
             wf = round_f32(wf, XDT)
+        wf = tl.where(mask, wf, 0.0)
     else:
         wf = tl.full(w_offs.shape, 1.0, tl.float32)
     return wf

@@ -427,6 +427,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             fetch_piece<DYC>(dp, dh, k, drow + c0, valid, aligned);
 #if HAS_W
             fetch_weight(wp, wh, k, wrow + c0, valid, aligned, offset);
+            // padded lanes: wf = +0.0 (not 0 + offset), so that their products with the zero-filled z and dy
+            // are +0.0, as canon_sum pads (0 * (0 + offset) is -0.0 for a negative offset)
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) wp[i] = i < valid ? wp[i] : 0.0f;
 #else
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) wp[i] = 1.0f;
