@@ -2,7 +2,9 @@
 
 Every configuration must give the reference's bits (checked here: y, rstd and dx against the torch
 backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
-Kernels are compiled first, in parallel, into the disk cache. Run on the GPU machine:
+Kernels are compiled first, in parallel, into the disk cache. Rows of N below a power of two also try
+each configuration with the padding pieces trimmed (`trim`). SWEEP_SHAPES=MxN,MxN limits the shapes.
+Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
 """
 
@@ -26,6 +28,8 @@ from strictnorm.reference import next_pow2
 # The PERF.md shapes, and the longest rows (P = 65536 takes the P = 32768 entry unless it has its own: its
 # backward there compiles to 1024 threads capped at 64 registers with a 392-byte stack per thread)
 SHAPES = NORM_SHAPES + [(1024, 65536)]
+if os.environ.get("SWEEP_SHAPES"):
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SWEEP_SHAPES"].split(",")]
 
 # Rows held in registers (values per thread, weight held or reloaded) or read twice (threads per row);
 # the backward adds where the fast dW partials live and how many blocks per SM produce them.
@@ -38,6 +42,13 @@ BWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=b, dw_smem=d)
 BWD_TUNINGS += [dataclasses.replace(t, partial_blocks_per_sm=b) for t in _STREAM[:3] for b in (4, 8)]
 
 
+def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
+    """The configurations, and for N below its power of two each one with the padding pieces trimmed too."""
+    if n == next_pow2(n):
+        return tunings
+    return tunings + [dataclasses.replace(t, trim=True) for t in tunings]
+
+
 def _compile(defines: dict) -> None:
     nvrtc.compile_cubin("rms_norm.cu", "sm_90", defines)
 
@@ -46,8 +57,10 @@ def precompile() -> None:
     jobs = []
     bf16 = torch.bfloat16
     for _, n in SHAPES:
-        jobs += [norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu).defines for tu in FWD_TUNINGS]
-        jobs += [norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tu).defines for tu in BWD_TUNINGS]
+        jobs += [norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu).defines
+                 for tu in tunings_for(n, FWD_TUNINGS)]
+        jobs += [norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tu).defines
+                 for tu in tunings_for(n, BWD_TUNINGS)]
     unique = {tuple(sorted(d.items())): d for d in jobs}
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex:
         list(ex.map(_compile, unique.values()))
@@ -65,7 +78,7 @@ def _sweep_shape(timer: Timer, cb, ref, spec, m: int, n: int, ceiling: float) ->
     fb, bb = norm_bytes(m, n)
     rows = []
     for direction, tunings in (("fwd", FWD_TUNINGS), ("bwd", BWD_TUNINGS)):
-        for tu in tunings:
+        for tu in tunings_for(n, tunings):
             cb.fwd_tuning = cb.bwd_tuning = tu
             row = dict(M=m, N=n, direction=direction, **dataclasses.asdict(tu))
             try:
@@ -125,7 +138,8 @@ def main() -> None:
     print("tuning:", json.dumps(best))
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
-    knobs = ("values", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm", "dw_smem", "persistent")
+    knobs = ("values", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm", "dw_smem", "persistent",
+             "trim")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):

@@ -78,7 +78,7 @@ def test_backend_reports_unavailable_without_gpu():
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
-    from strictnorm.backends.cuda.backend import norm_bwd_launch, norm_launch
+    from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, norm_launch
 
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     bf16, f32, f16 = torch.bfloat16, torch.float32, torch.float16
@@ -95,6 +95,15 @@ def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
         if r is None:  # the backward of the same configuration
             bl = norm_bwd_launch(n, x, y, w, mode, ph, has_dres=ph, dw_partials=not ph)
             assert nvrtc.compile_cubin("rms_norm.cu", arch, bl.defines, use_cache=False)[:4] == b"\x7fELF"
+    # padding pieces trimmed (KR < K): forward and backward, held rows and rows read twice
+    for n, tuning in ((640, NormTuning(values=32, trim=True)), (18432, NormTuning(values=64, trim=True)),
+                      (5120, NormTuning(values=32, hold_max_p=0, trim=True))):
+        fl = norm_launch(n, bf16, None, bf16, bf16, "gemma", False, tuning)
+        bl = norm_bwd_launch(n, bf16, bf16, bf16, "gemma", False, True, True, tuning)
+        for d in (fl.defines, bl.defines):
+            span = d["PIECE"] * d["TPR"]  # lanes of one piece index k over the row's threads
+            assert 1 <= d["KR"] < d["K"] and (d["KR"] - 1) * span < n <= d["KR"] * span
+            assert nvrtc.compile_cubin("rms_norm.cu", arch, d, use_cache=False)[:4] == b"\x7fELF"
 
 
 def _emulate_row_sum(row: torch.Tensor, piece: int, tpr: int, k: int) -> torch.Tensor:

@@ -274,10 +274,12 @@ def _cuda_fwd_cases():
 
 # The tuned tables; rows always read twice (no register hold); held in registers, 8 lanes a thread with
 # the weight and the dW partials in registers too; held, 32 lanes a thread, weight reloaded per row, dW
-# partials in shared memory and one block per row group (no grid-stride loop).
+# partials in shared memory and one block per row group (no grid-stride loop); held, 64 lanes a thread,
+# the pieces wholly in the padding trimmed.
 CUDA_TUNINGS = {"tables": {}, "stream": {"hold_max_p": 0, "stream_threads": 128},
                 "hold8": {"values": 8},
-                "hold32-smem": {"values": 32, "hold_weight": False, "dw_smem": True, "persistent": False}}
+                "hold32-smem": {"values": 32, "hold_weight": False, "dw_smem": True, "persistent": False},
+                "hold64-trim": {"values": 64, "hold_weight": False, "trim": True}}
 
 
 @pytest.fixture(params=list(CUDA_TUNINGS))

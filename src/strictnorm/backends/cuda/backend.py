@@ -127,6 +127,9 @@ class NormTuning:
     # a grid of at most the resident blocks, striding over rows; False: one block per row group (not for the
     # fast dW, whose partial rows are one per block)
     persistent: bool = True
+    # pieces wholly in the padding (k >= KR for every thread) neither loaded nor held: fewer registers and
+    # instructions for N well below its power of two (N = 18432: 5 of 8 pieces a thread at P = 32768)
+    trim: bool = False
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
@@ -212,6 +215,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
                "HOLD_W": int(hold and tuning.hold_weight)}
+    if tuning.trim:
+        defines["KR"] = max(1, -(-n // (piece * tpr)))
     return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm, tuning.persistent)
 
 

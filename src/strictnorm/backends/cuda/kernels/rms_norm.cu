@@ -21,9 +21,12 @@
 // again (L1/L2 hits). (A register prefetch of the slot's next row was measured slower on an H200 at every
 // shape: register pressure costs more resident blocks than it gains.)
 //
+// Pieces k >= KR (KR = ceil(N / (PIECE * TPR)) <= K) lie wholly in the padding for every thread: they are
+// neither loaded nor held, and enter the tree as the exact +0.0 subtrees the contract's padding makes.
+//
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
-// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, RPB, HOLD, HOLD_W; BACKWARD selects the
-// backward kernel (below) instead of the forward.
+// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W; BACKWARD
+// selects the backward kernel (below) instead of the forward.
 #include "common.cuh"
 
 typedef Elem<XC>::T x_t;
@@ -37,6 +40,10 @@ typedef Elem<YC>::T y_t;
 #ifndef DW_SMEM
 #define DW_SMEM 0
 #endif
+#ifndef KR
+#define KR K
+#endif
+static_assert(KR >= 1 && KR <= K, "pieces with data");
 constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
 constexpr int THREADS = TPR * RPB;
 constexpr int WARP_SIZE = 32;
@@ -121,14 +128,14 @@ __device__ __forceinline__ void store_piece(typename Elem<CODE>::T* p, const flo
 // A row's lanes held by one thread (HOLD), as raw bits: piece k is lanes [(k * TPR + t) * PIECE, ... + PIECE).
 template <int CODE>
 struct Held {
-    unsigned int w[K][Raw<CODE>::WORDS];
+    unsigned int w[KR][Raw<CODE>::WORDS];
 };
 
 template <int CODE>
 __device__ __forceinline__ void load_held(Held<CODE>& h, const typename Elem<CODE>::T* row, int t, int n, bool live,
                                           bool aligned) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_valid(k, t, n) : 0, aligned);
+    for (int k = 0; k < KR; ++k) load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_valid(k, t, n) : 0, aligned);
 }
 
 // Hides the held words' values from the optimizer at this point: without it, the compiler keeps the fp32
@@ -136,14 +143,14 @@ __device__ __forceinline__ void load_held(Held<CODE>& h, const typename Elem<COD
 template <int CODE>
 __device__ __forceinline__ void launder(Held<CODE>& h) {
 #pragma unroll
-    for (int k = 0; k < K; ++k)
+    for (int k = 0; k < KR; ++k)
 #pragma unroll
         for (int j = 0; j < Raw<CODE>::WORDS; ++j) asm volatile("" : "+r"(h.w[k][j]));
 }
 
 // fp32 accumulators, one per lane a thread serves (the backward's dW partials with HOLD).
 struct Lanes {
-    float v[K][PIECE];
+    float v[KR][PIECE];
 };
 
 // Pairwise adjacent-first tree over WIDTH values: level by level, (2j, 2j+1) -> j. A template recursion,
@@ -168,7 +175,8 @@ __device__ __forceinline__ float row_sum(float (&part)[K], float (*scratch)[RPB]
 #pragma unroll
     for (int off = 1; off < IN_WARP; off <<= 1)
 #pragma unroll
-        for (int k = 0; k < K; ++k) part[k] = __fadd_rn(part[k], __shfl_xor_sync(0xffffffffu, part[k], off));
+        for (int k = 0; k < KR; ++k)  // part[k >= KR] is +0.0 and stays so
+            part[k] = __fadd_rn(part[k], __shfl_xor_sync(0xffffffffu, part[k], off));
 #if TPR <= 32
     (void)scratch;
     (void)parity;
@@ -322,7 +330,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         // pass 1: z (stored as residual_out with the fused add), its squares, the piece sums
         float part[K];
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
+        for (int k = KR; k < K; ++k) part[k] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < KR; ++k) {
             const int valid = live ? piece_valid(k, t, n) : 0;
             float a[PIECE];
             input(k, a, valid, false);
@@ -343,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 #endif
         // pass 2: y. Without HOLD, the input is read again (this thread's own lanes: from L1/L2) and so is w.
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
+        for (int k = 0; k < KR; ++k) {
             const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
             float a[PIECE];
             input(k, a, valid, true);
@@ -393,14 +403,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #if DW_PARTIALS && HOLD && !DW_SMEM
     Lanes dw_acc;
 #pragma unroll
-    for (int k = 0; k < K; ++k)
+    for (int k = 0; k < KR; ++k)
 #pragma unroll
         for (int i = 0; i < PIECE; ++i) dw_acc.v[k][i] = 0.0f;
 #elif DW_PARTIALS
     extern __shared__ float dw_smem[];  // RPB rows of n: this thread's lanes of its slot's row only
     float* dw_row = dw_smem + (threadIdx.x / TPR) * n;
 #pragma unroll
-    for (int k = 0; k < K; ++k)
+    for (int k = 0; k < KR; ++k)
         for (int i = 0; i < piece_valid(k, t, n); ++i) dw_row[piece_col(k, t) + i] = 0.0f;
 #endif
     Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
@@ -438,7 +448,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         };
         float part[K];
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
+        for (int k = KR; k < K; ++k) part[k] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < KR; ++k) {
             float zp[PIECE], dp[PIECE], wp[PIECE], prod[PIECE];
             get(k, zp, dp, wp);
 #pragma unroll
@@ -452,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #endif
         n_t* xrow = dx + offset_of(r, xs0, xs1, xsg, r1, g);
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
+        for (int k = 0; k < KR; ++k) {
             const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
             float zp[PIECE], dp[PIECE], wp[PIECE], out[PIECE];
             get(k, zp, dp, wp);
@@ -488,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #if DW_PARTIALS
     const long long part_row = static_cast<long long>(blockIdx.x) * RPB + threadIdx.x / TPR;
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < KR; ++k) {
         const int c0 = piece_col(k, t), cols = piece_valid(k, t, n);
 #pragma unroll
         for (int i = 0; i < PIECE; ++i)
