@@ -229,7 +229,8 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
     tuning = tuning or tuning_for(BWD_TABLE, n)
     fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning)
     defines = dict(fl.defines, YC=_CODE[z_dtype], BACKWARD=1, DYC=_CODE[dy_dtype], HAS_DRES=int(has_dres),
-                   DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_partials and fl.defines["HOLD"] and tuning.dw_smem))
+                   DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_partials and fl.defines["HOLD"] and tuning.dw_smem),
+                   PADDED=int(n < next_pow2(n)))
     return NormLaunch(defines, fl.rows_per_block, fl.threads, fl.partial_blocks_per_sm, fl.persistent)
 
 

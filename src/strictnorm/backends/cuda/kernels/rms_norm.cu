@@ -40,6 +40,9 @@ typedef Elem<YC>::T y_t;
 #ifndef DW_SMEM
 #define DW_SMEM 0
 #endif
+#ifndef PADDED
+#define PADDED 1
+#endif
 #ifndef KR
 #define KR K
 #endif
@@ -328,9 +331,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 #endif
         };
         // pass 1: z (stored as residual_out with the fused add), its squares, the piece sums
-        float part[K];
-#pragma unroll
-        for (int k = KR; k < K; ++k) part[k] = 0.0f;
+        float part[K] = {};  // pieces k >= KR: +0.0 subtrees
 #pragma unroll
         for (int k = 0; k < KR; ++k) {
             const int valid = live ? piece_valid(k, t, n) : 0;
@@ -387,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 // afterwards in a fixed order ("fast" dW): in registers with HOLD (unless DW_SMEM), else in dynamic shared
 // memory (RPB * n floats). dx may alias dy (in place): a row's lanes are read and written by the same
 // thread, reads first.
-// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM.
+// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM, PADDED (N below P: padded lanes exist).
 typedef Elem<DYC>::T dy_t;
 
 extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
@@ -437,24 +438,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             fetch_piece<DYC>(dp, dh, k, drow + c0, valid, aligned);
 #if HAS_W
             fetch_weight(wp, wh, k, wrow + c0, valid, aligned, offset);
-            // padded lanes: wf = +0.0 (not 0 + offset), so that their products with the zero-filled z and dy
-            // are +0.0, as canon_sum pads (0 * (0 + offset) is -0.0 for a negative offset)
-#pragma unroll
-            for (int i = 0; i < PIECE; ++i) wp[i] = i < valid ? wp[i] : 0.0f;
 #else
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) wp[i] = 1.0f;
 #endif
         };
-        float part[K];
-#pragma unroll
-        for (int k = KR; k < K; ++k) part[k] = 0.0f;
+        float part[K] = {};  // pieces k >= KR: +0.0 subtrees
 #pragma unroll
         for (int k = 0; k < KR; ++k) {
             float zp[PIECE], dp[PIECE], wp[PIECE], prod[PIECE];
             get(k, zp, dp, wp);
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) prod[i] = __fmul_rn(__fmul_rn(zp[i], rstd), gscale(dp[i], wp[i]));
+#if PADDED
+            // padded lanes add +0.0, as canon_sum pads: computed from the zero-filled lanes they would be
+            // 0 * (0 * (0 + offset)), -0.0 for a negative offset
+            const int valid = live ? piece_valid(k, t, n) : 0;
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i) prod[i] = i < valid ? prod[i] : 0.0f;
+#endif
             part[k] = pair_tree<PIECE>(prod);
         }
         const float c = __fdiv_rn(row_sum(part, scratch, it & 1), static_cast<float>(n));
