@@ -111,3 +111,51 @@ def zero_dy_case(n: int, device, gen: torch.Generator):
     bits = want_dx[0].view(torch.int16)
     assert bool((bits == (0 if n & (n - 1) == 0 else -32768)).all()), "the case lost its signed zeros"
     return dy, z, w, rstd, spec, want_dx
+
+
+def sprinkle_specials(t: torch.Tensor, gen: torch.Generator, kinds: str = "zeros subnormals max inf nan",
+                      fraction: float = 0.1) -> torch.Tensor:
+    """t (rows, N) or (N,) with a fraction of each row's elements replaced by special values of its dtype,
+    one kind per row in turn (a NaN or an infinity anywhere in a row decides all of its outputs, so kinds
+    are not mixed): signed zeros, signed subnormals, plus and minus the largest finite value, signed
+    infinities, NaN. Row 0 of a 2-D t is left as it is."""
+    info = torch.finfo(t.dtype)
+    tiny, big, inf = info.smallest_normal / 4, info.max, float("inf")
+    values = {"zeros": [0.0, -0.0], "subnormals": [tiny, -tiny, tiny / 8], "max": [big, -big],
+              "inf": [inf, -inf], "nan": [float("nan")]}
+    groups = [torch.tensor(values[k], dtype=torch.float32).to(t.dtype) for k in kinds.split()]
+    out = t.detach().clone()
+    rows = out.view(1, -1) if out.dim() == 1 else out.reshape(-1, out.shape[-1])
+    for r in range(0 if out.dim() == 1 else 1, rows.shape[0]):
+        specials = groups[(r - (out.dim() != 1)) % len(groups)]
+        count = max(specials.numel(), int(rows.shape[1] * fraction))
+        where = torch.randperm(rows.shape[1], generator=gen)[:count]
+        pick = torch.cat([torch.arange(specials.numel()), torch.randint(0, specials.numel(), (count,), generator=gen)])
+        rows[r, where.to(rows.device)] = specials[pick[:where.numel()]].to(rows.device)
+    return out
+
+
+def check_special_values(backend, n: int, dtype: torch.dtype, fused: bool, mode: str, device, gen: torch.Generator
+                         ) -> None:
+    """sprinkle_specials' rows (and residuals, gradients; the weight with zeros, subnormals and the largest
+    values only) through backend's forward and backward with a negative offset: y, rstd, residual_out, dx
+    and the strict dW equal the reference's bits (any NaN matches any NaN)."""
+    from strictnorm.backends.torch_ref import TorchBackend
+    from strictnorm.contract import make_spec
+
+    rows = 11  # row 0 ordinary, then two of each kind
+    x = sprinkle_specials(randn(rows, n, dtype=dtype, gen=gen), gen).to(device)
+    res = sprinkle_specials(randn(rows, n, dtype=dtype, gen=gen), gen).to(device) if fused else None
+    w = sprinkle_specials(randn(n, dtype=torch.bfloat16, gen=gen), gen, "zeros subnormals max").to(device)
+    dy = sprinkle_specials(randn(rows, n, dtype=dtype, gen=gen).roll(3, 0), gen).to(device)
+    dres = sprinkle_specials(randn(rows, n, dtype=dtype, gen=gen), gen).to(device) if fused else None
+    spec = make_spec(dtype, 1e-6, -0.5, mode, dtype)
+    ref = TorchBackend()
+    want, got = ref.rms_norm_fwd(x, w, res, spec), backend.rms_norm_fwd(x, w, res, spec)
+    for name, a, b in zip(("y", "rstd", "z"), want, got, strict=True):
+        assert (a is None and b is None) or bits_equal(a, b), f"{name} at N = {n}, {mode}, {dtype}"
+    z = want[2] if fused else x
+    want_dx, want_dw = ref.rms_norm_bwd(dy, z, w, want[1], dres, spec, "strict", True, None)
+    got_dx, got_dw = backend.rms_norm_bwd(dy, z, w, want[1], dres, spec, "strict", True, None)
+    assert bits_equal(want_dx, got_dx), f"dx at N = {n}, {mode}, {dtype}"
+    assert bits_equal(want_dw, got_dw), f"dw at N = {n}, {mode}, {dtype}"

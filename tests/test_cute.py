@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, check_fused_add_graph_replay, zero_dy_case
+from helpers import bits_equal, check_fused_add_graph_replay, check_special_values, zero_dy_case
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when the DSL is imported: compile for the H100/H200
 cutlass = pytest.importorskip("cutlass")
@@ -309,3 +309,14 @@ def test_signed_zeros_of_a_zero_dy_row(n, seed):
     for dw_mode in ("strict", "fast"):
         got_dx, _ = get_backend("cute").rms_norm_bwd(dy, z, w, rstd, None, spec, dw_mode, True, None)
         assert bits_equal(want_dx, got_dx), f"dw={dw_mode}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [7, 1000, 4096])
+@pytest.mark.parametrize("dtype, fused", [(torch.bfloat16, False), (torch.float16, True)])
+def test_special_values_bitwise(n, dtype, fused, seed):
+    """helpers.check_special_values on the cute backend, every casting mode."""
+    from strictnorm.backends.registry import get_backend
+
+    for mode in ("llama", "gemma", "none"):
+        check_special_values(get_backend("cute"), n, dtype, fused, mode, "cuda", torch.Generator().manual_seed(seed))

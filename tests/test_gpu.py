@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, check_fused_add_graph_replay, guarded, zero_dy_case
+from helpers import bits_equal, check_fused_add_graph_replay, check_special_values, guarded, zero_dy_case
 
 import strictnorm as sn
 from strictnorm.backends.registry import get_backend, status
@@ -422,3 +422,12 @@ def test_cuda_signed_zeros_of_a_zero_dy_row(n, cuda_backend, seed):
     for dw_mode in ("strict", "fast"):
         got_dx, _ = cuda_backend.rms_norm_bwd(dy, z, w, rstd, None, spec, dw_mode, True, None)
         assert bits_equal(want_dx, got_dx), f"dw={dw_mode}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [7, 1000, 4096, 5120])
+@pytest.mark.parametrize("dtype, fused", [(torch.bfloat16, False), (torch.float16, True)])
+def test_cuda_special_values_bitwise(n, dtype, fused, cuda_backend, seed):
+    """helpers.check_special_values on the CUDA backend, every casting mode and block-shape family."""
+    for mode in ("llama", "gemma", "none"):
+        check_special_values(cuda_backend, n, dtype, fused, mode, DEV, torch.Generator().manual_seed(seed))

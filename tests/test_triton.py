@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, guarded, randn, zero_dy_case
+from helpers import bits_equal, check_special_values, guarded, randn, zero_dy_case
 
 import strictnorm as sn
 
@@ -247,3 +247,15 @@ def test_signed_zeros_of_a_zero_dy_row(n, seed):
     for dw_mode in ("strict", "fast"):
         got_dx, _ = get_backend("triton").rms_norm_bwd(dy, z, w, rstd, None, spec, dw_mode, True, None)
         assert bits_equal(want_dx, got_dx), f"dw={dw_mode}"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter, on inf * 0 and the like
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n", [7, 64, 100])
+@pytest.mark.parametrize("dtype, fused", [(torch.bfloat16, False), (torch.float16, True)])
+def test_special_values_bitwise(mode, n, dtype, fused, seed):
+    """helpers.check_special_values: signed zeros, subnormals, the largest values, infinities and NaN (one
+    kind a row) through the forward and backward, bit for bit."""
+    from strictnorm.backends.registry import get_backend
+
+    check_special_values(get_backend("triton"), n, dtype, fused, mode, DEV, torch.Generator().manual_seed(seed))

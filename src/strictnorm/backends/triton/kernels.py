@@ -5,7 +5,8 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
 - fp32 -> bf16 rounding: on a GPU the hardware conversion (round to nearest even, cvt.rn.bf16.f32 on
   NVIDIA); under the Triton interpreter (CI), which truncates and flushes subnormals on that path,
   integer operations on the bit pattern give the same round to nearest even. bf16 results are stored
-  as int16 bits either way.
+  as int16 bits either way. The interpreter's bf16 -> fp32 cast flushes subnormals too: loads widen
+  bf16 through the bits there (`widen`).
 - canon_sum is the contract's adjacent-first pairwise tree, one level at a time over pairs (2j, 2j+1),
   which fixes the order independently of the compiler's layouts and of the launch shape. Signed zeros
   count: (-0) + (-0) is -0. A compiled tl.sum over a pair is that one add; the interpreter's tl.sum is
@@ -42,6 +43,16 @@ def _bf16_bits(v):
     b = v.to(tl.uint32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     return tl.where(v != v, 0x7FC0, r)
+
+
+@triton.jit
+def widen(v):
+    """A loaded value widened to fp32, exactly. The interpreter's bf16 -> fp32 cast flushes subnormals to
+    zero: there bf16 goes through its bit pattern."""
+    if not COMPILED and v.dtype == tl.bfloat16:
+        return ((v.to(tl.int16, bitcast=True).to(tl.uint32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
 
 
 @triton.jit
@@ -102,7 +113,7 @@ def effective_weight(W, w_offs, mask, offset, MODE: tl.constexpr, XDT: tl.conste
     """wf = f32(w) + f32(offset); in casting mode none, rounded to x's dtype. 1.0 without a weight; +0.0
     in padded lanes (so that their products with zero-filled rows are +0.0, as canon_sum pads)."""
     if HAS_W:
-        wf = tl.load(W + w_offs, mask=mask, other=0.0).to(tl.float32) + offset
+        wf = widen(tl.load(W + w_offs, mask=mask, other=0.0)) + offset
         if MODE == NONE:
             wf = round_f32(wf, XDT)
         wf = tl.where(mask, wf, 0.0)
@@ -134,11 +145,11 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     cols = tl.arange(0, P)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
-    xf = tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xf = widen(tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0))
     dense = rows[:, None] * N + cols[None, :]
     if HAS_RES:  # z = rd(f32(x) + f32(residual), residual dtype) is the norm's input (XDT)
         r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
-        rf = tl.load(RES + r_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rf = widen(tl.load(RES + r_offs[:, None] + cols[None, :], mask=mask, other=0.0))
         xf = round_f32(xf + rf, XDT)
         store_rounded(Z + dense, xf, mask, XDT)
     ss = canon_sum(xf * xf, ROWS, P, LOG2P)
@@ -177,8 +188,8 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
         mask = rmask[:, None] & cmask[None, :]
         z_offs, g = row_offsets(rows, R1, G, zs0, zs1, zsg)
         d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
-        xf = tl.load(Z + z_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dyf = tl.load(DY + d_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xf = widen(tl.load(Z + z_offs[:, None] + cols[None, :], mask=mask, other=0.0))
+        dyf = widen(tl.load(DY + d_offs[:, None] + cols[None, :], mask=mask, other=0.0))
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
         if PER_HEAD:
             wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
@@ -190,7 +201,7 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
         dx = (gr - xh * c[:, None]) * rstd[:, None]
         if HAS_DRES:
             e_offs, _ = row_offsets(rows, R1, G, es0, es1, esg)
-            dx = dx + tl.load(DRES + e_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dx = dx + widen(tl.load(DRES + e_offs[:, None] + cols[None, :], mask=mask, other=0.0))
         x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
         store_rounded(DX + x_offs[:, None] + cols[None, :], dx, mask, XDT)
         if DW_PARTIALS:
@@ -220,10 +231,10 @@ def fold_kernel(A, as0, as1, asg, B, bs0, bs1, bsg, RSTD, OUT,
             rows = t * GROUP_STEP + h
             mask = cmask[None, :] & live[:, None]
             a_offs, _ = row_offsets(rows, R1, G, as0, as1, asg)
-            v = tl.load(A + a_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = widen(tl.load(A + a_offs[:, None] + cols[None, :], mask=mask, other=0.0))
             if WHAT != RAW_ROWS:
                 b_offs, _ = row_offsets(rows, R1, G, bs0, bs1, bsg)
-                xf = tl.load(B + b_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                xf = widen(tl.load(B + b_offs[:, None] + cols[None, :], mask=mask, other=0.0))
                 rstd = tl.load(RSTD + rows, mask=live, other=0.0)
                 v = v * normalized_as_used(xf, rstd, WHAT - 1, XDT)
             # rows past the end add nothing: keep acc as is (adding +0.0 would turn -0.0 into +0.0)
