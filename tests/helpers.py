@@ -6,7 +6,7 @@ import struct
 
 import torch
 
-from strictnorm.verify import bits_equal, mismatches  # noqa: F401
+from strictnorm.verify import bits_equal, mismatches, sprinkle_specials  # noqa: F401
 
 
 def f32(v: float) -> float:
@@ -111,28 +111,6 @@ def zero_dy_case(n: int, device, gen: torch.Generator):
     bits = want_dx[0].view(torch.int16)
     assert bool((bits == (0 if n & (n - 1) == 0 else -32768)).all()), "the case lost its signed zeros"
     return dy, z, w, rstd, spec, want_dx
-
-
-def sprinkle_specials(t: torch.Tensor, gen: torch.Generator, kinds: str = "zeros subnormals max inf nan",
-                      fraction: float = 0.1) -> torch.Tensor:
-    """t (rows, N) or (N,) with a fraction of each row's elements replaced by special values of its dtype,
-    one kind per row in turn (a NaN or an infinity anywhere in a row decides all of its outputs, so kinds
-    are not mixed): signed zeros, signed subnormals, plus and minus the largest finite value, signed
-    infinities, NaN. Row 0 of a 2-D t is left as it is."""
-    info = torch.finfo(t.dtype)
-    tiny, big, inf = info.smallest_normal / 4, info.max, float("inf")
-    values = {"zeros": [0.0, -0.0], "subnormals": [tiny, -tiny, tiny / 8], "max": [big, -big],
-              "inf": [inf, -inf], "nan": [float("nan")]}
-    groups = [torch.tensor(values[k], dtype=torch.float32).to(t.dtype) for k in kinds.split()]
-    out = t.detach().clone()
-    rows = out.view(1, -1) if out.dim() == 1 else out.reshape(-1, out.shape[-1])
-    for r in range(0 if out.dim() == 1 else 1, rows.shape[0]):
-        specials = groups[(r - (out.dim() != 1)) % len(groups)]
-        count = max(specials.numel(), int(rows.shape[1] * fraction))
-        where = torch.randperm(rows.shape[1], generator=gen)[:count]
-        pick = torch.cat([torch.arange(specials.numel()), torch.randint(0, specials.numel(), (count,), generator=gen)])
-        rows[r, where.to(rows.device)] = specials[pick[:where.numel()]].to(rows.device)
-    return out
 
 
 def check_special_values(backend, n: int, dtype: torch.dtype, fused: bool, mode: str, device, gen: torch.Generator

@@ -2,13 +2,16 @@
 
 Each kernel backend is compared bit for bit with the reference computed on the CPU (y, rstd, dx,
 dW strict, the fused add's residual_out and gradients, per-head QK-norm on a strided view, the
-left fold). The reference itself is checked against the contract's defining properties: the
-left fold's order, batch invariance, the Gemma offset in fp32, and accuracy against float64.
+left fold), also on rows with special values (signed zeros, subnormals, the largest values,
+infinities, NaN) and on zero dy rows whose dx zeros carry signs. The reference itself is checked
+against the contract's defining properties: the left fold's order, batch invariance, the Gemma
+offset in fp32, and accuracy against float64.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -28,6 +31,28 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
     same = a.view(_INT_VIEW[a.dtype]) == b.view(_INT_VIEW[b.dtype])
     return bool((same | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def sprinkle_specials(t: torch.Tensor, gen: torch.Generator, kinds: str = "zeros subnormals max inf nan",
+                      fraction: float = 0.1) -> torch.Tensor:
+    """t (rows, N) or (N,) with a fraction of each row's elements replaced by special values of its dtype,
+    one kind per row in turn (a NaN or an infinity anywhere in a row decides all of its outputs, so kinds
+    are not mixed): signed zeros, signed subnormals, plus and minus the largest finite value, signed
+    infinities, NaN. Row 0 of a 2-D t is left as it is."""
+    info = torch.finfo(t.dtype)
+    tiny, big, inf = info.smallest_normal / 4, info.max, float("inf")
+    values = {"zeros": [0.0, -0.0], "subnormals": [tiny, -tiny, tiny / 8], "max": [big, -big],
+              "inf": [inf, -inf], "nan": [float("nan")]}
+    groups = [torch.tensor(values[k], dtype=torch.float32).to(t.dtype) for k in kinds.split()]
+    out = t.detach().clone()
+    rows = out.view(1, -1) if out.dim() == 1 else out.reshape(-1, out.shape[-1])
+    for r in range(0 if out.dim() == 1 else 1, rows.shape[0]):
+        specials = groups[(r - (out.dim() != 1)) % len(groups)]
+        count = max(specials.numel(), int(rows.shape[1] * fraction))
+        where = torch.randperm(rows.shape[1], generator=gen)[:count]
+        pick = torch.cat([torch.arange(specials.numel()), torch.randint(0, specials.numel(), (count,), generator=gen)])
+        rows[r, where.to(rows.device)] = specials[pick[:where.numel()]].to(rows.device)
+    return out
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -55,15 +80,21 @@ def _leaf(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _norm_case(backend: str, device: torch.device, *, rows: int, n: int, dtype: torch.dtype, mode: str,
-               offset: float, wdtype: torch.dtype, fused: bool, seed: int) -> dict[str, int]:
+               offset: float, wdtype: torch.dtype, fused: bool, seed: int, specials: bool = False) -> dict[str, int]:
     """Runs forward + backward (dw strict) on backend/device and on the CPU reference; returns the
-    number of differing elements per output."""
+    number of differing elements per output. specials: rows, residuals and gradients with special values
+    (sprinkle_specials; the weight with finite ones)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=g).to(dtype)
     w = (torch.randn(n, generator=g) * 0.1).to(wdtype)
     res = torch.randn(rows, n, generator=g).to(dtype) if fused else None
     dy = torch.randn(rows, n, generator=g).to(dtype)
     dz = torch.randn(rows, n, generator=g).to(dtype) if fused else None
+    if specials:
+        x, dy = sprinkle_specials(x, g), sprinkle_specials(dy.roll(3, 0), g)
+        w = sprinkle_specials(w, g, "zeros subnormals max")
+        res = sprinkle_specials(res, g) if fused else None
+        dz = sprinkle_specials(dz, g) if fused else None
 
     def run(be: str, dev: torch.device):
         xx, ww = _leaf(x, dev), _leaf(w, dev)
@@ -76,6 +107,25 @@ def _norm_case(backend: str, device: torch.device, *, rows: int, n: int, dtype: 
         y, rstd = api.rms_norm_with_rstd(xx, ww, 1e-6, **kw)
         y.backward(dy.to(dev))
         return {"y": y, "rstd": rstd, "dx": xx.grad, "dw": ww.grad}
+
+    got, want = run(backend, device), run("torch", torch.device("cpu"))
+    return {k: mismatches(want[k], got[k]) for k in want}
+
+
+def _zero_dy_case(backend: str, device: torch.device, n: int, seed: int) -> dict[str, int]:
+    """Zero dy rows (masked tokens), a negative offset, x > 0: every product xh * (dy * wf) is -0.0, so the
+    signs of dx's zeros depend on canon_sum's +0.0 padding and on (-0) + (-0) = -0."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(3, n, generator=g) + 0.5).to(torch.bfloat16)
+    w = (torch.rand(n, generator=g) * 0.5).to(torch.bfloat16)
+    dy = torch.zeros(3, n, dtype=torch.bfloat16)
+    dy[1] = torch.randn(n, generator=g).to(torch.bfloat16)
+
+    def run(be: str, dev: torch.device):
+        xx, ww = _leaf(x, dev), _leaf(w, dev)
+        y = api.rms_norm(xx, ww, 1e-6, offset=-1.0, casting_mode="llama", dw="strict", backend=be)
+        y.backward(dy.to(dev))
+        return {"dx": xx.grad, "dw": ww.grad}
 
     got, want = run(backend, device), run("torch", torch.device("cpu"))
     return {k: mismatches(want[k], got[k]) for k in want}
@@ -125,6 +175,16 @@ def _kernel_checks(backend: str, device: torch.device, quick: bool) -> Iterator[
                                        wdtype=wdtype, fused=fused, s=seed + i: _norm_case(
                         backend, device, rows=rows, n=n, dtype=dtype, mode=mode, offset=offset,
                         wdtype=wdtype, fused=fused, seed=s))
+    for n in (7, 64) if quick else (7, 64, 1000):
+        yield "rms_norm", f"3x{n} bf16 zero dy rows, offset -1 (signed zeros)", (
+            lambda n=n: _zero_dy_case(backend, device, n, seed))
+    for dtype, fused in ((torch.bfloat16, False), (torch.float16, True)):
+        for mode in ("llama",) if quick else ("llama", "gemma", "none"):
+            case = f"11x100 {str(dtype)[6:]} {mode}{' fused' if fused else ''}: zeros, subnormals, max, inf, NaN"
+            yield ("fused_add_rms_norm" if fused else "rms_norm"), case, (
+                lambda dtype=dtype, fused=fused, mode=mode: _norm_case(
+                    backend, device, rows=11, n=100, dtype=dtype, mode=mode, offset=-0.5, wdtype=torch.bfloat16,
+                    fused=fused, seed=seed, specials=True))
     yield "qk_norm", "(2,5,4,64) strided bf16 gemma per-head", lambda: _qk_case(backend, device, seed)
     yield "left_fold", "777x(45,3) strided fp32", lambda: _fold_case(backend, device, seed)
 
@@ -178,7 +238,9 @@ def iter_checks(backends: list[str] | None = None, quick: bool = False) -> Itera
                 continue
             t0 = time.perf_counter()
             try:
-                diffs = fn()
+                with warnings.catch_warnings():  # numpy's, when the Triton interpreter meets inf and NaN
+                    warnings.filterwarnings("ignore", "(invalid value|overflow) encountered", RuntimeWarning)
+                    diffs = fn()
                 bad = {k: v for k, v in diffs.items() if v != 0}
                 yield Check(name, str(device), check, case, not bad,
                             ", ".join(f"{k}: {v} differ" for k, v in bad.items()), time.perf_counter() - t0)
