@@ -137,3 +137,56 @@ def check_special_values(backend, n: int, dtype: torch.dtype, fused: bool, mode:
     got_dx, got_dw = backend.rms_norm_bwd(dy, z, w, want[1], dres, spec, "strict", True, None)
     assert bits_equal(want_dx, got_dx), f"dx at N = {n}, {mode}, {dtype}"
     assert bits_equal(want_dw, got_dw), f"dw at N = {n}, {mode}, {dtype}"
+
+
+def random_case(rng, gen: torch.Generator, device) -> dict:
+    """One random configuration for a differential test against the reference: N and rows (odd, even,
+    powers of two), x / weight / residual / out / dy dtypes (the weight may be absent), casting mode,
+    offset (negative ones too), strided rows, per-head (H, N) weights, rows with special values."""
+    from strictnorm.contract import make_spec
+
+    dts = [torch.bfloat16, torch.float16, torch.float32]
+    n = rng.choice([1, 2, 3, 5, 7, 8, 16, 31, 33, 64, 100, 128, 129, 257, 1000])
+    m = rng.choice([1, 2, 3, 5, 11])
+    x_dt, w_dt = rng.choice(dts), rng.choice(dts + [None])
+    r_dt = rng.choice([None, x_dt, torch.float32])
+    norm_dt = r_dt or x_dt
+    out_dt = rng.choice([norm_dt, torch.float32])
+    per_head = w_dt is not None and r_dt is None and rng.random() < 0.2
+    strided, specials = rng.random() < 0.3, rng.random() < 0.5
+    shape = (m, 3, n) if per_head else (m, n)
+    x = torch.randn(*shape, generator=gen).to(x_dt)
+    if specials:
+        x = sprinkle_specials(x.reshape(-1, n), gen).reshape(shape)
+    if strided:  # the same values inside wider rows
+        wide = torch.zeros(*shape[:-1], 2 * n + 3, dtype=x_dt)
+        wide[..., 1:n + 1] = x
+        x = wide[..., 1:n + 1]
+    w = None if w_dt is None else (torch.randn(*shape[1:], generator=gen) * 0.5).to(w_dt)
+    res = None if r_dt is None else torch.randn(*shape, generator=gen).to(r_dt)
+    dy = torch.randn(*shape, generator=gen).to(out_dt)
+    if specials:
+        dy = sprinkle_specials(dy.reshape(-1, n), gen).reshape(shape)
+    spec = make_spec(norm_dt, 1e-6, rng.choice([0.0, 1.0, -0.5, -1.0, 0.25]), rng.choice(["llama", "gemma", "none"]),
+                     out_dt)
+    move = (lambda t: None if t is None else t.to(device))
+    return {"x": move(x), "w": move(w), "res": move(res), "dy": move(dy), "spec": spec,
+            "what": f"{m}x{n} x={x_dt} w={w_dt} res={r_dt} out={out_dt} {spec.mode} offset={spec.offset} "
+                    f"strided={strided} per_head={per_head} specials={specials}"}
+
+
+def check_random_case(backend, case: dict) -> None:
+    """case's forward (y, rstd, residual_out) and backward (dx, strict dW where there is a weight) on
+    backend equal the reference's bits."""
+    from strictnorm.backends.torch_ref import TorchBackend
+
+    ref, x, w, res, spec = TorchBackend(), case["x"], case["w"], case["res"], case["spec"]
+    want, got = ref.rms_norm_fwd(x, w, res, spec), backend.rms_norm_fwd(x, w, res, spec)
+    for name, a, b in zip(("y", "rstd", "residual_out"), want, got, strict=True):
+        assert (a is None and b is None) or bits_equal(a, b), f"{name}: {case['what']}"
+    z = want[2] if res is not None else x
+    dy = case["dy"].to(z.dtype)  # the backward's dy has the norm input's dtype
+    want_dx, want_dw = ref.rms_norm_bwd(dy, z, w, want[1], None, spec, "strict", w is not None, None)
+    got_dx, got_dw = backend.rms_norm_bwd(dy, z, w, want[1], None, spec, "strict", w is not None, None)
+    assert bits_equal(want_dx, got_dx), f"dx: {case['what']}"
+    assert (want_dw is None and got_dw is None) or bits_equal(want_dw, got_dw), f"dw: {case['what']}"

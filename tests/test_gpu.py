@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, check_fused_add_graph_replay, check_special_values, guarded, zero_dy_case
+from helpers import (
+    bits_equal,
+    check_fused_add_graph_replay,
+    check_random_case,
+    check_special_values,
+    guarded,
+    random_case,
+    zero_dy_case,
+)
 
 import strictnorm as sn
 from strictnorm.backends.registry import get_backend, status
@@ -431,3 +439,13 @@ def test_cuda_special_values_bitwise(n, dtype, fused, cuda_backend, seed):
     """helpers.check_special_values on the CUDA backend, every casting mode and block-shape family."""
     for mode in ("llama", "gemma", "none"):
         check_special_values(cuda_backend, n, dtype, fused, mode, DEV, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_random_configurations_bitwise(cuda_backend, seed):
+    """helpers.random_case on the CUDA backend: 12 random configurations a family and run."""
+    import random
+
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    for _ in range(12):
+        check_random_case(cuda_backend, random_case(rng, gen, DEV))
