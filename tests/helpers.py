@@ -158,10 +158,10 @@ def random_case(rng, gen: torch.Generator, device) -> dict:
     x = torch.randn(*shape, generator=gen).to(x_dt)
     if specials:
         x = sprinkle_specials(x.reshape(-1, n), gen).reshape(shape)
-    if strided:  # the same values inside wider rows
+    if strided:  # the same values inside wider rows (made on the device: .to() of a view would be dense)
         wide = torch.zeros(*shape[:-1], 2 * n + 3, dtype=x_dt)
         wide[..., 1:n + 1] = x
-        x = wide[..., 1:n + 1]
+        x = wide.to(device)[..., 1:n + 1]
     w = None if w_dt is None else (torch.randn(*shape[1:], generator=gen) * 0.5).to(w_dt)
     res = None if r_dt is None else torch.randn(*shape, generator=gen).to(r_dt)
     dy = torch.randn(*shape, generator=gen).to(out_dt)
@@ -170,7 +170,7 @@ def random_case(rng, gen: torch.Generator, device) -> dict:
     spec = make_spec(norm_dt, 1e-6, rng.choice([0.0, 1.0, -0.5, -1.0, 0.25]), rng.choice(["llama", "gemma", "none"]),
                      out_dt)
     move = (lambda t: None if t is None else t.to(device))
-    return {"x": move(x), "w": move(w), "res": move(res), "dy": move(dy), "spec": spec,
+    return {"x": x if strided else move(x), "w": move(w), "res": move(res), "dy": move(dy), "spec": spec,
             "what": f"{m}x{n} x={x_dt} w={w_dt} res={r_dt} out={out_dt} {spec.mode} offset={spec.offset} "
                     f"strided={strided} per_head={per_head} specials={specials}"}
 
