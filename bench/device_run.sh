@@ -7,6 +7,7 @@ what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/strictnorm-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
+source bench/device_cache.sh restore  # kernels compiled by an earlier call, if they travelled
 [ -f /tmp/dw/env.sh ] && source /tmp/dw/env.sh
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
@@ -28,3 +29,4 @@ if [[ $what == bench || $what == all ]]; then
     --plot "$OUT/bench.png" --markdown "$OUT/bench.md" "$@" > "$OUT/bench.log" 2>&1
   tail -n 50 "$OUT/bench.log"
 fi
+bash bench/device_cache.sh save  # for the next call (carry .device-cache)

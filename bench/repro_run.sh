@@ -5,6 +5,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/strictnorm-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD/bench" PYTHONUNBUFFERED=1 STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
+source bench/device_cache.sh restore
 SEED=${SEED:-4200501676}
 K="cuda_backward_bitwise and tables-5120"
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -24,4 +25,5 @@ CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   done
   date -u
 } > "$OUT/repro.log" 2>&1
+bash bench/device_cache.sh save
 cat "$OUT/repro.log"
