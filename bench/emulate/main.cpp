@@ -1,0 +1,56 @@
+// Runs rms_norm.cu's backward (BACKWARD) or forward on the CPU through shim.h, on buffers of exactly the
+// sizes a launch passes (so AddressSanitizer sees any access past them), row group by row group.
+// Usage: emulate ROWS N. Dtypes: bf16 rows and weight (XC = NC = WC = DYC = 1); see run.sh for the macros.
+#include "shim.h"
+#include "rms_norm.cu"
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+
+template <typename T>
+static T* buffer(long long count) {
+    return static_cast<T*>(aligned_alloc(16, ((count * sizeof(T) + 15) / 16) * 16));
+}
+
+int main(int argc, char** argv) {
+    const long long rows = argc > 1 ? atoll(argv[1]) : 1;
+    const int n = argc > 2 ? atoi(argv[2]) : 5120;
+    std::mt19937 rng(42);
+    std::normal_distribution<float> nd;
+    auto fill = [&](long long count, float scale) {
+        auto* p = buffer<unsigned short>(count);
+        for (long long i = 0; i < count; ++i) p[i] = emu_bf16_rn(nd(rng) * scale);
+        return p;
+    };
+    unsigned short *x = fill(rows * n, 1.0f), *dy = fill(rows * n, 1.0f), *w = fill(n, 0.1f);
+    unsigned short *res = fill(rows * n, 1.0f), *out = buffer<unsigned short>(rows * n);
+    unsigned short *z = buffer<unsigned short>(rows * n);
+    float* rstd = buffer<float>(rows);
+    for (long long i = 0; i < rows; ++i) rstd[i] = 1.0f;
+    const int threads = TPR * RPB;
+    std::barrier<> block(threads);
+    g_block_barrier = &block;
+    for (int i = 0; i < threads / 32; ++i) g_warp_barriers.push_back(new std::barrier<>(32));
+    for (long long b = 0; b * RPB < rows; ++b) {  // each row group as a launch of one block
+        const long long off = b * RPB * n, live = std::min<long long>(RPB, rows - b * RPB);
+        std::vector<std::thread> ts;
+        for (int t = 0; t < threads; ++t)
+            ts.emplace_back([&, t] {
+                threadIdx.x = t;
+#ifdef BACKWARD
+                rms_bwd(reinterpret_cast<const dy_t*>(dy + off), n, 0, 0, reinterpret_cast<const n_t*>(x + off), n, 0, 0,
+                        reinterpret_cast<const w_t*>(w), 0, rstd + b * RPB, reinterpret_cast<const n_t*>(res + off), n,
+                        0, 0, reinterpret_cast<n_t*>(out + off), n, 0, 0, rstd, live, n, 1, 1, 0.5f, 1);
+#else
+                rms_fwd(reinterpret_cast<const x_t*>(x + off), n, 0, 0, reinterpret_cast<const r_t*>(res + off), n, 0, 0,
+                        reinterpret_cast<n_t*>(z + off), reinterpret_cast<const w_t*>(w), 0,
+                        reinterpret_cast<y_t*>(out + off), rstd + b * RPB, live, n, 1, 1, 1e-6f, 0.5f, 1);
+#endif
+            });
+        for (auto& th : ts) th.join();
+    }
+    long long nan = 0;
+    for (long long i = 0; i < rows * n; ++i) nan += std::isnan(__uint_as_float(unsigned(out[i]) << 16));
+    printf("%lld x %d: %lld NaN outputs, out[0] = %g\n", rows, n, nan, __uint_as_float(unsigned(out[0]) << 16));
+    return 0;
+}

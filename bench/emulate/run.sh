@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# rms_norm.cu on the CPU with AddressSanitizer (see shim.h): any access outside the buffers of a launch is
+# reported with the source line. Usage: bash bench/emulate/run.sh ROWS N "MACROS"
+#   e.g. bash bench/emulate/run.sh 409 5120 "-DMODE=1 -DPIECE=8 -DTPR=256 -DK=4 -DRPB=1 -DHOLD=1 -DHOLD_W=1
+#        -DBACKWARD=1 -DHAS_DRES=1 -DDW_PARTIALS=0"   (bf16 everything; per-head weights and partials not covered)
+# Needs g++ 12 or newer (C++20 barriers, _Float16).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
+work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+cp "$src/rms_norm.cu" "$work/"
+sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);#' \
+    -e 's#asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));#{ _Float16 hv; std::memcpy(\&hv, \&v, 2); f = (float)hv; }#' \
+    -e 's#asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));#{ _Float16 hv = (_Float16)v; std::memcpy(\&h, \&hv, 2); }#' \
+    "$src/common.cuh" > "$work/common.cuh"
+base="-DXC=1 -DRC=1 -DNC=1 -DWC=1 -DYC=1 -DDYC=1 -DHAS_W=1 -DPER_HEAD=0 -DDW_SMEM=0"
+[[ "${3:-}" == *HAS_RES* ]] || base="$base -DHAS_RES=0"
+# shellcheck disable=SC2086
+g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
+    $base ${3:-} "$here/main.cpp" -o "$work/emulate"
+ASAN_OPTIONS=detect_leaks=0 "$work/emulate" "${1:-1}" "${2:-5120}"

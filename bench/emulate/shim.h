@@ -1,0 +1,56 @@
+// CPU emulation of the CUDA features rms_norm.cu uses (bench/emulate/run.sh): one block at a time, one
+// std::thread per CUDA thread, barriers for __syncthreads and the warp shuffles, fp32 operations as the C++
+// operators (built with -ffp-contract=off), bf16 rounding to nearest even on the bit pattern. Built with
+// AddressSanitizer, it reports any read or write outside the buffers a kernel is given.
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <algorithm>
+#include <thread>
+#include <vector>
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__ static
+struct dim3e { unsigned x, y, z; };
+inline thread_local dim3e threadIdx{0, 0, 0};
+inline dim3e blockIdx{0, 0, 0};
+inline dim3e gridDim{1, 1, 1};
+inline dim3e blockDim{1, 1, 1};
+inline std::barrier<>* g_block_barrier = nullptr;
+inline std::vector<std::barrier<>*> g_warp_barriers;
+inline float g_warp_buf[32][32];
+inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    g_warp_buf[w][l] = v;
+    g_warp_barriers[w]->arrive_and_wait();
+    float r = g_warp_buf[w][l ^ off];
+    g_warp_barriers[w]->arrive_and_wait();
+    return r;
+}
+inline float __shfl_sync(unsigned, float v, int src) {
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    g_warp_buf[w][l] = v;
+    g_warp_barriers[w]->arrive_and_wait();
+    float r = g_warp_buf[w][src];
+    g_warp_barriers[w]->arrive_and_wait();
+    return r;
+}
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+using std::max; using std::min;
+inline unsigned short emu_bf16_rn(float v) {
+    unsigned b = __float_as_uint(v);
+    if (std::isnan(v)) return 0x7fc0;
+    return static_cast<unsigned short>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+}
