@@ -1,11 +1,14 @@
 // Runs rms_norm.cu's backward (BACKWARD) or forward on the CPU through shim.h, on buffers of exactly the
 // sizes a launch passes (so AddressSanitizer sees any access past them), row group by row group.
-// Usage: emulate ROWS N. Dtypes: bf16 rows and weight (XC = NC = WC = DYC = 1); see run.sh for the macros.
+// Usage: emulate ROWS N [DIR [OFFSET]]. Dtypes: bf16 rows and weight (XC = NC = WC = DYC = 1); see run.sh for
+// the macros. With DIR, the inputs are read from DIR/{x,res,w,dy,rstd}.bin (raw little-endian bits; the
+// backward reads x as its z and res as its dres) and the outputs written to DIR/{out,rstd_out,z}.bin.
 #include "shim.h"
 #include "rms_norm.cu"
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 
 template <typename T>
 static T* buffer(long long count) {
@@ -15,6 +18,8 @@ static T* buffer(long long count) {
 int main(int argc, char** argv) {
     const long long rows = argc > 1 ? atoll(argv[1]) : 1;
     const int n = argc > 2 ? atoi(argv[2]) : 5120;
+    const char* dir = argc > 3 ? argv[3] : nullptr;
+    const float offset = argc > 4 ? static_cast<float>(atof(argv[4])) : 0.5f;
     std::mt19937 rng(42);
     std::normal_distribution<float> nd;
     auto fill = [&](long long count, float scale) {
@@ -27,6 +32,21 @@ int main(int argc, char** argv) {
     unsigned short *z = buffer<unsigned short>(rows * n);
     float* rstd = buffer<float>(rows);
     for (long long i = 0; i < rows; ++i) rstd[i] = 1.0f;
+    auto path = [&](const char* name) { return std::string(dir) + "/" + name; };
+    auto load = [&](const char* name, void* p, long long bytes) {
+        FILE* f = fopen(path(name).c_str(), "rb");
+        if (!f || fread(p, 1, bytes, f) != static_cast<size_t>(bytes)) { fprintf(stderr, "cannot read %s\n", name); exit(2); }
+        fclose(f);
+    };
+    auto save = [&](const char* name, const void* p, long long bytes) {
+        FILE* f = fopen(path(name).c_str(), "wb");
+        fwrite(p, 1, bytes, f);
+        fclose(f);
+    };
+    if (dir) {
+        load("x.bin", x, rows * n * 2), load("res.bin", res, rows * n * 2), load("w.bin", w, n * 2);
+        load("dy.bin", dy, rows * n * 2), load("rstd.bin", rstd, rows * 4);
+    }
     const int threads = TPR * RPB;
     std::barrier<> block(threads);
     g_block_barrier = &block;
@@ -40,15 +60,16 @@ int main(int argc, char** argv) {
 #ifdef BACKWARD
                 rms_bwd(reinterpret_cast<const dy_t*>(dy + off), n, 0, 0, reinterpret_cast<const n_t*>(x + off), n, 0, 0,
                         reinterpret_cast<const w_t*>(w), 0, rstd + b * RPB, reinterpret_cast<const n_t*>(res + off), n,
-                        0, 0, reinterpret_cast<n_t*>(out + off), n, 0, 0, rstd, live, n, 1, 1, 0.5f, 1);
+                        0, 0, reinterpret_cast<n_t*>(out + off), n, 0, 0, rstd, live, n, 1, 1, offset, 1);
 #else
                 rms_fwd(reinterpret_cast<const x_t*>(x + off), n, 0, 0, reinterpret_cast<const r_t*>(res + off), n, 0, 0,
                         reinterpret_cast<n_t*>(z + off), reinterpret_cast<const w_t*>(w), 0,
-                        reinterpret_cast<y_t*>(out + off), rstd + b * RPB, live, n, 1, 1, 1e-6f, 0.5f, 1);
+                        reinterpret_cast<y_t*>(out + off), rstd + b * RPB, live, n, 1, 1, 1e-6f, offset, 1);
 #endif
             });
         for (auto& th : ts) th.join();
     }
+    if (dir) save("out.bin", out, rows * n * 2), save("rstd_out.bin", rstd, rows * 4), save("z.bin", z, rows * n * 2);
     long long nan = 0;
     for (long long i = 0; i < rows * n; ++i) nan += std::isnan(__uint_as_float(unsigned(out[i]) << 16));
     printf("%lld x %d: %lld NaN outputs, out[0] = %g\n", rows, n, nan, __uint_as_float(unsigned(out[0]) << 16));

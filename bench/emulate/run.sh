@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # rms_norm.cu on the CPU with AddressSanitizer (see shim.h): any access outside the buffers of a launch is
-# reported with the source line. Usage: bash bench/emulate/run.sh ROWS N "MACROS"
+# reported with the source line. Usage: bash bench/emulate/run.sh ROWS N "MACROS" [DIR [OFFSET]] (main.cpp)
 #   e.g. bash bench/emulate/run.sh 409 5120 "-DMODE=1 -DPIECE=8 -DTPR=256 -DK=4 -DRPB=1 -DHOLD=1 -DHOLD_W=1
 #        -DBACKWARD=1 -DHAS_DRES=1 -DDW_PARTIALS=0"   (bf16 everything; per-head weights and partials not covered)
 # Needs g++ 12 or newer (C++20 barriers, _Float16).
@@ -17,4 +17,4 @@ base="-DXC=1 -DRC=1 -DNC=1 -DWC=1 -DYC=1 -DDYC=1 -DHAS_W=1 -DPER_HEAD=0 -DDW_SME
 # shellcheck disable=SC2086
 g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
     $base ${3:-} "$here/main.cpp" -o "$work/emulate"
-ASAN_OPTIONS=detect_leaks=0 "$work/emulate" "${1:-1}" "${2:-5120}"
+ASAN_OPTIONS=detect_leaks=0 "$work/emulate" "${1:-1}" "${2:-5120}" "${@:4}"
