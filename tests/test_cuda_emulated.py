@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import bits_equal, zero_dy_case
+from helpers import bits_equal, sprinkle_specials, zero_dy_case
 
 from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, norm_launch
 from strictnorm.backends.torch_ref import TorchBackend
@@ -52,14 +52,19 @@ def _emulate(defines: dict, rows: int, n: int, offset: float, tensors: dict, tmp
 
 
 def _inputs(rows: int, n: int, seed: int) -> dict:
+    """Random rows, every other one with special values (zeros, subnormals, largest values, inf, NaN)."""
     g = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(rows, n, generator=g).bfloat16(), "res": torch.randn(rows, n, generator=g).bfloat16(),
-            "w": (torch.randn(n, generator=g) * 0.5).bfloat16(), "dy": torch.randn(rows, n, generator=g).bfloat16()}
+    x, res = torch.randn(rows, n, generator=g).bfloat16(), torch.randn(rows, n, generator=g).bfloat16()
+    x[1::2] = sprinkle_specials(x[1::2], g)
+    w = sprinkle_specials((torch.randn(n, generator=g) * 0.5).bfloat16(), g, "zeros subnormals max", 0.05)
+    return {"x": x, "res": res, "w": w, "dy": torch.randn(rows, n, generator=g).bfloat16()}
 
 
-# (N, tuning): the tables' shapes at N below its power of two, with and without trimmed padding pieces
+# (N, tuning): the tables' shapes at N below its power of two, with and without trimmed padding pieces, and
+# rows read twice instead of held
 CASES = [(5120, None), (5120, NormTuning(values=32, trim=True)), (18432, NormTuning(values=64, trim=True)),
-         (7, None), (1000, NormTuning(values=8))]
+         (7, None), (1000, NormTuning(values=8)), (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True)),
+         (4096, NormTuning(hold_max_p=0, stream_threads=256))]
 
 
 @pytest.mark.parametrize("n, tuning", CASES)
@@ -68,7 +73,7 @@ def test_emulated_forward_bitwise(n, tuning, seed, tmp_path):
     mode = random.Random(seed).choice(["llama", "gemma", "none"])
     fused = n != 7
     fl = norm_launch(n, bf16, bf16 if fused else None, bf16, bf16, mode, False, tuning)
-    rows = 2 * fl.rows_per_block + 1  # a partial row group too
+    rows = max(5, 2 * fl.rows_per_block + 1)  # a partial row group too
     t = _inputs(rows, n, seed)
     t["rstd"] = torch.zeros(rows)
     spec = make_spec(bf16, 1e-6, 0.5, mode, bf16)

@@ -38,7 +38,7 @@ def sprinkle_specials(t: torch.Tensor, gen: torch.Generator, kinds: str = "zeros
     """t (rows, N) or (N,) with a fraction of each row's elements replaced by special values of its dtype,
     one kind per row in turn (a NaN or an infinity anywhere in a row decides all of its outputs, so kinds
     are not mixed): signed zeros, signed subnormals, plus and minus the largest finite value, signed
-    infinities, NaN. Row 0 of a 2-D t is left as it is."""
+    infinities, NaN. Row 0 of a 2-D t is left as it is; a 1-D t takes all the kinds asked for at once."""
     info = torch.finfo(t.dtype)
     tiny, big, inf = info.smallest_normal / 4, info.max, float("inf")
     values = {"zeros": [0.0, -0.0], "subnormals": [tiny, -tiny, tiny / 8], "max": [big, -big],
@@ -47,7 +47,8 @@ def sprinkle_specials(t: torch.Tensor, gen: torch.Generator, kinds: str = "zeros
     out = t.detach().clone()
     rows = out.view(1, -1) if out.dim() == 1 else out.reshape(-1, out.shape[-1])
     for r in range(0 if out.dim() == 1 else 1, rows.shape[0]):
-        specials = groups[(r - (out.dim() != 1)) % len(groups)]
+        # a 1-D t (a weight) takes every kind at once
+        specials = torch.cat(groups) if out.dim() == 1 else groups[(r - 1) % len(groups)]
         count = max(specials.numel(), int(rows.shape[1] * fraction))
         where = torch.randperm(rows.shape[1], generator=gen)[:count]
         pick = torch.cat([torch.arange(specials.numel()), torch.randint(0, specials.numel(), (count,), generator=gen)])
