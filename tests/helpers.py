@@ -6,7 +6,14 @@ import struct
 
 import torch
 
-from strictnorm.verify import bits_equal, mismatches, sprinkle_specials  # noqa: F401
+from strictnorm.verify import (  # noqa: F401
+    ZERO_DY_OFFSET,
+    bits_equal,
+    mismatches,
+    sprinkle_specials,
+    with_specials,
+    zero_dy_rows,
+)
 
 
 def f32(v: float) -> float:
@@ -92,19 +99,13 @@ def guarded(t: torch.Tensor | None, guard: int) -> torch.Tensor | None:
 
 
 def zero_dy_case(n: int, device, gen: torch.Generator):
-    """A backward whose answer hinges on signed zeros: rows of dy all zero but one (a masked token), a
-    negative offset (wf < 0) and z > 0, so that the zero rows' products xh * (dy * wf) are all -0.0.
-    canon_sum adds them exactly ((-0) + (-0) = -0) and pads with +0.0: the sum is -0.0 when N is a power
-    of two, +0.0 otherwise, and dx's zeros take the opposite sign. Returns (dy, z, w, rstd, spec, want_dx)
-    with the reference's dx, checked to have those zeros."""
+    """strictnorm.verify.zero_dy_rows on device, as (dy, z, w, rstd, spec, want_dx) with the reference's dx,
+    checked to have the signed zeros the case is about."""
     from strictnorm.backends.torch_ref import TorchBackend
     from strictnorm.contract import make_spec
 
-    z = (torch.rand(3, n, generator=gen) + 0.5).bfloat16().to(device)  # xh > 0
-    w = (torch.rand(n, generator=gen) * 0.5).bfloat16().to(device)  # w - 1 < 0
-    dy = torch.zeros(3, n, dtype=torch.bfloat16, device=device)
-    dy[1] = randn(n, dtype=torch.bfloat16, gen=gen).to(device)
-    spec = make_spec(torch.bfloat16, 1e-6, -1.0, "llama", torch.bfloat16)
+    z, w, dy = (t.to(device) for t in zero_dy_rows(n, gen))
+    spec = make_spec(torch.bfloat16, 1e-6, ZERO_DY_OFFSET, "llama", torch.bfloat16)
     ref = TorchBackend()
     _, rstd, _ = ref.rms_norm_fwd(z, w, None, spec)
     want_dx, _ = ref.rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", False, None)
@@ -122,11 +123,10 @@ def check_special_values(backend, n: int, dtype: torch.dtype, fused: bool, mode:
     from strictnorm.contract import make_spec
 
     rows = 11  # row 0 ordinary, then two of each kind
-    x = sprinkle_specials(randn(rows, n, dtype=dtype, gen=gen), gen).to(device)
-    res = sprinkle_specials(randn(rows, n, dtype=dtype, gen=gen), gen).to(device) if fused else None
-    w = sprinkle_specials(randn(n, dtype=torch.bfloat16, gen=gen), gen, "zeros subnormals max").to(device)
-    dy = sprinkle_specials(randn(rows, n, dtype=dtype, gen=gen).roll(3, 0), gen).to(device)
-    dres = sprinkle_specials(randn(rows, n, dtype=dtype, gen=gen), gen).to(device) if fused else None
+    x, w, dy = randn(rows, n, dtype=dtype, gen=gen), randn(n, dtype=torch.bfloat16, gen=gen), randn(
+        rows, n, dtype=dtype, gen=gen)
+    res, dres = (randn(rows, n, dtype=dtype, gen=gen), randn(rows, n, dtype=dtype, gen=gen)) if fused else (None, None)
+    x, w, dy, res, dres = (None if t is None else t.to(device) for t in with_specials(gen, x, w, dy, res, dres))
     spec = make_spec(dtype, 1e-6, -0.5, mode, dtype)
     ref = TorchBackend()
     want, got = ref.rms_norm_fwd(x, w, res, spec), backend.rms_norm_fwd(x, w, res, spec)

@@ -56,6 +56,31 @@ def sprinkle_specials(t: torch.Tensor, gen: torch.Generator, kinds: str = "zeros
     return out
 
 
+def with_specials(gen: torch.Generator, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+                  res: torch.Tensor | None = None, dres: torch.Tensor | None = None) -> tuple:
+    """(x, w, dy, res, dres) as the special-value checks use them: rows, residuals and gradients through
+    sprinkle_specials (dy's kinds shifted by three rows against x's), the weight with finite kinds only (an
+    infinite or NaN weight lane would decide every row)."""
+    return (sprinkle_specials(x, gen), sprinkle_specials(w, gen, "zeros subnormals max"),
+            sprinkle_specials(dy.roll(3, 0), gen), None if res is None else sprinkle_specials(res, gen),
+            None if dres is None else sprinkle_specials(dres, gen))
+
+
+ZERO_DY_OFFSET = -1.0
+
+
+def zero_dy_rows(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, w, dy) in bf16 whose backward hinges on signed zeros, with offset ZERO_DY_OFFSET: x > 0, w + offset
+    < 0, dy zero but in row 1 (masked tokens). The zero rows' products xh * (dy * wf) are all -0.0; canon_sum
+    adds them exactly ((-0) + (-0) = -0) and pads with +0.0, so their sum is -0.0 when N is a power of two and
+    +0.0 otherwise, and dx's zeros take the opposite sign."""
+    x = (torch.rand(3, n, generator=gen) + 0.5).to(torch.bfloat16)
+    w = (torch.rand(n, generator=gen) * 0.5).to(torch.bfloat16)
+    dy = torch.zeros(3, n, dtype=torch.bfloat16)
+    dy[1] = torch.randn(n, generator=gen).to(torch.bfloat16)
+    return x, w, dy
+
+
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
     if a.shape != b.shape or a.dtype != b.dtype:
         return -1
@@ -92,10 +117,7 @@ def _norm_case(backend: str, device: torch.device, *, rows: int, n: int, dtype: 
     dy = torch.randn(rows, n, generator=g).to(dtype)
     dz = torch.randn(rows, n, generator=g).to(dtype) if fused else None
     if specials:
-        x, dy = sprinkle_specials(x, g), sprinkle_specials(dy.roll(3, 0), g)
-        w = sprinkle_specials(w, g, "zeros subnormals max")
-        res = sprinkle_specials(res, g) if fused else None
-        dz = sprinkle_specials(dz, g) if fused else None
+        x, w, dy, res, dz = with_specials(g, x, w, dy, res, dz)
 
     def run(be: str, dev: torch.device):
         xx, ww = _leaf(x, dev), _leaf(w, dev)
@@ -114,17 +136,12 @@ def _norm_case(backend: str, device: torch.device, *, rows: int, n: int, dtype: 
 
 
 def _zero_dy_case(backend: str, device: torch.device, n: int, seed: int) -> dict[str, int]:
-    """Zero dy rows (masked tokens), a negative offset, x > 0: every product xh * (dy * wf) is -0.0, so the
-    signs of dx's zeros depend on canon_sum's +0.0 padding and on (-0) + (-0) = -0."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.rand(3, n, generator=g) + 0.5).to(torch.bfloat16)
-    w = (torch.rand(n, generator=g) * 0.5).to(torch.bfloat16)
-    dy = torch.zeros(3, n, dtype=torch.bfloat16)
-    dy[1] = torch.randn(n, generator=g).to(torch.bfloat16)
+    """zero_dy_rows through autograd: the signs of dx's zeros."""
+    x, w, dy = zero_dy_rows(n, torch.Generator().manual_seed(seed))
 
     def run(be: str, dev: torch.device):
         xx, ww = _leaf(x, dev), _leaf(w, dev)
-        y = api.rms_norm(xx, ww, 1e-6, offset=-1.0, casting_mode="llama", dw="strict", backend=be)
+        y = api.rms_norm(xx, ww, 1e-6, offset=ZERO_DY_OFFSET, casting_mode="llama", dw="strict", backend=be)
         y.backward(dy.to(dev))
         return {"dx": xx.grad, "dw": ww.grad}
 
