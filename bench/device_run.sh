@@ -23,6 +23,15 @@ if [[ $what == tests || $what == all ]]; then
   timeout ${VERIFY_TIMEOUT:-90} python3 -m strictnorm.cli verify --quick > "$OUT/verify.log" 2>&1
   tail -n 3 "$OUT/verify.log"
 fi
+if [[ ${MEMCHECK:-0} == 1 ]]; then
+  # compute-sanitizer over the guard-band tests, each tensor its own allocation (no caching allocator), so a
+  # read past an input's end is reported even where the kernel discards what it read
+  CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_TIMEOUT:-240} "$CS" --tool memcheck --report-api-errors no \
+    --print-limit 8 python3 -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu.py \
+    -k "${MEMCHECK_K:-reads_nothing or cuda_backward_bitwise and 5120}" > "$OUT/memcheck.log" 2>&1
+  grep -E "passed|failed|ERROR SUMMARY|Invalid|out of bounds|nearest allocation|^=========     at" "$OUT/memcheck.log" | head -n 30
+fi
 if [[ $what == bench || $what == all ]]; then
   # JSON rows are logged as they are measured, the tables last (bench.log); at most 8 files come back
   timeout ${BENCH_TIMEOUT:-300} python3 -m strictnorm.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" \

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -255,3 +257,44 @@ def test_partial_rows_padded_to_whole_groups():
         assert buf.shape[0] % g == 0 and rows <= buf.shape[0] < rows + g
         assert groups(buf.shape[0]) == g or buf.shape[0] % groups(buf.shape[0]) == 0
         assert not buf[rows:].any()
+
+
+def _nvdisasm():
+    import pathlib
+
+    triton = pytest.importorskip("triton")
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not tool.exists():
+        pytest.skip("no nvdisasm in this Triton install")
+    return tool
+
+
+# An integer min/max whose predicate output a branch uses. ptxas (NVRTC 13.0.88, sm_90) compiled the held
+# weight's `aligned && max(0, min(PIECE, left)) == PIECE` to VIMNMX.RELU with a predicate output, and on an
+# H200 the branch on it took the 16-byte load for pieces wholly in the padding (left == 0): a read past the
+# weight's end (compute-sanitizer memcheck), garbage in padded lanes and, before the padded products were
+# selected to +0.0, an all-NaN dx at N = 5120 (bench/NOTES.md). rms_norm.cu keeps `left` unclamped.
+_PREDICATED_MIN_MAX = re.compile(r"VIMNMX[.\w]* R\w+, P\d")
+
+
+@pytest.mark.parametrize("n, tuning", [(5120, None), (1000, None), (7, {"values": 8}), (4096, {"values": 8})])
+def test_no_predicated_min_max_in_the_sass(n, tuning, tmp_path, monkeypatch):
+    """The configurations whose sm_90 code had the pattern above (forward, backward with and without dW
+    partials, llama and gemma), disassembled: none of it left."""
+    import subprocess
+
+    from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, norm_launch
+
+    tool = _nvdisasm()
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    bf16, tun = torch.bfloat16, NormTuning(**tuning) if tuning else None
+    for mode in ("llama", "gemma"):
+        for defines in (norm_launch(n, bf16, None, bf16, bf16, mode, False, tun).defines,
+                        *(norm_bwd_launch(n, bf16, bf16, bf16, mode, False, True, partials, tun).defines
+                          for partials in (False, True))):
+            cubin = tmp_path / "k.cubin"
+            cubin.write_bytes(nvrtc.compile_cubin("rms_norm.cu", "sm_90", defines, use_cache=False))
+            sass = subprocess.run([str(tool), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+            assert "LDG" in sass, "disassembly without loads"
+            hits = _PREDICATED_MIN_MAX.findall(sass)
+            assert not hits, f"{mode} {defines}: {hits}"

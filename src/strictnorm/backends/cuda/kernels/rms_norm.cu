@@ -55,7 +55,12 @@ constexpr int SUBTREES = K * ROW_WARPS;  // partial sums per row after step 2
 static_assert(THREADS % WARP_SIZE == 0 && THREADS <= 1024, "block shape");
 
 __device__ __forceinline__ int piece_col(int k, int t) { return (k * TPR + t) * PIECE; }
-__device__ __forceinline__ int piece_valid(int k, int t, int n) { return max(0, min(PIECE, n - piece_col(k, t))); }
+// Lanes of the row from piece k's first lane on, unclamped: <= 0 none of the piece, >= PIECE all of it. Kept
+// unclamped on purpose: ptxas (NVRTC 13.0, sm_90) compiled `aligned && max(0, min(PIECE, left)) == PIECE` for the
+// held weight into VIMNMX.RELU with a predicate output, and on an H200 the branch on that predicate took the
+// 16-byte load for left == 0: a read past the weight's end, garbage in padded lanes (compute-sanitizer memcheck,
+// bench/NOTES.md). Plain compares of `left` compile to ISETP.
+__device__ __forceinline__ int piece_left(int k, int t, int n) { return n - piece_col(k, t); }
 
 // One piece as raw bit patterns packed in 32-bit words (two 16-bit values per word): rows held in
 // registers take half the registers of their fp32 widening, so more rows are in flight per SM.
@@ -70,13 +75,13 @@ struct Raw {
     }
 };
 
-// Loads one piece's bits; lanes at or past `valid` get +0.0's bits (zero). 16-byte vector loads when the
-// piece is whole and `aligned` (pointers and row strides checked by the host).
+// Loads one piece's bits; lanes at or past `left` (piece_left) get +0.0's bits (zero). 16-byte vector loads
+// when the piece is whole and `aligned` (pointers and row strides checked by the host).
 template <int CODE>
-__device__ __forceinline__ void load_raw(unsigned int* w, const typename Elem<CODE>::T* p, int valid, bool aligned) {
+__device__ __forceinline__ void load_raw(unsigned int* w, const typename Elem<CODE>::T* p, int left, bool aligned) {
     typedef Raw<CODE> R;
     if constexpr (R::WORDS % 4 == 0) {
-        if (aligned && valid == PIECE) {
+        if (aligned && left >= PIECE) {
 #pragma unroll
             for (int q = 0; q < R::WORDS / 4; ++q) {
                 const uint4 u = reinterpret_cast<const uint4*>(p)[q];
@@ -89,7 +94,7 @@ __device__ __forceinline__ void load_raw(unsigned int* w, const typename Elem<CO
     for (int j = 0; j < R::WORDS; ++j) w[j] = 0u;
 #pragma unroll
     for (int i = 0; i < PIECE; ++i)
-        if (i < valid) w[i * R::SIZE / 4] |= Elem<CODE>::bits(p[i]) << (i * R::SIZE % 4 * 8);
+        if (i < left) w[i * R::SIZE / 4] |= Elem<CODE>::bits(p[i]) << (i * R::SIZE % 4 * 8);
 }
 
 template <int CODE>
@@ -98,20 +103,20 @@ __device__ __forceinline__ void unpack(float* out, const unsigned int* w) {
     for (int i = 0; i < PIECE; ++i) out[i] = Raw<CODE>::value(w, i);
 }
 
-// Loads one piece widened to fp32 (lanes at or past `valid` read as +0.0).
+// Loads one piece widened to fp32 (lanes at or past `left` read as +0.0).
 template <int CODE>
-__device__ __forceinline__ void load_piece(float* out, const typename Elem<CODE>::T* p, int valid, bool aligned) {
+__device__ __forceinline__ void load_piece(float* out, const typename Elem<CODE>::T* p, int left, bool aligned) {
     unsigned int w[Raw<CODE>::WORDS];
-    load_raw<CODE>(w, p, valid, aligned);
+    load_raw<CODE>(w, p, left, aligned);
     unpack<CODE>(out, w);
 }
 
 template <int CODE>
-__device__ __forceinline__ void store_piece(typename Elem<CODE>::T* p, const float* v, int valid, bool aligned) {
+__device__ __forceinline__ void store_piece(typename Elem<CODE>::T* p, const float* v, int left, bool aligned) {
     typedef typename Elem<CODE>::T t;
     constexpr int PER = 16 / sizeof(t);
     if constexpr (PIECE % PER == 0) {
-        if (aligned && valid == PIECE) {
+        if (aligned && left >= PIECE) {
 #pragma unroll
             for (int q = 0; q < PIECE / PER; ++q) {
                 uint4 u;
@@ -125,7 +130,7 @@ __device__ __forceinline__ void store_piece(typename Elem<CODE>::T* p, const flo
     }
 #pragma unroll
     for (int i = 0; i < PIECE; ++i)
-        if (i < valid) p[i] = Elem<CODE>::narrow(v[i]);
+        if (i < left) p[i] = Elem<CODE>::narrow(v[i]);
 }
 
 // A row's lanes held by one thread (HOLD), as raw bits: piece k is lanes [(k * TPR + t) * PIECE, ... + PIECE).
@@ -138,7 +143,7 @@ template <int CODE>
 __device__ __forceinline__ void load_held(Held<CODE>& h, const typename Elem<CODE>::T* row, int t, int n, bool live,
                                           bool aligned) {
 #pragma unroll
-    for (int k = 0; k < KR; ++k) load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_valid(k, t, n) : 0, aligned);
+    for (int k = 0; k < KR; ++k) load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_left(k, t, n) : 0, aligned);
 }
 
 // Hides the held words' values from the optimizer at this point: without it, the compiler keeps the fp32
@@ -235,19 +240,19 @@ __device__ __forceinline__ void effective_weight(float* wp, float offset) {
 // Piece k of a row: unpacked from the lanes this thread holds (HELD), or loaded from src.
 template <int CODE, bool HELD = HOLD>
 __device__ __forceinline__ void fetch_piece(float* a, const Held<CODE>& held, int k, const typename Elem<CODE>::T* src,
-                                            int valid, bool aligned) {
+                                            int left, bool aligned) {
     if constexpr (HELD) {
-        (void)src, (void)valid, (void)aligned;
+        (void)src, (void)left, (void)aligned;
         unpack<CODE>(a, held.w[k]);
     } else {
-        load_piece<CODE>(a, src, valid, aligned);
+        load_piece<CODE>(a, src, left, aligned);
     }
 }
 
 // Piece k of the effective weight, from the held weight (HOLD_WEIGHT) or src (its lanes in the weight row).
-__device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, int k, const w_t* src, int valid,
+__device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, int k, const w_t* src, int left,
                                              bool aligned, float offset) {
-    fetch_piece<WC, HOLD_WEIGHT>(wp, held, k, src, valid, aligned);
+    fetch_piece<WC, HOLD_WEIGHT>(wp, held, k, src, left, aligned);
     effective_weight(wp, offset);
 }
 
@@ -313,32 +318,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
         // piece k of the norm's input: x, or z = rd(x + residual) (recomputed from the held lanes in pass 2
         // with HOLD, read back from z, which pass 1 wrote, otherwise)
-        auto input = [&](int k, float* a, int valid, bool second_pass) {
+        auto input = [&](int k, float* a, int left, bool second_pass) {
             const int c0 = piece_col(k, t);
 #if HAS_RES
             if (!HOLD && second_pass) {
-                load_piece<NC>(a, z + r * n + c0, valid, aligned);
+                load_piece<NC>(a, z + r * n + c0, left, aligned);
                 return;
             }
             float b[PIECE];
-            fetch_piece<XC>(a, xh, k, xrow + c0, valid, aligned);
-            fetch_piece<RC>(b, rh, k, rrow + c0, valid, aligned);
+            fetch_piece<XC>(a, xh, k, xrow + c0, left, aligned);
+            fetch_piece<RC>(b, rh, k, rrow + c0, left, aligned);
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) a[i] = round_f32<NC>(__fadd_rn(a[i], b[i]));
 #else
             (void)second_pass;
-            fetch_piece<XC>(a, xh, k, xrow + c0, valid, aligned);
+            fetch_piece<XC>(a, xh, k, xrow + c0, left, aligned);
 #endif
         };
         // pass 1: z (stored as residual_out with the fused add), its squares, the piece sums
         float part[K] = {};  // pieces k >= KR: +0.0 subtrees
 #pragma unroll
         for (int k = 0; k < KR; ++k) {
-            const int valid = live ? piece_valid(k, t, n) : 0;
+            const int left = live ? piece_left(k, t, n) : 0;
             float a[PIECE];
-            input(k, a, valid, false);
+            input(k, a, left, false);
 #if HAS_RES
-            store_piece<NC>(z + r * n + piece_col(k, t), a, valid, aligned);
+            store_piece<NC>(z + r * n + piece_col(k, t), a, left, aligned);
 #endif
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) a[i] = __fmul_rn(a[i], a[i]);
@@ -355,14 +360,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         // pass 2: y. Without HOLD, the input is read again (this thread's own lanes: from L1/L2) and so is w.
 #pragma unroll
         for (int k = 0; k < KR; ++k) {
-            const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
+            const int c0 = piece_col(k, t), left = live ? piece_left(k, t, n) : 0;
             float a[PIECE];
-            input(k, a, valid, true);
+            input(k, a, left, true);
 #if HAS_W
             float wp[PIECE];
-            // `live ? piece_valid(...)` rather than `valid` (same value): NVRTC 13.0 compiled the latter to
+            // `live ? piece_left(...)` rather than `left` (same value): NVRTC 13.0 compiled the latter to
             // 25% more sm_90 code for the stream-mode forward
-            fetch_weight(wp, wh, k, wrow + c0, live ? piece_valid(k, t, n) : 0, aligned, offset);
+            fetch_weight(wp, wh, k, wrow + c0, live ? piece_left(k, t, n) : 0, aligned, offset);
 #endif
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) {
@@ -375,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 #endif
                 a[i] = o;
             }
-            store_piece<YC>(y + r * n + c0, a, valid, aligned);
+            store_piece<YC>(y + r * n + c0, a, left, aligned);
         }
     }
 }
@@ -412,7 +417,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
     float* dw_row = dw_smem + (threadIdx.x / TPR) * n;
 #pragma unroll
     for (int k = 0; k < KR; ++k)
-        for (int i = 0; i < piece_valid(k, t, n); ++i) dw_row[piece_col(k, t) + i] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PIECE; ++i)
+            if (i < piece_left(k, t, n)) dw_row[piece_col(k, t) + i] = 0.0f;
 #endif
     Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
     if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
@@ -433,11 +440,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         const float rstd = live ? rstd_in[r] : 0.0f;
         // this thread's pieces of z, dy and the effective weight (1.0 without one)
         auto get = [&](int k, float* zp, float* dp, float* wp) {
-            const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
-            fetch_piece<NC>(zp, zh, k, zrow + c0, valid, aligned);
-            fetch_piece<DYC>(dp, dh, k, drow + c0, valid, aligned);
+            const int c0 = piece_col(k, t), left = live ? piece_left(k, t, n) : 0;
+            fetch_piece<NC>(zp, zh, k, zrow + c0, left, aligned);
+            fetch_piece<DYC>(dp, dh, k, drow + c0, left, aligned);
 #if HAS_W
-            fetch_weight(wp, wh, k, wrow + c0, valid, aligned, offset);
+            fetch_weight(wp, wh, k, wrow + c0, left, aligned, offset);
 #else
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) wp[i] = 1.0f;
@@ -453,9 +460,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #if PADDED
             // padded lanes add +0.0, as canon_sum pads: computed from the zero-filled lanes they would be
             // 0 * (0 * (0 + offset)), -0.0 for a negative offset
-            const int valid = live ? piece_valid(k, t, n) : 0;
+            const int left = live ? piece_left(k, t, n) : 0;
 #pragma unroll
-            for (int i = 0; i < PIECE; ++i) prod[i] = i < valid ? prod[i] : 0.0f;
+            for (int i = 0; i < PIECE; ++i) prod[i] = i < left ? prod[i] : 0.0f;
 #endif
             part[k] = pair_tree<PIECE>(prod);
         }
@@ -467,11 +474,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         n_t* xrow = dx + offset_of(r, xs0, xs1, xsg, r1, g);
 #pragma unroll
         for (int k = 0; k < KR; ++k) {
-            const int c0 = piece_col(k, t), valid = live ? piece_valid(k, t, n) : 0;
+            const int c0 = piece_col(k, t), left = live ? piece_left(k, t, n) : 0;
             float zp[PIECE], dp[PIECE], wp[PIECE], out[PIECE];
             get(k, zp, dp, wp);
 #if HAS_DRES
-            load_piece<NC>(out, dres + offset_of(r, es0, es1, esg, r1, g) + c0, valid, aligned);
+            load_piece<NC>(out, dres + offset_of(r, es0, es1, esg, r1, g) + c0, left, aligned);
 #endif
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) {
@@ -483,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
                 out[i] = o;
 #endif
             }
-            store_piece<NC>(xrow + c0, out, valid, aligned);
+            store_piece<NC>(xrow + c0, out, left, aligned);
 #if DW_PARTIALS
             if (live) {
 #pragma unroll
@@ -492,7 +499,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #if HOLD && !DW_SMEM
                     dw_acc.v[k][i] = __fadd_rn(dw_acc.v[k][i], contrib);
 #else
-                    if (i < valid) dw_row[c0 + i] = __fadd_rn(dw_row[c0 + i], contrib);
+                    if (i < left) dw_row[c0 + i] = __fadd_rn(dw_row[c0 + i], contrib);
 #endif
                 }
             }
@@ -503,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
     const long long part_row = static_cast<long long>(blockIdx.x) * RPB + threadIdx.x / TPR;
 #pragma unroll
     for (int k = 0; k < KR; ++k) {
-        const int c0 = piece_col(k, t), cols = piece_valid(k, t, n);
+        const int c0 = piece_col(k, t), cols = piece_left(k, t, n);
 #pragma unroll
         for (int i = 0; i < PIECE; ++i)
 #if HOLD && !DW_SMEM
