@@ -3,7 +3,7 @@
 Every configuration must give the reference's bits (checked here: y, rstd and dx against the torch
 backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
 Kernels are compiled first, in parallel, into the disk cache. Rows of N below a power of two also try
-each configuration with the padding pieces trimmed (`trim`). SWEEP_SHAPES=MxN,MxN limits the shapes.
+each configuration untrimmed too (`trim=False`; trimmed is the default). SWEEP_SHAPES=MxN,MxN limits the shapes.
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
 """
@@ -43,10 +43,11 @@ BWD_TUNINGS += [dataclasses.replace(t, partial_blocks_per_sm=b) for t in _STREAM
 
 
 def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
-    """The configurations, and for N below its power of two each one with the padding pieces trimmed too."""
+    """The configurations (padding pieces trimmed, the default), and for N below its power of two each one
+    untrimmed too."""
     if n == next_pow2(n):
         return tunings
-    return tunings + [dataclasses.replace(t, trim=True) for t in tunings]
+    return tunings + [dataclasses.replace(t, trim=False) for t in tunings]
 
 
 def _compile(defines: dict) -> None:

@@ -128,8 +128,11 @@ class NormTuning:
     # fast dW, whose partial rows are one per block)
     persistent: bool = True
     # pieces wholly in the padding (k >= KR for every thread) neither loaded nor held: fewer registers and
-    # instructions for N well below its power of two (N = 18432: 5 of 8 pieces a thread at P = 32768)
-    trim: bool = False
+    # instructions for N well below its power of two (N = 18432: 5 of 8 pieces a thread at P = 32768). On by
+    # default since the H200 sweep of 2026-11-30 (bench/results/2026-11-30-h200-run6): the table's shapes at
+    # N = 18432 forward 57.0 -> 45.4 us, backward 166.9 -> 110.7 us; N = 5120 29.7 -> 26.3, 69.2 -> 62.3 us;
+    # the same code where N is a power of two
+    trim: bool = True
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
@@ -215,8 +218,9 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
                "HOLD_W": int(hold and tuning.hold_weight)}
-    if tuning.trim:
-        defines["KR"] = max(1, -(-n // (piece * tpr)))
+    pieces_with_data = max(1, -(-n // (piece * tpr)))
+    if tuning.trim and pieces_with_data < k:  # else KR = K: the untrimmed kernel (same cubin, same cache key)
+        defines["KR"] = pieces_with_data
     return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm, tuning.persistent)
 
 
