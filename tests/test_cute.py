@@ -198,9 +198,67 @@ def _backend_fwd_cases():
     return ((bf16, None, bf16, bf16), (f16, None, f32, f32), (f32, None, None, f32), (bf16, bf16, f32, bf16))
 
 
+def _tvm_ffi_installed() -> bool:
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(params=K.CALLS)
+def cute_calls(request, monkeypatch):
+    """Both calling conventions of kernels.py (DLPack, TVM FFI): the same kernels, so the same bits."""
+    if request.param == "tvm-ffi" and not _tvm_ffi_installed():
+        pytest.skip("apache-tvm-ffi is not installed")
+    monkeypatch.setenv("STRICTNORM_CUTE_CALLS", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_tvm_ffi_calls_compile_the_same_kernel(vector, tmp_path):
+    """Compiled for TVM FFI calls (torch tensors in, the stream from TVM FFI's environment), the forward's
+    and the backward's device code is the PTX of the DLPack build: only the host side differs."""
+    if not _tvm_ffi_installed():
+        pytest.skip("apache-tvm-ffi is not installed")
+    import cutlass.cute as cute
+
+    bf16 = cutlass.BFloat16
+    for which, make in enumerate((lambda t: K.forward_args(4096, bf16, bf16, bf16, "gemma", vector, tvm_ffi=t),
+                                  lambda t: K.backward_args(4096, bf16, bf16, bf16, "gemma", vector, True, True,
+                                                            tvm_ffi=t))):
+        ptx = []
+        for tvm_ffi in (False, True):
+            out = tmp_path / f"{which}-{tvm_ffi}"
+            out.mkdir()
+            op, args = make(tvm_ffi)
+            options = f"--keep-ptx --dump-dir {out}" + (" --enable-tvm-ffi" if tvm_ffi else "")
+            cute.compile(op, *args, options=options)
+            (path,) = list(out.glob("*.ptx"))
+            ptx.append(path.read_text())
+        kernels = [re.findall(r"\.visible \.entry[\s\S]*?\n}\n", p) for p in ptx]
+        assert kernels[0] and len(kernels[0]) == len(kernels[1])
+        strip = [[re.sub(r"\.entry \S+?\(", ".entry (", k) for k in ks] for ks in kernels]
+        assert strip[0] == strip[1]
+
+
+def test_calling_convention_setting(monkeypatch):
+    monkeypatch.delenv("STRICTNORM_CUTE_CALLS", raising=False)
+    assert K.calls() == "dlpack"
+    monkeypatch.setenv("STRICTNORM_CUTE_CALLS", "ctypes")
+    with pytest.raises(ValueError, match="dlpack"):
+        K.calls()
+    monkeypatch.setenv("STRICTNORM_CUTE_CALLS", "tvm-ffi")
+    if _tvm_ffi_installed():
+        assert K.calls() == "tvm-ffi"
+    else:
+        with pytest.raises(RuntimeError, match="apache-tvm-ffi"):
+            K.calls()
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [7, 1000, 4096, 4097, 8192, 16384, 18432])
-def test_backend_bitwise_against_reference(n, seed):
+def test_backend_bitwise_against_reference(n, seed, cute_calls):
     """backend='cute' against the reference: y, rstd, residual_out for every mode and dtype case; dx
     (with and without a residual gradient), strict dW bitwise, fast dW repeatable and close, in place."""
     from strictnorm.backends.registry import get_backend
@@ -241,7 +299,7 @@ def test_backend_bitwise_against_reference(n, seed):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_backend_kernels_keyed_by_mode_and_offset(seed):
+def test_backend_kernels_keyed_by_mode_and_offset(seed, cute_calls):
     """One shape, the casting mode and the offset changed between calls: each call has the reference's
     bits (a kernel compiled for another mode is never reused; the offset is a runtime argument)."""
     from strictnorm.backends.cute import kernels
@@ -262,7 +320,7 @@ def test_backend_kernels_keyed_by_mode_and_offset(seed):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dw", ["fast", "strict"])
-def test_backend_autograd_in_place_and_graph_replay(dw, seed):
+def test_backend_autograd_in_place_and_graph_replay(dw, seed, cute_calls):
     """FusedAddRMSNorm through the public API on backend='cute' in a CUDA graph (helpers.py)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
 

@@ -15,12 +15,19 @@ the reference on an H200 (bf16 rows, every mode, fused add with an fp32 residual
 bench/results/); offered as backend `cute` (backend.py). Rows whose pieces are whole and 16-byte aligned
 use 16-byte vector loads and stores; others load element by element. Kernels launch on torch's current
 stream.
+
+Calls: through DLPack (cute.runtime.from_dlpack per tensor per call, and an explicit stream argument), or,
+with STRICTNORM_CUTE_CALLS=tvm-ffi and apache-tvm-ffi installed, through TVM FFI: the kernels are compiled
+for it (`--enable-tvm-ffi`), take torch tensors as they are and find torch's current stream themselves,
+with far less host work per call. The same kernels either way (the calling convention is all that
+differs); DLPack stays the default until the TVM FFI calls have had their GPU run (bench/NOTES.md).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -379,40 +386,80 @@ class _Fakes:
         return make_fake_tensor(Float32, (self.m,), (1,))
 
 
-def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None) -> tuple:
+def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
+                 tvm_ffi: bool = False) -> tuple:
     """The forward operator and the fake arguments cute.compile specializes on: dtypes, mode, block
-    shape, and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0)."""
+    shape, and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0).
+    tvm_ffi: the stream comes from TVM FFI's environment (torch's current stream) at each call."""
     f = _Fakes(n, vector)
     norm_dtype = res_dtype or x_dtype
     op = RMSNormForward(f.shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
     return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
                 f.rows(y_dtype), f.per_row(), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
-                cute.runtime.make_fake_stream())
+                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
 
 
-def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool
-                  ) -> tuple:
+def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool,
+                  tvm_ffi: bool = False) -> tuple:
     """The backward operator and its fake arguments (see forward_args); the partials have their own
     row count."""
     f = _Fakes(n, vector)
     op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
     return op, (f.rows(dy_dtype), f.rows(z_dtype), f.weight(w_dtype or z_dtype), f.per_row(), f.rows(z_dtype),
                 f.rows(z_dtype), f.rows(Float32, own_count=True), Int32(1), Int32(n), Float32(0.0), Int32(1),
-                cute.runtime.make_fake_stream())
+                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
+
+
+def _compile(op, args: tuple, tvm_ffi: bool):
+    return cute.compile(op, *args, options="--enable-tvm-ffi") if tvm_ffi else cute.compile(op, *args)
 
 
 @lru_cache(maxsize=256)
-def compile_backward(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool):
-    op, args = backward_args(n, z_dtype, dy_dtype, w_dtype, mode, vector, has_dres, partials)
-    return cute.compile(op, *args), op.s
+def compile_backward(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool,
+                     tvm_ffi: bool = False):
+    op, args = backward_args(n, z_dtype, dy_dtype, w_dtype, mode, vector, has_dres, partials, tvm_ffi)
+    return _compile(op, args, tvm_ffi), op.s
 
 
 @lru_cache(maxsize=256)
-def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None):
-    """The compiled forward for one (padded N, dtypes, mode, vector, residual): the cache key holds
-    everything baked into the kernel. The offset and eps are runtime fp32 arguments."""
-    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector, res_dtype)
-    return cute.compile(op, *args), op.s
+def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
+                    tvm_ffi: bool = False):
+    """The compiled forward for one (padded N, dtypes, mode, vector, residual, calling convention): the
+    cache key holds everything baked into the kernel. The offset and eps are runtime fp32 arguments."""
+    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector, res_dtype, tvm_ffi)
+    return _compile(op, args, tvm_ffi), op.s
+
+
+CALLS = ("dlpack", "tvm-ffi")
+
+
+def calls() -> str:
+    """The calling convention in use: STRICTNORM_CUTE_CALLS (default "dlpack"; see the module's docstring)."""
+    how = os.environ.get("STRICTNORM_CUTE_CALLS", "dlpack")
+    if how not in CALLS:
+        raise ValueError(f"STRICTNORM_CUTE_CALLS must be one of {CALLS}, got {how!r}")
+    if how == "tvm-ffi":
+        _require_tvm_ffi()
+    return how
+
+
+@cache
+def _require_tvm_ffi() -> None:
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("STRICTNORM_CUTE_CALLS=tvm-ffi needs apache-tvm-ffi: pip install apache-tvm-ffi") from e
+
+
+def _launch(compiled, tvm_ffi: bool, tensors: tuple, scalars: tuple, device) -> None:
+    """One kernel call: tensors (detached: no tensor that requires grad is exported) then the int and
+    float scalars, in the compiled signature's order."""
+    tensors = tuple(t.detach() for t in tensors)
+    if tvm_ffi:
+        compiled(*tensors, *scalars)
+        return
+    typed = (Int32(v) if isinstance(v, int) else Float32(v) for v in scalars)
+    compiled(*_dlpack(*tensors), *typed, _stream(device))
 
 
 _TORCH_TO_CUTE = {"torch.float32": Float32, "torch.bfloat16": cutlass.BFloat16, "torch.float16": cutlass.Float16}
@@ -431,35 +478,41 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
         return y, rstd, z
     w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
     vector = _vector_ok(n, x, y, *(t for t in (weight, residual, z) if t is not None))
+    tvm_ffi = calls() == "tvm-ffi"
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
-                                      vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None)
+                                      vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
+                                      tvm_ffi)
     w = weight if weight is not None else x[0]
     res, zt = (residual, z) if residual is not None else (x, x)
-    compiled(*_dlpack(x, res, zt, w, y, rstd), Int32(rows), Int32(n), Float32(eps), Float32(offset),
-             Int32(_grid(shape, rows, x.device)), _stream(x.device))
+    _launch(compiled, tvm_ffi, (x, res, zt, w, y, rstd),
+            (rows, n, float(eps), float(offset), _grid(shape, rows, x.device)), x.device)
     return y, rstd, z
 
 
 def _grid(shape: ForwardShape, rows: int, device) -> int:
     """Blocks of the grid-stride kernels: every row group, at most about what the GPU holds at once."""
+    return min(-(-rows // shape.rpb), _sm_count(device.index) * max(1, 2048 // shape.threads))
+
+
+@cache
+def _sm_count(index: int | None) -> int:
     import torch
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(-(-rows // shape.rpb), sms * max(1, 2048 // shape.threads))
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
 
 
 def _stream(device):
     """torch's current stream on device: kernels are ordered with torch's work and captured in graphs."""
-    import torch
+    from ..cuda.nvrtc import current_stream
 
-    return cuda_driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    return cuda_driver.CUstream(current_stream(device.index if device.index is not None else 0))
 
 
 def _dlpack(*tensors) -> list:
     from cutlass.cute.runtime import from_dlpack
 
-    # detached: DLPack exports no tensor that requires grad (eager autograd calls reach the backend)
-    return [from_dlpack(t.detach()).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
+    return [from_dlpack(t).mark_layout_dynamic(leading_dim=t.dim() - 1) for t in tensors]
 
 
 def _vector_ok(n: int, *tensors) -> bool:
@@ -476,13 +529,14 @@ def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool
     dx = torch.empty_like(z)
     if rows == 0:
         return dx, None
+    tvm_ffi = calls() == "tvm-ffi"
     compiled, shape = compile_backward(
         n, _TORCH_TO_CUTE[str(z.dtype)], _TORCH_TO_CUTE[str(dy.dtype)],
         _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
-        _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials)
+        _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi)
     grid = _grid(shape, rows, z.device)
     part = torch.empty((grid * shape.rpb, n), dtype=torch.float32, device=z.device)
     w = weight if weight is not None else z[0]
-    compiled(*_dlpack(dy, z, w, rstd, dres if dres is not None else dy, dx, part), Int32(rows), Int32(n),
-             Float32(offset), Int32(grid), _stream(z.device))
+    _launch(compiled, tvm_ffi, (dy, z, w, rstd, dres if dres is not None else dy, dx, part),
+            (rows, n, float(offset), grid), z.device)
     return dx, (part if partials else None)
