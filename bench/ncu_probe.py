@@ -2,8 +2,10 @@
     ncu --profile-from-start off --clock-control none [sections] python3 bench/ncu_probe.py M N case...
 Cases: cuda-fwd, cuda-bwd (the tables' block shapes), cuda-fwd-hold<V> / cuda-fwd-stream<T> /
 cuda-bwd-hold<V> / cuda-bwd-stream<T> (a fixed block shape), triton-fwd, triton-bwd, liger-fwd,
-liger-bwd, quack-fwd, quack-bwd. bf16 x, dy and weight, llama mode, fast dW. Warm-up calls (compiles)
-run outside the range; each case's range holds one call.
+liger-bwd, quack-fwd, quack-bwd; fold-plain (the strict left fold of x's rows) and fold-dw (the strict dW
+fold: contributions recomputed from dy, x and rstd, the kernel behind dw="strict"). bf16 x, dy and
+weight, llama mode, fast dW. Warm-up calls (compiles) run outside the range; each case's range holds one
+call.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ EPS = 1e-6
 def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor):
     spec = make_spec(x.dtype, EPS, 0.0, "llama", x.dtype)
     backend, op, *shape = name.split("-")
+    if backend == "fold":
+        from strictnorm.backends.layout import row_layout
+
+        cb = get_backend("cuda")
+        if op == "plain":
+            return lambda: cb.left_fold(x)
+        return lambda: cb.strict_dw(*row_layout(dy), *row_layout(x), rstd, "llama", w)
     if backend in ("cuda", "triton"):
         b = get_backend(backend)
         b.fwd_tuning = b.bwd_tuning = None  # the tables (or STRICTNORM_CUDA_TUNING)

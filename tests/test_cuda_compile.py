@@ -219,6 +219,13 @@ def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
         assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"
     with pytest.raises(ValueError, match="shared memory"):
         fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=FoldTuning(cols=32, rows_per_stage=512))
+    # a bigger ring opted into (smem_bytes): more stages, and the dW fold converts stages of 256 rows
+    small = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=FoldTuning(rows_per_stage=256))
+    big = fold_launch(128, dtype, dtype, what, True, True, num_sms=132,
+                      tuning=FoldTuning(rows_per_stage=256, smem_bytes=200 * 1024))
+    assert 48 * 1024 < big.shmem <= 200 * 1024 and big.defines["STAGES"] > small.defines["STAGES"]
+    assert big.defines["CONVERT"] == int(what != 0) and small.defines["CONVERT"] == 0
+    assert nvrtc.compile_cubin("fold.cu", "sm_90", big.defines, use_cache=False)[:4] == b"\x7fELF"
 
 
 def test_tuning_file_replaces_entries_with_row_bounds(tmp_path, monkeypatch):

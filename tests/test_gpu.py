@@ -138,6 +138,29 @@ def test_cuda_fold_equals_python_loop(shape, dtype, seed):
     assert bits_equal(sn.reduce_rows_left_fold(rows), want)  # automatic choice on a GPU: cuda
 
 
+@pytest.mark.parametrize("smem_kb, rows_per_stage", [(96, 256), (200, 256), (200, 512)])
+def test_cuda_fold_rings_past_48kb(smem_kb, rows_per_stage, seed):
+    """Rings opted into more than 48 KB of shared memory (FoldTuning.smem_bytes): the plain fold equals the
+    Python loop and the strict dW fold (its stages converted by the producers) equals the default ring."""
+    from strictnorm.backends.cuda.backend import FoldTuning
+    from strictnorm.backends.layout import row_layout
+
+    cb = get_backend("cuda")
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    rows = torch.randn(3000, 128, device=DEV, generator=g).bfloat16()
+    dy, x = (torch.randn(5000, 136, device=DEV, generator=g).bfloat16() for _ in range(2))
+    rstd = torch.rand(5000, device=DEV, generator=g) + 0.5
+    strict = [None, None]
+    try:
+        for k, tuning in enumerate((None, FoldTuning(rows_per_stage=rows_per_stage, smem_bytes=smem_kb * 1024))):
+            cb.fold_tuning = tuning
+            assert bits_equal(cb.left_fold(rows), _loop(rows))
+            strict[k] = cb.fold(*row_layout(dy), *row_layout(x), rstd, 1, 1)
+    finally:
+        cb.fold_tuning = None
+    assert bits_equal(strict[0], strict[1])
+
+
 def test_cuda_fold_adversarial_rows():
     cols = 40
     rows = torch.zeros(9, cols, device=DEV)

@@ -60,6 +60,9 @@ class FoldTuning:
     cols: int = 0
     rows_per_stage: int = 0
     full_stage: bool = True
+    # the ring's shared memory: up to 48 KB needs no opt-in; more (Hopper: up to 227 KB) is opted into at
+    # load time and lets the dW fold convert stages of 256 rows (its contribution buffers need 4+ stages)
+    smem_bytes: int = _SMEM_LIMIT
 
 
 def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
@@ -71,17 +74,18 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
     plain folds 16 columns x 256 rows a stage (1.6x the chain floor at 128 columns, 2.5x before), the
     dW folds 8 x 128."""
     tuning = tuning or FoldTuning()
+    limit = tuning.smem_bytes
     narrow = 16 if what == 0 else 8
     cols = tuning.cols or (32 if -(-n // 32) >= num_sms else narrow)
     rows_per_stage = tuning.rows_per_stage or (64 if cols == 32 else (256 if what == 0 else 128))
     stage_bytes = rows_per_stage * cols * (a_size + (b_size if what else 0)) + (rows_per_stage * 4 if what else 0)
     contrib_bytes = 2 * rows_per_stage * cols * 4
-    convert = bool(what) and (_SMEM_LIMIT - contrib_bytes) // stage_bytes >= 4
-    budget = _SMEM_LIMIT - (contrib_bytes if convert else 0)
+    convert = bool(what) and (limit - contrib_bytes) // stage_bytes >= 4
+    budget = limit - (contrib_bytes if convert else 0)
     stages = min(12, budget // stage_bytes)
     if stages < 2:
         raise ValueError(f"fold ring of {cols} columns x {rows_per_stage} rows a stage: two stages need "
-                         f"{2 * stage_bytes} bytes of shared memory, more than {_SMEM_LIMIT}")
+                         f"{2 * stage_bytes} bytes of shared memory, more than {limit}")
     return cols, rows_per_stage, stages, convert, stages * stage_bytes + (contrib_bytes if convert else 0)
 
 
@@ -381,6 +385,8 @@ class CudaBackend:
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning, out_dtype)
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
+        if kernel is not None and fl.shmem > _SMEM_LIMIT:
+            kernel.allow_dynamic_shared(fl.shmem)
         return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
                          alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype)
 

@@ -154,6 +154,15 @@ class LoadedKernel:
         self._params = ctypes.addressof(self._ptrs)
         self._struct = struct.Struct("<" + "".join(formats))
 
+    def allow_dynamic_shared(self, nbytes: int) -> None:
+        """Opts the kernel into nbytes of dynamic shared memory (past the 48 KB every launch may use); a
+        clear error where the device offers less."""
+        driver = self._driver
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        (err,) = driver.cuFuncSetAttribute(self.function, attr, nbytes)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise CudaLaunchError(f"{nbytes} bytes of dynamic shared memory refused by the device: {err!r}")
+
     def launch(self, stream: int, grid: tuple[int, int, int], block: int, shmem: int, *args) -> None:
         with self._lock:
             if self._struct is None:
