@@ -1,6 +1,7 @@
 """Tuning sweep for the strict left fold's ring (kernels/fold.cu): columns per CTA, rows per stage and the
 consumer's whole-stage unroll, the ring's shared memory (past 48 KB: opted into), on plain fp32 rows and on
-the RMSNorm strict dW (bf16 dy and x). SWEEP_FOLD_CASES=text,... limits the cases to names containing one.
+the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major.
+SWEEP_FOLD_CASES=text,... limits the cases to names containing one.
 
 Any configuration must give the same bits (the order is the rows' order): each is checked against the
 default configuration, and the plain folds up to 16384 rows against the Python loop. Kernel-only time as
@@ -25,8 +26,9 @@ from strictnorm.bench import CHAIN_NS_PER_ROW, Timer, copy_ceiling_gbps
 TUNINGS = [None] + [FoldTuning(cols=c, rows_per_stage=r, full_stage=f)
                     for c in (8, 16, 32) for r in (64, 128, 256) for f in (False, True)]
 # bigger rings (more stages in flight; the dW fold converting stages of 256 or 512 rows)
-TUNINGS += [FoldTuning(cols=c, rows_per_stage=r, smem_bytes=kb * 1024)
-            for c in (8, 16) for r in (128, 256, 512) for kb in (96, 200)]
+TUNINGS += [FoldTuning(cols=c, rows_per_stage=r, smem_bytes=kb * 1024, column_major=cm)
+            for c in (8, 16) for r in (128, 256, 512) for kb in (48, 96, 200) for cm in (False, True)
+            if (kb, cm) != (48, False)]
 PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
 STRICT_DW = [(262144, 128), (32768, 4096)]  # rows x N of bf16 dy and x; llama contributions
 
@@ -89,7 +91,8 @@ def main() -> None:
         default = next(r for r in timed if r.get("default")) if any(r.get("default") for r in timed) else None
         best = min(timed, key=lambda r: r["us"]) if timed else None
         if best:
-            knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes") if k in best}
+            knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes", "column_major")
+                     if k in best}
             print(f"{name:>24}: default {default['us'] if default else float('nan'):8.1f} us, best {best['us']:8.1f}"
                   f" us ({best['x_chain_floor']:.2f}x chain floor) {knobs or 'default'}")
 

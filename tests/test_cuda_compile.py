@@ -226,6 +226,10 @@ def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
     assert 48 * 1024 < big.shmem <= 200 * 1024 and big.defines["STAGES"] > small.defines["STAGES"]
     assert big.defines["CONVERT"] == int(what != 0) and small.defines["CONVERT"] == 0
     assert nvrtc.compile_cubin("fold.cu", "sm_90", big.defines, use_cache=False)[:4] == b"\x7fELF"
+    # the dW fold's contributions column-major (four rows a consumer load); nothing to convert in a plain fold
+    cm = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=FoldTuning(column_major=True))
+    assert cm.defines.get("COLUMN_MAJOR", 0) == int(what != 0)
+    assert nvrtc.compile_cubin("fold.cu", "sm_90", cm.defines, use_cache=False)[:4] == b"\x7fELF"
 
 
 def test_tuning_file_replaces_entries_with_row_bounds(tmp_path, monkeypatch):

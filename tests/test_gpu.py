@@ -138,10 +138,12 @@ def test_cuda_fold_equals_python_loop(shape, dtype, seed):
     assert bits_equal(sn.reduce_rows_left_fold(rows), want)  # automatic choice on a GPU: cuda
 
 
-@pytest.mark.parametrize("smem_kb, rows_per_stage", [(96, 256), (200, 256), (200, 512)])
-def test_cuda_fold_rings_past_48kb(smem_kb, rows_per_stage, seed):
-    """Rings opted into more than 48 KB of shared memory (FoldTuning.smem_bytes): the plain fold equals the
-    Python loop and the strict dW fold (its stages converted by the producers) equals the default ring."""
+@pytest.mark.parametrize("smem_kb, rows_per_stage, column_major", [(96, 256, False), (200, 256, False),
+                                                                 (200, 512, False), (48, 128, True), (200, 256, True)])
+def test_cuda_fold_rings_past_48kb(smem_kb, rows_per_stage, column_major, seed):
+    """Rings opted into more than 48 KB of shared memory (FoldTuning.smem_bytes), and the dW fold's
+    contributions stored column-major: the plain fold equals the Python loop and the strict dW fold (its
+    stages converted by the producers; 5000 rows: a partial last stage) equals the default ring."""
     from strictnorm.backends.cuda.backend import FoldTuning
     from strictnorm.backends.layout import row_layout
 
@@ -152,7 +154,8 @@ def test_cuda_fold_rings_past_48kb(smem_kb, rows_per_stage, seed):
     rstd = torch.rand(5000, device=DEV, generator=g) + 0.5
     strict = [None, None]
     try:
-        for k, tuning in enumerate((None, FoldTuning(rows_per_stage=rows_per_stage, smem_bytes=smem_kb * 1024))):
+        for k, tuning in enumerate((None, FoldTuning(rows_per_stage=rows_per_stage, smem_bytes=smem_kb * 1024,
+                                                     column_major=column_major))):
             cb.fold_tuning = tuning
             assert bits_equal(cb.left_fold(rows), _loop(rows))
             strict[k] = cb.fold(*row_layout(dy), *row_layout(x), rstd, 1, 1)

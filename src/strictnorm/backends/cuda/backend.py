@@ -63,6 +63,8 @@ class FoldTuning:
     # the ring's shared memory: up to 48 KB needs no opt-in; more (Hopper: up to 227 KB) is opted into at
     # load time and lets the dW fold convert stages of 256 rows (its contribution buffers need 4+ stages)
     smem_bytes: int = _SMEM_LIMIT
+    # the dW fold's contributions stored column-major (COLUMN_MAJOR): the consumer loads four rows at once
+    column_major: bool = False
 
 
 def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
@@ -79,7 +81,7 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
     cols = tuning.cols or (32 if -(-n // 32) >= num_sms else narrow)
     rows_per_stage = tuning.rows_per_stage or (64 if cols == 32 else (256 if what == 0 else 128))
     stage_bytes = rows_per_stage * cols * (a_size + (b_size if what else 0)) + (rows_per_stage * 4 if what else 0)
-    contrib_bytes = 2 * rows_per_stage * cols * 4
+    contrib_bytes = 2 * (rows_per_stage + (4 if tuning.column_major else 0)) * cols * 4
     convert = bool(what) and (limit - contrib_bytes) // stage_bytes >= 4
     budget = limit - (contrib_bytes if convert else 0)
     stages = min(12, budget // stage_bytes)
@@ -101,8 +103,11 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
     defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
-    if (tuning or FoldTuning()).full_stage:
+    tuning = tuning or FoldTuning()
+    if tuning.full_stage:
         defines["FULL_STAGE"] = 1
+    if convert and tuning.column_major:
+        defines["COLUMN_MAJOR"] = 1
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
 
 

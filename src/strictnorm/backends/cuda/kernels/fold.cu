@@ -8,7 +8,9 @@
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), OUT_CODE (the
 // result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), and for fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
-// CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), FULL_STAGE
+// CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), COLUMN_MAJOR
+// (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
+// rows with one 16-byte load instead of one), FULL_STAGE
 // (the consumer's loop over a whole stage fully unrolled, so that its shared-memory loads run ahead of
 // the chain of adds; default 0: unrolled by 16, each block's first load latency exposed).
 //
@@ -109,6 +111,32 @@ __device__ __forceinline__ float fold_stage(float acc, int rows, Value value) {
     return acc;
 }
 
+#ifndef COLUMN_MAJOR
+#define COLUMN_MAJOR 0
+#endif
+
+// Folds `rows` consecutive fp32 values of one column (16-byte aligned) into acc, four rows per load;
+// the adds stay one at a time, in row order.
+__device__ __forceinline__ float fold_column(float acc, int rows, const float* col) {
+    const float4* c4 = reinterpret_cast<const float4*>(col);
+    if (FULL_STAGE && rows == ROWS_PER_STAGE) {
+#pragma unroll
+        for (int j = 0; j < ROWS_PER_STAGE / 4; ++j) {
+            const float4 v = c4[j];
+            acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
+        }
+        return acc;
+    }
+    int i = 0;
+#pragma unroll 4
+    for (; i + 4 <= rows; i += 4) {
+        const float4 v = c4[i / 4];
+        acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
+    }
+    for (; i < rows; ++i) acc = __fadd_rn(acc, col[i]);
+    return acc;
+}
+
 constexpr int A_ROW_BYTES = COLS * sizeof(a_t);
 constexpr int B_ROW_BYTES = (WHAT != 0) ? COLS * sizeof(b_t) : 0;
 constexpr int A_TILE = ROWS_PER_STAGE * A_ROW_BYTES;
@@ -116,6 +144,11 @@ constexpr int B_TILE = ROWS_PER_STAGE * B_ROW_BYTES;
 constexpr int R_TILE = (WHAT != 0) ? ROWS_PER_STAGE * 4 : 0;
 constexpr int STAGE_BYTES = A_TILE + B_TILE + R_TILE;
 constexpr int PRODUCERS = THREADS - 32;
+// the contribution buffers (CONVERT): row-major, or a column's rows contiguous and padded by 4 floats, so
+// that the producers' stores (consecutive columns of a row) fall in different banks
+constexpr int COLUMN_STRIDE = ROWS_PER_STAGE + 4;
+constexpr int CONTRIB_TILE = COLUMN_MAJOR ? COLS * COLUMN_STRIDE : ROWS_PER_STAGE * COLS;
+static_assert(!COLUMN_MAJOR || (CONVERT && ROWS_PER_STAGE % 4 == 0), "COLUMN_MAJOR: converted stages of 4k rows");
 static_assert(A_ROW_BYTES % 16 == 0 && B_ROW_BYTES % 16 == 0, "row segments must be whole 16-byte chunks");
 static_assert(COLS <= 32, "one consumer lane per column");
 static_assert(!CONVERT || (WHAT != 0 && STAGES >= 3), "CONVERT folds dW contributions through >= 3 stages");
@@ -180,9 +213,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
         const a_t* ta = reinterpret_cast<const a_t*>(slot);
         const b_t* tb = reinterpret_cast<const b_t*>(slot + A_TILE);
         const float* tr = reinterpret_cast<const float*>(slot + A_TILE + B_TILE);
-        float* dst = contrib + (s % 2) * ROWS_PER_STAGE * COLS;
-        for (int i = p; i < ROWS_PER_STAGE * COLS; i += PRODUCERS)
-            dst[i] = contribution(Elem<A_CODE>::widen(ta[i]), Elem<B_CODE>::widen(tb[i]), tr[i / COLS]);
+        float* dst = contrib + (s % 2) * CONTRIB_TILE;
+        for (int i = p; i < ROWS_PER_STAGE * COLS; i += PRODUCERS) {
+            const float v = contribution(Elem<A_CODE>::widen(ta[i]), Elem<B_CODE>::widen(tb[i]), tr[i / COLS]);
+#if COLUMN_MAJOR
+            dst[(i % COLS) * COLUMN_STRIDE + i / COLS] = v;
+#else
+            dst[i] = v;
+#endif
+        }
     };
     cp_async_wait<STAGES - 2>();  // stage 0 landed
     __syncthreads();
@@ -196,10 +235,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
         cp_async_commit();
         if (!consumer && s + 1 < stages) convert(s + 1);
         if (consumer && lane < COLS) {
-            const float* tc = contrib + (s % 2) * ROWS_PER_STAGE * COLS;
+            const float* tc = contrib + (s % 2) * CONTRIB_TILE;
             const long long left = rows_per_group - s * ROWS_PER_STAGE;
             const int rows = left < ROWS_PER_STAGE ? static_cast<int>(left) : ROWS_PER_STAGE;
+#if COLUMN_MAJOR
+            acc = fold_column(acc, rows, tc + lane * COLUMN_STRIDE);
+#else
             acc = fold_stage(acc, rows, [&](int i) { return tc[i * COLS + lane]; });
+#endif
         }
     }
 #else
