@@ -132,9 +132,11 @@ def forward_views(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.
 def forward_outputs(x: torch.Tensor, residual: torch.Tensor | None, out_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A forward's fresh, dense outputs: y, the fp32 rstd per row, residual_out (None without a residual)."""
-    return (torch.empty(x.shape, dtype=out_dtype, device=x.device),
+    # empty_like: a fraction of torch.empty's argument parsing (host time per call); dense either way
+    return (torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format),
             torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device),
-            torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None)
+            torch.empty_like(x, dtype=residual.dtype, memory_format=torch.contiguous_format)
+            if residual is not None else None)
 
 
 @dataclass
@@ -160,7 +162,7 @@ def backward_views(dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | Non
                    dres: torch.Tensor | None, dx_out: torch.Tensor | None) -> BackwardViews:
     weight = unit_stride(weight)
     per_head = weight is not None and weight.dim() == 2
-    dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    dx = dx_out if dx_out is not None else torch.empty_like(z, memory_format=torch.contiguous_format)
     (zk, dyk, dxk, dresk), lay, (_, dlay, xlay, elay) = shared_layouts(z, dy, dx, dres, per_head=per_head)
     if dres is None:
         dresk, elay = dyk, dlay

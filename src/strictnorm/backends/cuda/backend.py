@@ -470,7 +470,7 @@ class CudaBackend:
         if plan is None:
             plan = remember(self._bwd_plans, key,
                             self._plan_bwd(dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dx_out))
-        dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        dx = dx_out if dx_out is not None else torch.empty_like(z, memory_format=torch.contiguous_format)
         if plan.rows == 0:
             return dx, (torch.zeros(weight.shape, dtype=weight.dtype, device=z.device) if need_dw else None)
         dyk, zk, w, rstd, dresk, dxk = plan.views.inputs(dy, z, weight, rstd, dres, dx)

@@ -136,7 +136,7 @@ class TritonBackend:
         if plan is None:
             plan = remember(self._bwd_plans, key,
                             self._plan_bwd(dy, z, weight, rstd, dres, dx_out, spec, dw_mode, need_dw))
-        dx = dx_out if dx_out is not None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        dx = dx_out if dx_out is not None else torch.empty_like(z, memory_format=torch.contiguous_format)
         if not plan.grid:
             return dx, (torch.zeros(weight.shape, dtype=weight.dtype, device=z.device) if need_dw else None)
         lays = plan.views
