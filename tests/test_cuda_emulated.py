@@ -1,7 +1,8 @@
-"""rms_norm.cu run on the CPU (bench/emulate: threads, barriers and shuffles emulated, AddressSanitizer on the
-launch's buffers) against the reference, bit for bit. This checks the CUDA source's logic in CI, without a GPU:
-the launch shapes the host code picks, trimmed padding pieces, signed zeros. It does not check what NVRTC
-makes of the source (the GPU tests do). Skipped without g++ 12 or newer."""
+"""rms_norm.cu, and fold.cu's dW ring, run on the CPU (bench/emulate: threads, barriers and shuffles emulated,
+cp.async as an immediate copy, AddressSanitizer on the launch's buffers and the shared-memory ring) against the
+reference, bit for bit. This checks the CUDA sources' logic in CI, without a GPU: the launch shapes the host
+code picks, trimmed padding pieces, signed zeros, the fold ring's knobs. It does not check what NVRTC makes
+of the source, nor the ring's waits (the GPU tests do). Skipped without g++ 12 or newer."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from helpers import bits_equal, sprinkle_specials, zero_dy_case
 
-from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, norm_launch
+from strictnorm.backends.cuda.backend import FoldTuning, NormTuning, fold_launch, norm_bwd_launch, norm_launch
 from strictnorm.backends.torch_ref import TorchBackend
 from strictnorm.contract import make_spec
 
@@ -99,3 +100,44 @@ def test_emulated_backward_bitwise(n, tuning, seed, tmp_path):
     bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, False, tuning)
     want, _ = TorchBackend().rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", False, None)
     assert bits_equal(want, _emulate(bl.defines, rows, n, spec.offset, t, tmp_path)["out"])
+
+
+def _emulate_fold(defines: dict, shmem: int, dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
+                  tmp: Path) -> torch.Tensor:
+    rows, n = dy.shape
+    dy.contiguous().view(torch.int16).numpy().tofile(tmp / "a.bin")
+    x.contiguous().view(torch.int16).numpy().tofile(tmp / "b.bin")
+    rstd.contiguous().numpy().tofile(tmp / "rstd.bin")
+    macros = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()) if k not in ("A_CODE", "B_CODE"))
+    cmd = ["bash", str(ROOT / "bench/emulate/fold_run.sh"), str(rows), str(n), str(shmem), str(tmp), macros]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0 and "ERROR" not in run.stderr, run.stdout + run.stderr[-3000:]
+    return torch.from_file(str(tmp / "out.bin"), size=n, dtype=torch.int32).view(torch.float32)
+
+
+# fold ring shapes: the default dW ring, rings past 48 KB (more stages; converted stages of 256 and 512
+# rows), the contributions column-major
+FOLD_TUNINGS = [FoldTuning(), FoldTuning(rows_per_stage=256, smem_bytes=200 * 1024), FoldTuning(column_major=True),
+                FoldTuning(rows_per_stage=512, smem_bytes=200 * 1024, column_major=True)]
+
+
+@pytest.mark.parametrize("tuning", FOLD_TUNINGS)
+def test_emulated_strict_dw_fold_bitwise(tuning, seed, tmp_path):
+    """fold.cu's dW ring (producers convert each stage to fp32 contributions, the consumer folds) equals the
+    reference's ascending left fold of the contributions; rows with special values, a partial last stage,
+    columns not a multiple of the CTA's. (Adding two rows of a stage in the other order fails it.)"""
+    from strictnorm.reference import dw_contributions, left_fold_rows
+
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    rows, n = 1300 + seed % 97, 20
+    dy, x = torch.randn(rows, n, generator=g).bfloat16(), torch.randn(rows, n, generator=g).bfloat16()
+    # finite specials in many rows; an infinity and a NaN in two columns only (either decides its column's
+    # result whatever the order: the other columns must stay order-sensitive)
+    x[3::7] = sprinkle_specials(x[3::7], g, "zeros subnormals")
+    x[5, 0], x[9, 1] = float("inf"), float("nan")
+    rstd = torch.rand(rows, generator=g) + 0.5
+    fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, tuning=tuning)
+    assert fl.defines["CONVERT"] == 1 and fl.defines.get("COLUMN_MAJOR", 0) == int(tuning.column_major)
+    want = left_fold_rows(dw_contributions(dy, x, rstd, make_spec(bf16, 1e-6, 0.0, "llama", bf16)))
+    assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))

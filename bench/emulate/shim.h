@@ -54,3 +54,17 @@ inline unsigned short emu_bf16_rn(float v) {
     if (std::isnan(v)) return 0x7fc0;
     return static_cast<unsigned short>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
 }
+
+// fold.cu (bench/emulate/fold_main.cpp): dynamic shared memory, 16-byte vectors, and cp.async as a copy made
+// at once (the bytes past `bytes` zero-filled, as cp.async does); the commit and wait calls have nothing
+// left to do. Stronger than the GPU's ordering: it checks the ring's indexing and bounds, not its waits.
+#define __align__(x) alignas(x)
+struct alignas(16) float4 { float x, y, z, w; };
+inline unsigned char* g_dynamic_smem = nullptr;
+inline void cp_async16(void* smem, const void* gmem, int bytes) {
+    std::memset(smem, 0, 16);
+    if (bytes) std::memcpy(smem, gmem, bytes);
+}
+inline void cp_async4(void* smem, const void* gmem) { std::memcpy(smem, gmem, 4); }
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}

@@ -80,6 +80,7 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
 // warps are producers issuing 16-byte cp.async copies. Needs 16-byte aligned row segments: the
 // loader checks pointers and strides and uses fold_simple otherwise (same bits).
 
+#ifndef STRICTNORM_EMULATED  // the CPU emulation (bench/emulate/shim.h) supplies these four
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
@@ -92,6 +93,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+#endif
 
 #ifndef FULL_STAGE
 #define FULL_STAGE 0

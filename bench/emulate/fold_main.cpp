@@ -1,0 +1,54 @@
+// Runs fold.cu's fold_ring on the CPU through shim.h (one CTA at a time, THREADS std::threads each), on
+// buffers of exactly a launch's sizes and a shared-memory ring of exactly its bytes, so AddressSanitizer
+// reports any access outside them. Usage: fold_emulate ROWS N SHMEM DIR: reads DIR/{a,b}.bin (bf16 rows:
+// dy and the norm's input) and DIR/rstd.bin, writes the fp32 result to DIR/out.bin. WHAT, COLS & co: see
+// fold_run.sh.
+#define STRICTNORM_EMULATED 1
+#include "shim.h"
+#include "fold.cu"
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+template <typename T>
+static T* buffer(long long count) {
+    return static_cast<T*>(aligned_alloc(16, ((count * sizeof(T) + 15) / 16) * 16));
+}
+
+int main(int argc, char** argv) {
+    if (argc < 5) { fprintf(stderr, "usage: fold_emulate ROWS N SHMEM DIR\n"); return 2; }
+    const long long rows = atoll(argv[1]);
+    const int n = atoi(argv[2]);
+    const long long shmem = atoll(argv[3]);
+    const std::string dir = argv[4];
+    auto* a = buffer<a_t>(rows * n);
+    auto* b = buffer<b_t>(rows * n);
+    auto* rstd = buffer<float>(rows);
+    auto* out = buffer<out_t>(n);
+    auto load = [&](const char* name, void* p, long long bytes) {
+        FILE* f = fopen((dir + "/" + name).c_str(), "rb");
+        if (!f || fread(p, 1, bytes, f) != static_cast<size_t>(bytes)) { fprintf(stderr, "cannot read %s\n", name); exit(2); }
+        fclose(f);
+    };
+    load("a.bin", a, rows * n * sizeof(a_t)), load("b.bin", b, rows * n * sizeof(b_t)), load("rstd.bin", rstd, rows * 4);
+    g_dynamic_smem = static_cast<unsigned char*>(aligned_alloc(16, shmem));
+    std::barrier<> block(THREADS);
+    g_block_barrier = &block;
+    for (int i = 0; i < THREADS / 32; ++i) g_warp_barriers.push_back(new std::barrier<>(32));
+    gridDim = {static_cast<unsigned>((n + COLS - 1) / COLS), 1, 1};
+    for (unsigned bx = 0; bx < gridDim.x; ++bx) {  // one CTA at a time
+        blockIdx = {bx, 0, 0};
+        std::vector<std::thread> ts;
+        for (int t = 0; t < THREADS; ++t)
+            ts.emplace_back([&, t] {
+                threadIdx.x = t;
+                fold_ring(a, n, 0, 0, b, n, 0, 0, 1, 1, rstd, out, rows, n, 1);
+            });
+        for (auto& th : ts) th.join();
+    }
+    FILE* f = fopen((dir + "/out.bin").c_str(), "wb");
+    fwrite(out, sizeof(out_t), n, f);
+    fclose(f);
+    printf("folded %lld x %d\n", rows, n);
+    return 0;
+}
