@@ -1,6 +1,7 @@
 """Tuning sweep for the strict left fold's ring (kernels/fold.cu): columns per CTA, rows per stage and the
 consumer's whole-stage unroll, the ring's shared memory (past 48 KB: opted into), on plain fp32 rows and on
-the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major.
+the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major; and fold_chain
+(chain_rows: items spread over every SM, the sums handed from item to item).
 SWEEP_FOLD_CASES=text,... limits the cases to names containing one.
 
 Any configuration must give the same bits (the order is the rows' order): each is checked against the
@@ -29,6 +30,9 @@ TUNINGS = [None] + [FoldTuning(cols=c, rows_per_stage=r, full_stage=f)
 TUNINGS += [FoldTuning(cols=c, rows_per_stage=r, smem_bytes=kb * 1024, column_major=cm)
             for c in (8, 16) for r in (128, 256, 512) for kb in (48, 96, 200) for cm in (False, True)
             if (kb, cm) != (48, False)]
+# fold_chain: items of chain_rows rows x cols columns spread over every SM
+TUNINGS += [FoldTuning(cols=c, chain_rows=r, smem_bytes=200 * 1024) for c in (4, 8, 16) for r in (512, 1024, 2048, 4096)
+            if c * (r + 4) * 4 + 16 <= 200 * 1024]
 PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
 STRICT_DW = [(262144, 128), (32768, 4096)]  # rows x N of bf16 dy and x; llama contributions
 
@@ -91,8 +95,8 @@ def main() -> None:
         default = next(r for r in timed if r.get("default")) if any(r.get("default") for r in timed) else None
         best = min(timed, key=lambda r: r["us"]) if timed else None
         if best:
-            knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes", "column_major")
-                     if k in best}
+            knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes", "column_major",
+                                          "chain_rows") if k in best}
             print(f"{name:>24}: default {default['us'] if default else float('nan'):8.1f} us, best {best['us']:8.1f}"
                   f" us ({best['x_chain_floor']:.2f}x chain floor) {knobs or 'default'}")
 

@@ -227,6 +227,15 @@ def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
     assert big.defines["CONVERT"] == int(what != 0) and small.defines["CONVERT"] == 0
     assert nvrtc.compile_cubin("fold.cu", "sm_90", big.defines, use_cache=False)[:4] == b"\x7fELF"
     # the dW fold's contributions column-major (four rows a consumer load); nothing to convert in a plain fold
+    # fold_chain: items of chain_rows rows spread over the SMs (one group only: per-head folds keep the ring)
+    chain = FoldTuning(chain_rows=1024, smem_bytes=100 * 1024)
+    fl = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=chain, rows=262144)
+    assert fl.kernel == "fold_chain" and fl.state_ints == 1 + 256 * 16 * 9 and fl.grid_x == 264
+    assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"
+    assert fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=chain, rows=262144,
+                       groups=4).kernel == "fold_ring"
+    with pytest.raises(ValueError, match="shared memory"):
+        fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=FoldTuning(chain_rows=8192), rows=9)
     cm = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=FoldTuning(column_major=True))
     assert cm.defines.get("COLUMN_MAJOR", 0) == int(what != 0)
     assert nvrtc.compile_cubin("fold.cu", "sm_90", cm.defines, use_cache=False)[:4] == b"\x7fELF"

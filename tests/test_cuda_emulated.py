@@ -141,3 +141,27 @@ def test_emulated_strict_dw_fold_bitwise(tuning, seed, tmp_path):
     assert fl.defines["CONVERT"] == 1 and fl.defines.get("COLUMN_MAJOR", 0) == int(tuning.column_major)
     want = left_fold_rows(dw_contributions(dy, x, rstd, make_spec(bf16, 1e-6, 0.0, "llama", bf16)))
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
+
+
+@pytest.mark.parametrize("chain_rows, cols, n", [(256, 8, 20), (512, 8, 24), (1024, 16, 40), (64, 4, 9)])
+@pytest.mark.parametrize("what", [0, 1])
+def test_emulated_fold_chain_bitwise(chain_rows, cols, n, what, seed, tmp_path):
+    """fold.cu's fold_chain (items of chain_rows rows x cols columns, each continuing its predecessor's sums)
+    equals the reference's ascending left fold: of the rows themselves (plain fold) and of the dW
+    contributions; a partial last item, a partial last column group, 16-byte and element loads."""
+    from strictnorm.reference import dw_contributions, left_fold_rows
+
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    rows = 3 * chain_rows + 1 + seed % 7
+    dy, x = torch.randn(rows, n, generator=g).bfloat16(), torch.randn(rows, n, generator=g).bfloat16()
+    x[3::7] = sprinkle_specials(x[3::7], g, "zeros subnormals")
+    dy[5, 0], x[9, 1] = float("inf"), float("nan")  # two columns decided whatever the order
+    rstd = torch.rand(rows, generator=g) + 0.5
+    fl = fold_launch(n, bf16, bf16, what, True, True, num_sms=132, rows=rows,
+                     tuning=FoldTuning(cols=cols, chain_rows=chain_rows, smem_bytes=200 * 1024))
+    items = -(-rows // chain_rows) * -(-n // cols)
+    assert fl.kernel == "fold_chain" and fl.state_ints == 1 + items * (1 + cols)
+    spec = make_spec(bf16, 1e-6, 0.0, "llama", bf16)
+    want = left_fold_rows(dw_contributions(dy, x, rstd, spec) if what else dy)
+    assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))

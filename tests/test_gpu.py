@@ -164,6 +164,30 @@ def test_cuda_fold_rings_past_48kb(smem_kb, rows_per_stage, column_major, seed):
     assert bits_equal(strict[0], strict[1])
 
 
+@pytest.mark.parametrize("chain_rows, cols", [(512, 8), (4096, 8), (1024, 16)])
+def test_cuda_fold_chain_bitwise(chain_rows, cols, seed):
+    """fold_chain (FoldTuning.chain_rows: items spread over every SM, each continuing its predecessor's sums;
+    thousands of items, so CTAs take many in turn and hand over across SMs): the plain fold equals the
+    Python loop, the strict dW fold equals the default ring, run after run."""
+    from strictnorm.backends.cuda.backend import FoldTuning
+    from strictnorm.backends.layout import row_layout
+
+    cb = get_backend("cuda")
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    rows = (torch.randn(40000, 128, device=DEV, generator=g) * 1e3).bfloat16()
+    dy, x = (torch.randn(100003, 136, device=DEV, generator=g).bfloat16() for _ in range(2))
+    rstd = torch.rand(100003, device=DEV, generator=g) + 0.5
+    want_plain = _loop(rows)
+    want_dw = cb.fold(*row_layout(dy), *row_layout(x), rstd, 1, 1)
+    cb.fold_tuning = FoldTuning(cols=cols, chain_rows=chain_rows, smem_bytes=200 * 1024)
+    try:
+        for _ in range(3):
+            assert bits_equal(cb.left_fold(rows), want_plain)
+            assert bits_equal(cb.fold(*row_layout(dy), *row_layout(x), rstd, 1, 1), want_dw)
+    finally:
+        cb.fold_tuning = None
+
+
 def test_cuda_fold_adversarial_rows():
     cols = 40
     rows = torch.zeros(9, cols, device=DEV)

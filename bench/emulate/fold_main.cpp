@@ -1,6 +1,7 @@
-// Runs fold.cu's fold_ring on the CPU through shim.h (one CTA at a time, THREADS std::threads each), on
-// buffers of exactly a launch's sizes and a shared-memory ring of exactly its bytes, so AddressSanitizer
-// reports any access outside them. Usage: fold_emulate ROWS N SHMEM DIR: reads DIR/{a,b}.bin (bf16 rows:
+// Runs fold.cu's fold_ring (one CTA at a time, THREADS std::threads each) or, with CHAIN_ROWS, fold_chain (one
+// CTA taking every item in turn, each waiting for its predecessor's hand-over) on the CPU through shim.h, on
+// buffers of exactly a launch's sizes and shared memory of exactly its bytes, so AddressSanitizer reports
+// any access outside them. Usage: fold_emulate ROWS N SHMEM DIR: reads DIR/{a,b}.bin (bf16 rows:
 // dy and the norm's input) and DIR/rstd.bin, writes the fp32 result to DIR/out.bin. WHAT, COLS & co: see
 // fold_run.sh.
 #define STRICTNORM_EMULATED 1
@@ -35,6 +36,21 @@ int main(int argc, char** argv) {
     std::barrier<> block(THREADS);
     g_block_barrier = &block;
     for (int i = 0; i < THREADS / 32; ++i) g_warp_barriers.push_back(new std::barrier<>(32));
+#ifdef CHAIN_ROWS
+    const long long items = (rows + CHAIN_ROWS - 1) / CHAIN_ROWS * ((n + COLS - 1) / COLS);
+    int* state = static_cast<int*>(calloc(1 + items + items * COLS, sizeof(int)));
+    const int aligned = (n * sizeof(a_t)) % 16 == 0 && (n * sizeof(b_t)) % 16 == 0;  // rows start 16-byte aligned
+    gridDim = {1, 1, 1};
+    {
+        std::vector<std::thread> ts;
+        for (int t = 0; t < THREADS; ++t)
+            ts.emplace_back([&, t] {
+                threadIdx.x = t;
+                fold_chain(a, n, 0, 0, b, n, 0, 0, 1, 1, rstd, out, rows, n, 1, state, aligned);
+            });
+        for (auto& th : ts) th.join();
+    }
+#else
     gridDim = {static_cast<unsigned>((n + COLS - 1) / COLS), 1, 1};
     for (unsigned bx = 0; bx < gridDim.x; ++bx) {  // one CTA at a time
         blockIdx = {bx, 0, 0};
@@ -46,6 +62,7 @@ int main(int argc, char** argv) {
             });
         for (auto& th : ts) th.join();
     }
+#endif
     FILE* f = fopen((dir + "/out.bin").c_str(), "wb");
     fwrite(out, sizeof(out_t), n, f);
     fclose(f);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# fold.cu's fold_ring on the CPU with AddressSanitizer (see shim.h, fold_main.cpp).
+# fold.cu's fold_ring or fold_chain (-DCHAIN_ROWS) on the CPU with AddressSanitizer (see shim.h, fold_main.cpp).
 # Usage: bash bench/emulate/fold_run.sh ROWS N SHMEM DIR "MACROS"   (bf16 a and b; the macros as the
 #   loader sets them, e.g. "-DWHAT=1 -DSIMPLE_ROWS=1 -DCOLS=8 -DROWS_PER_STAGE=128 -DSTAGES=8 -DTHREADS=256
 #   -DCONVERT=1 -DFULL_STAGE=1"). Needs g++ 12 or newer.
@@ -7,12 +7,13 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 sed -e 's#extern __shared__ __align__(16) unsigned char ring\[\];#unsigned char* ring = g_dynamic_smem;#' \
+    -e 's#extern __shared__ __align__(16) unsigned char chain_smem\[\];#unsigned char* chain_smem = g_dynamic_smem;#' \
     "$src/fold.cu" > "$work/fold.cu"
 sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);#' \
     -e 's#asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));#{ _Float16 hv; std::memcpy(\&hv, \&v, 2); f = (float)hv; }#' \
     -e 's#asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));#{ _Float16 hv = (_Float16)v; std::memcpy(\&h, \&hv, 2); }#' \
     "$src/common.cuh" > "$work/common.cuh"
-grep -q "g_dynamic_smem" "$work/fold.cu" || { echo "fold_run.sh: the ring's declaration changed" >&2; exit 2; }
+[ "$(grep -c "= g_dynamic_smem;" "$work/fold.cu")" = 2 ] || { echo "fold_run.sh: a shared-memory declaration changed" >&2; exit 2; }
 # shellcheck disable=SC2086
 g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
     -DA_CODE=1 -DB_CODE=1 ${5:-} "$here/fold_main.cpp" -o "$work/fold_emulate"

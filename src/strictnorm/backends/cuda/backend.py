@@ -49,6 +49,7 @@ class FoldLaunch:
     grid_x: int
     block: int
     shmem: int
+    state_ints: int = 0  # fold_chain: the zeroed int32 state it needs (item counter, flags, hand-over sums)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,23 @@ class FoldTuning:
     smem_bytes: int = _SMEM_LIMIT
     # the dW fold's contributions stored column-major (COLUMN_MAJOR): the consumer loads four rows at once
     column_major: bool = False
+    # > 0: fold_chain instead of the ring (one group of rows, i.e. no per-head weights): items of this many
+    # rows x cols columns spread over every SM, the running sums handed from item to item
+    chain_rows: int = 0
+
+
+def _chain_launch(n: int, rows: int, num_sms: int, tuning: FoldTuning, defines: dict[str, int]) -> FoldLaunch:
+    cols, chain = tuning.cols or 8, tuning.chain_rows
+    if chain % 4 or not 1 <= cols <= 32:
+        raise ValueError(f"fold_chain takes items of a multiple of 4 rows and 1 to 32 columns, got {chain} x {cols}")
+    shmem = cols * (chain + 4) * 4 + 16
+    if shmem > tuning.smem_bytes:
+        raise ValueError(f"fold_chain items of {chain} rows x {cols} columns need {shmem} bytes of shared memory, "
+                         f"more than smem_bytes = {tuning.smem_bytes}")
+    items = -(-rows // chain) * -(-n // cols)
+    per_sm = max(1, min(2, (200 * 1024) // shmem))  # CTAs an SM holds (Hopper: 227 KB of shared memory)
+    return FoldLaunch("fold_chain", dict(defines, COLS=cols, CHAIN_ROWS=chain, THREADS=_THREADS),
+                      max(1, min(items, num_sms * per_sm)), _THREADS, shmem, 1 + items * (1 + cols))
 
 
 def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
@@ -93,14 +111,17 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
 
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
                 ring: bool, num_sms: int, tuning: FoldTuning | None = None,
-                out_dtype: torch.dtype = torch.float32) -> FoldLaunch:
-    """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel. out_dtype:
-    the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
+                out_dtype: torch.dtype = torch.float32, rows: int = 0, groups: int = 1) -> FoldLaunch:
+    """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel (any layout);
+    else the ring, or fold_chain where the tuning asks for it and there is one group of `rows` rows.
+    out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
     defines = {"A_CODE": _CODE[a_dtype], "B_CODE": _CODE[b_dtype], "WHAT": what, "SIMPLE_ROWS": int(simple_rows)}
     if out_dtype != torch.float32:
         defines["OUT_CODE"] = _CODE[out_dtype]
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
+    if tuning is not None and tuning.chain_rows and groups == 1:
+        return _chain_launch(n, rows, num_sms, tuning, defines)
     cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
     defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
     tuning = tuning or FoldTuning()
@@ -287,6 +308,7 @@ class _FoldPlan:
     groups: int
     out_shape: tuple[int, int]
     out_dtype: torch.dtype
+    state_ints: int = 0  # fold_chain's zeroed state, allocated per call
 
 
 @dataclass(frozen=True)
@@ -388,20 +410,25 @@ class CudaBackend:
         n = alay.n
         rows_per_group = alay.rows // groups
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning, out_dtype)
+        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning, out_dtype,
+                         rows_per_group, groups)
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
             kernel.allow_dynamic_shared(fl.shmem)
-        return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
-                         alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype)
+        grid = (fl.grid_x, 1 if fl.state_ints else groups, 1)
+        return _FoldPlan(kernel, grid, fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
+                         alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints)
 
     def _run_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor) -> Tensor:
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=a.device)
         if plan.kernel is None:
             return out.zero_()
-        plan.kernel.launch(current_stream(_device_index(a)), plan.grid, plan.block, plan.shmem,
-                           a.data_ptr(), *plan.a_strides, b.data_ptr(), *plan.b_strides, plan.r1, plan.g,
-                           rstd.data_ptr(), out.data_ptr(), plan.rows_per_group, plan.n, plan.groups)
+        args = (a.data_ptr(), *plan.a_strides, b.data_ptr(), *plan.b_strides, plan.r1, plan.g, rstd.data_ptr(),
+                out.data_ptr(), plan.rows_per_group, plan.n, plan.groups)
+        if plan.state_ints:  # fold_chain: its item counter, flags and hand-over sums, zeroed; rows aligned
+            state = torch.zeros(plan.state_ints, dtype=torch.int32, device=a.device)
+            args = (*args, state.data_ptr(), np.int32(1))
+        plan.kernel.launch(current_stream(_device_index(a)), plan.grid, plan.block, plan.shmem, *args)
         return out
 
     def fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,

@@ -7,7 +7,8 @@
 //
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), OUT_CODE (the
 // result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
-// SIMPLE_ROWS (row r lives at r * s0), and for fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
+// SIMPLE_ROWS (row r lives at r * s0), for fold_chain: CHAIN_ROWS, COLS, THREADS (below), and for
+// fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
 // CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), COLUMN_MAJOR
 // (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
 // rows with one 16-byte load instead of one), FULL_STAGE
@@ -74,7 +75,7 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
     out[static_cast<long long>(h) * n + col] = Elem<OUT_CODE>::narrow(acc);
 }
 
-#ifdef COLS
+#if defined(COLS) && !defined(CHAIN_ROWS)
 // A shared-memory ring keeps (STAGES - 1) * ROWS_PER_STAGE rows in flight so that the dependent
 // chain of adds, not memory latency, sets the pace. Warp 0 folds (one lane per column); the other
 // warps are producers issuing 16-byte cp.async copies. Needs 16-byte aligned row segments: the
@@ -278,3 +279,118 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
         out[static_cast<long long>(h) * n + col0 + lane] = Elem<OUT_CODE>::narrow(acc);
 }
 #endif  // COLS
+
+
+#ifdef CHAIN_ROWS
+// The fold as a chain of work items spread over every SM: item (k, g) takes rows [k * CHAIN_ROWS, ...) of
+// column group g (COLS columns). All of a CTA's threads load the item's rows and store their contributions
+// in shared memory, a column's rows contiguous; then warp 0 waits for item (k - 1, g)'s running sums,
+// continues the fold over its rows (one lane per column, four rows per 16-byte load, the adds one at a
+// time in row order) and hands the sums on (the last item writes the result). Loading is spread over all
+// CTAs and runs ahead of the chain; what remains on the chain is CHAIN_ROWS adds and one hand-over per
+// item. CTAs take items in order from a counter, so an item's predecessor is always held by a CTA that is
+// running: no co-residency is assumed. `state` (zeroed by the loader for each launch): [0] the counter,
+// then one ready flag per item, then COLS fp32 sums per item. One group (no per-head weights).
+#ifndef STRICTNORM_EMULATED
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+#endif
+
+constexpr int CHAIN_STRIDE = CHAIN_ROWS + 4;  // padded: the producers' stores fall in different banks
+static_assert(CHAIN_ROWS % 4 == 0 && COLS <= 32, "four rows a load; one consumer lane per column");
+
+// COLS consecutive values of one row (lanes at or past `left` read as +0.0), widened to fp32.
+template <typename T, int CODE>
+__device__ __forceinline__ void load_cols(float* v, const T* p, int left, bool aligned) {
+    constexpr int PER = 16 / sizeof(T);
+    if constexpr ((COLS * sizeof(T)) % 16 == 0) {
+        if (aligned && left >= COLS) {
+#pragma unroll
+            for (int q = 0; q < COLS / PER; ++q) {
+                const uint4 u = reinterpret_cast<const uint4*>(p)[q];
+                const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+                for (int j = 0; j < PER; ++j) v[q * PER + j] = Elem<CODE>::widen(e[j]);
+            }
+            return;
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) v[c] = c < left ? Elem<CODE>::widen(p[c]) : 0.0f;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, int* __restrict__ state,
+                                                                   int aligned) {
+    extern __shared__ __align__(16) unsigned char chain_smem[];
+    float* contrib = reinterpret_cast<float*>(chain_smem);              // [COLS][CHAIN_STRIDE]
+    int* item_slot = reinterpret_cast<int*>(contrib + COLS * CHAIN_STRIDE);
+    const Layout la{as0, as1, asg, r1, g};
+    const Layout lb{bs0, bs1, bsg, r1, g};
+    (void)group_step;
+    const int groups_n = (n + COLS - 1) / COLS;
+    const long long segments = (rows_per_group + CHAIN_ROWS - 1) / CHAIN_ROWS;
+    const long long items = segments * groups_n;
+    int* flags = state + 1;
+    float* sums = reinterpret_cast<float*>(state + 1 + items);
+    const int lane = threadIdx.x;
+    for (;;) {
+        if (threadIdx.x == 0) *item_slot = atomicAdd(state, 1);
+        __syncthreads();
+        const long long i = *item_slot;
+        if (i >= items) break;
+        const long long k = i / groups_n;
+        const int col0 = static_cast<int>(i % groups_n) * COLS;
+        const long long t0 = k * CHAIN_ROWS;
+        const int rows = static_cast<int>(rows_per_group - t0 < CHAIN_ROWS ? rows_per_group - t0 : CHAIN_ROWS);
+        for (int r = threadIdx.x; r < rows; r += THREADS) {  // this item's contributions, column-major
+            const long long t = t0 + r;
+            float va[COLS];
+            load_cols<a_t, A_CODE>(va, a + fold_row_offset(t, la) + col0, n - col0, aligned);
+#if WHAT != 0
+            float vb[COLS];
+            load_cols<b_t, B_CODE>(vb, b + fold_row_offset(t, lb) + col0, n - col0, aligned);
+            const float rs = rstd[t];
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) va[c] = contribution(va[c], vb[c], rs);
+#endif
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) contrib[c * CHAIN_STRIDE + r] = va[c];
+        }
+        __syncthreads();
+        if (lane < COLS) {
+            float acc = 0.0f;
+            if (k > 0) {  // the running sums of the rows before this item's
+                while (load_acquire(flags + (i - groups_n)) == 0) {
+                }
+                acc = __ldcg(sums + (i - groups_n) * COLS + lane);  // from L2: written on another SM
+            }
+            const float* col = contrib + lane * CHAIN_STRIDE;
+            const float4* c4 = reinterpret_cast<const float4*>(col);
+            int r = 0;
+#pragma unroll 8
+            for (; r + 4 <= rows; r += 4) {
+                const float4 v = c4[r / 4];
+                acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
+            }
+            for (; r < rows; ++r) acc = __fadd_rn(acc, col[r]);
+            if (k + 1 < segments) {
+                sums[i * COLS + lane] = acc;
+                __threadfence();
+            } else if (col0 + lane < n) {
+                out[col0 + lane] = Elem<OUT_CODE>::narrow(acc);
+            }
+        }
+        if (threadIdx.x < 32) {
+            __syncwarp();
+            if (threadIdx.x == 0 && k + 1 < segments) store_release(flags + i, 1);
+        }
+        __syncthreads();  // the contributions' buffer and the item slot are reused
+    }
+}
+#endif  // CHAIN_ROWS
