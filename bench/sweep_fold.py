@@ -2,7 +2,8 @@
 consumer's whole-stage unroll, the ring's shared memory (past 48 KB: opted into), on plain fp32 rows and on
 the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major; and fold_chain
 (chain_rows: items spread over every SM, the sums handed from item to item).
-SWEEP_FOLD_CASES=text,... limits the cases to names containing one.
+SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_KNOBS=chain (or smem, or
+ring) limits the configurations to fold_chain's, the rings past 48 KB / column-major, or the 48 KB rings.
 
 Any configuration must give the same bits (the order is the rows' order): each is checked against the
 default configuration, and the plain folds up to 16384 rows against the Python loop. Kernel-only time as
@@ -64,13 +65,18 @@ def main() -> None:
     cb = get_backend("cuda")
     rows = []
     only = [t for t in os.environ.get("SWEEP_FOLD_CASES", "").split(",") if t]
+    knobs = os.environ.get("SWEEP_FOLD_KNOBS", "")
+    kinds = {"chain": lambda t: t.chain_rows > 0,
+             "smem": lambda t: not t.chain_rows and (t.smem_bytes > 48 * 1024 or t.column_major),
+             "ring": lambda t: not t.chain_rows and t.smem_bytes <= 48 * 1024 and not t.column_major}
+    tunings = [None] + [t for t in TUNINGS[1:] if not knobs or kinds[knobs](t)]
     for name, m, n, fn, ref in _cases(dev):
         if only and not any(t in name for t in only):
             continue
         cb.fold_tuning = None
         base = fn()
         chain_us = m * CHAIN_NS_PER_ROW / 1e3
-        for tu in TUNINGS:
+        for tu in tunings:
             cb.fold_tuning = tu
             row = {"case": name, "M": m, "N": n, **(dataclasses.asdict(tu) if tu else {"default": True})}
             try:
