@@ -348,6 +348,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, in
         const int col0 = static_cast<int>(i % groups_n) * COLS;
         const long long t0 = k * CHAIN_ROWS;
         const int rows = static_cast<int>(rows_per_group - t0 < CHAIN_ROWS ? rows_per_group - t0 : CHAIN_ROWS);
+#pragma unroll 4  // several rows' loads in flight per thread
         for (int r = threadIdx.x; r < rows; r += THREADS) {  // this item's contributions, column-major
             const long long t = t0 + r;
             float va[COLS];
