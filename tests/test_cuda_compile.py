@@ -230,7 +230,7 @@ def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
     # fold_chain: items of chain_rows rows spread over the SMs (one group only: per-head folds keep the ring)
     chain = FoldTuning(chain_rows=1024, smem_bytes=100 * 1024)
     fl = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=chain, rows=262144)
-    assert fl.kernel == "fold_chain" and fl.state_ints == 1 + 256 * 16 * 9 and fl.grid_x == 264
+    assert fl.kernel == "fold_chain" and fl.state_ints == 2 + 256 * 16 * 8 * 2 and fl.grid_x == 264
     assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"
     assert fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=chain, rows=262144,
                        groups=4).kernel == "fold_ring"

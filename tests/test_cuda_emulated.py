@@ -161,7 +161,7 @@ def test_emulated_fold_chain_bitwise(chain_rows, cols, n, what, seed, tmp_path):
     fl = fold_launch(n, bf16, bf16, what, True, True, num_sms=132, rows=rows,
                      tuning=FoldTuning(cols=cols, chain_rows=chain_rows, smem_bytes=200 * 1024))
     items = -(-rows // chain_rows) * -(-n // cols)
-    assert fl.kernel == "fold_chain" and fl.state_ints == 1 + items * (1 + cols)
+    assert fl.kernel == "fold_chain" and fl.state_ints == 2 + items * cols * 2
     spec = make_spec(bf16, 1e-6, 0.0, "llama", bf16)
     want = left_fold_rows(dw_contributions(dy, x, rstd, spec) if what else dy)
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))

@@ -38,7 +38,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < THREADS / 32; ++i) g_warp_barriers.push_back(new std::barrier<>(32));
 #ifdef CHAIN_ROWS
     const long long items = (rows + CHAIN_ROWS - 1) / CHAIN_ROWS * ((n + COLS - 1) / COLS);
-    int* state = static_cast<int*>(calloc(1 + items + items * COLS, sizeof(int)));
+    int* state = static_cast<int*>(aligned_alloc(16, ((2 + items * COLS * 2) * sizeof(int) + 15) / 16 * 16));
+    std::memset(state, 0, (2 + items * COLS * 2) * sizeof(int));
     const int aligned = (n * sizeof(a_t)) % 16 == 0 && (n * sizeof(b_t)) % 16 == 0;  // rows start 16-byte aligned
     gridDim = {1, 1, 1};
     {

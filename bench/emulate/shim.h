@@ -69,11 +69,12 @@ inline void cp_async4(void* smem, const void* gmem) { std::memcpy(smem, gmem, 4)
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
 
-// fold_chain: the item counter, the hand-over flags and the warp barrier.
+// fold_chain: the item counter and the hand-over words.
 #include <atomic>
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __syncwarp(unsigned = 0xffffffffu) { g_warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
-inline int load_acquire(const int* p) { return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire); }
-inline void store_release(int* p, int v) { std::atomic_ref<int>(*p).store(v, std::memory_order_release); }
-inline float __ldcg(const float* p) { return *p; }
+inline unsigned long long load_acquire64(const unsigned long long* p) {
+    return std::atomic_ref<unsigned long long>(*const_cast<unsigned long long*>(p)).load(std::memory_order_acquire);
+}
+inline void store_release64(unsigned long long* p, unsigned long long v) {
+    std::atomic_ref<unsigned long long>(*p).store(v, std::memory_order_release);
+}

@@ -49,7 +49,7 @@ class FoldLaunch:
     grid_x: int
     block: int
     shmem: int
-    state_ints: int = 0  # fold_chain: the zeroed int32 state it needs (item counter, flags, hand-over sums)
+    state_ints: int = 0  # fold_chain: the zeroed int32 state it needs (item counter, hand-over words)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _chain_launch(n: int, rows: int, num_sms: int, tuning: FoldTuning, defines: 
     items = -(-rows // chain) * -(-n // cols)
     per_sm = max(1, min(2, (200 * 1024) // shmem))  # CTAs an SM holds (Hopper: 227 KB of shared memory)
     return FoldLaunch("fold_chain", dict(defines, COLS=cols, CHAIN_ROWS=chain, THREADS=_THREADS),
-                      max(1, min(items, num_sms * per_sm)), _THREADS, shmem, 1 + items * (1 + cols))
+                      max(1, min(items, num_sms * per_sm)), _THREADS, shmem, 2 + items * cols * 2)
 
 
 def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
@@ -425,7 +425,7 @@ class CudaBackend:
             return out.zero_()
         args = (a.data_ptr(), *plan.a_strides, b.data_ptr(), *plan.b_strides, plan.r1, plan.g, rstd.data_ptr(),
                 out.data_ptr(), plan.rows_per_group, plan.n, plan.groups)
-        if plan.state_ints:  # fold_chain: its item counter, flags and hand-over sums, zeroed; rows aligned
+        if plan.state_ints:  # fold_chain: its item counter and hand-over words, zeroed; rows aligned
             state = torch.zeros(plan.state_ints, dtype=torch.int32, device=a.device)
             args = (*args, state.data_ptr(), np.int32(1))
         plan.kernel.launch(current_stream(_device_index(a)), plan.grid, plan.block, plan.shmem, *args)

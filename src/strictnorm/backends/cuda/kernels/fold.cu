@@ -290,17 +290,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
 // CTAs and runs ahead of the chain; what remains on the chain is CHAIN_ROWS adds and one hand-over per
 // item. CTAs take items in order from a counter, so an item's predecessor is always held by a CTA that is
 // running: no co-residency is assumed. `state` (zeroed by the loader for each launch): [0] the counter,
-// then one ready flag per item, then COLS fp32 sums per item. One group (no per-head weights).
+// then from int 2 on, per item and column, one 64-bit hand-over word: the running sum's bits below a ready
+// mark, stored with release and polled with acquire by the successor's lane, so one round trip through L2
+// carries both. One group (no per-head weights).
 #ifndef STRICTNORM_EMULATED
-__device__ __forceinline__ int load_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+__device__ __forceinline__ unsigned long long load_acquire64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
-__device__ __forceinline__ void store_release(int* p, int v) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void store_release64(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 #endif
+constexpr unsigned long long HANDED = 1ull << 32;  // the ready mark above a hand-over word's sum
 
 constexpr int CHAIN_STRIDE = CHAIN_ROWS + 4;  // padded: the producers' stores fall in different banks
 static_assert(CHAIN_ROWS % 4 == 0 && COLS <= 32, "four rows a load; one consumer lane per column");
@@ -336,8 +339,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, in
     const int groups_n = (n + COLS - 1) / COLS;
     const long long segments = (rows_per_group + CHAIN_ROWS - 1) / CHAIN_ROWS;
     const long long items = segments * groups_n;
-    int* flags = state + 1;
-    float* sums = reinterpret_cast<float*>(state + 1 + items);
+    unsigned long long* handover = reinterpret_cast<unsigned long long*>(state + 2);  // [items][COLS]
     const int lane = threadIdx.x;
     for (;;) {
         if (threadIdx.x == 0) *item_slot = atomicAdd(state, 1);
@@ -366,10 +368,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, in
         __syncthreads();
         if (lane < COLS) {
             float acc = 0.0f;
-            if (k > 0) {  // the running sums of the rows before this item's
-                while (load_acquire(flags + (i - groups_n)) == 0) {
-                }
-                acc = __ldcg(sums + (i - groups_n) * COLS + lane);  // from L2: written on another SM
+            if (k > 0) {  // the running sum of this column's rows before this item's
+                const unsigned long long* from = handover + (i - groups_n) * COLS + lane;
+                unsigned long long word;
+                do {
+                    word = load_acquire64(from);
+                } while (!(word & HANDED));
+                acc = __uint_as_float(static_cast<unsigned int>(word));
             }
             const float* col = contrib + lane * CHAIN_STRIDE;
             const float4* c4 = reinterpret_cast<const float4*>(col);
@@ -380,16 +385,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, in
                 acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
             }
             for (; r < rows; ++r) acc = __fadd_rn(acc, col[r]);
-            if (k + 1 < segments) {
-                sums[i * COLS + lane] = acc;
-                __threadfence();
-            } else if (col0 + lane < n) {
+            if (k + 1 < segments)
+                store_release64(handover + i * COLS + lane, HANDED | __float_as_uint(acc));
+            else if (col0 + lane < n)
                 out[col0 + lane] = Elem<OUT_CODE>::narrow(acc);
-            }
-        }
-        if (threadIdx.x < 32) {
-            __syncwarp();
-            if (threadIdx.x == 0 && k + 1 < segments) store_release(flags + i, 1);
         }
         __syncthreads();  // the contributions' buffer and the item slot are reused
     }
