@@ -143,17 +143,19 @@ def test_emulated_strict_dw_fold_bitwise(tuning, seed, tmp_path):
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
 
 
-@pytest.mark.parametrize("chain_rows, cols, n", [(256, 8, 20), (512, 8, 24), (1024, 16, 40), (64, 4, 9)])
+@pytest.mark.parametrize("chain_rows, cols, n, items", [(256, 8, 20, 3), (512, 8, 24, 3), (1024, 16, 40, 3),
+                                                      (64, 4, 9, 3), (256, 8, 5, 1)])
 @pytest.mark.parametrize("what", [0, 1])
-def test_emulated_fold_chain_bitwise(chain_rows, cols, n, what, seed, tmp_path):
+def test_emulated_fold_chain_bitwise(chain_rows, cols, n, items, what, seed, tmp_path):
     """fold.cu's fold_chain (items of chain_rows rows x cols columns, each continuing its predecessor's sums)
     equals the reference's ascending left fold: of the rows themselves (plain fold) and of the dW
-    contributions; a partial last item, a partial last column group, 16-byte and element loads."""
+    contributions; a partial last item, a partial last column group (or one narrower than an item), a
+    single item (nothing handed over), 16-byte and element loads."""
     from strictnorm.reference import dw_contributions, left_fold_rows
 
     bf16 = torch.bfloat16
     g = torch.Generator().manual_seed(seed)
-    rows = 3 * chain_rows + 1 + seed % 7
+    rows = (items - 1) * chain_rows + 17 + seed % 7  # the last item partial; items == 1: no hand-over at all
     dy, x = torch.randn(rows, n, generator=g).bfloat16(), torch.randn(rows, n, generator=g).bfloat16()
     x[3::7] = sprinkle_specials(x[3::7], g, "zeros subnormals")
     dy[5, 0], x[9, 1] = float("inf"), float("nan")  # two columns decided whatever the order
