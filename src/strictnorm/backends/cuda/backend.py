@@ -415,8 +415,7 @@ class CudaBackend:
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
             kernel.allow_dynamic_shared(fl.shmem)
-        grid = (fl.grid_x, 1 if fl.state_ints else groups, 1)
-        return _FoldPlan(kernel, grid, fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
+        return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
                          alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints)
 
     def _run_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor) -> Tensor:

@@ -452,8 +452,9 @@ def _require_tvm_ffi() -> None:
 
 
 def _launch(compiled, tvm_ffi: bool, tensors: tuple, scalars: tuple, device) -> None:
-    """One kernel call: tensors (detached: no tensor that requires grad is exported) then the int and
-    float scalars, in the compiled signature's order."""
+    """One kernel call: tensors then the int and float scalars, in the compiled signature's order. The
+    tensors are detached: eager autograd calls reach the backend, and no tensor that requires grad is
+    exported. `device` is a CUDA tensor's, so it has an index."""
     tensors = tuple(t.detach() for t in tensors)
     if tvm_ffi:
         compiled(*tensors, *scalars)
@@ -495,18 +496,17 @@ def _grid(shape: ForwardShape, rows: int, device) -> int:
 
 
 @cache
-def _sm_count(index: int | None) -> int:
+def _sm_count(index: int) -> int:
     import torch
 
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
-                                            ).multi_processor_count
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _stream(device):
     """torch's current stream on device: kernels are ordered with torch's work and captured in graphs."""
     from ..cuda.nvrtc import current_stream
 
-    return cuda_driver.CUstream(current_stream(device.index if device.index is not None else 0))
+    return cuda_driver.CUstream(current_stream(device.index))
 
 
 def _dlpack(*tensors) -> list:

@@ -50,6 +50,29 @@ __device__ __forceinline__ long long fold_row_offset(long long r, const Layout& 
 #endif
 }
 
+// Folds `rows` consecutive fp32 values of one column (16-byte aligned) into acc, four rows per load; the
+// adds stay one at a time, in row order. FULL > 0: a count of exactly FULL rows is unrolled completely.
+template <int FULL>
+__device__ __forceinline__ float fold_column(float acc, int rows, const float* col) {
+    const float4* c4 = reinterpret_cast<const float4*>(col);
+    if (FULL > 0 && rows == FULL) {
+#pragma unroll
+        for (int j = 0; j < FULL / 4; ++j) {
+            const float4 v = c4[j];
+            acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
+        }
+        return acc;
+    }
+    int i = 0;
+#pragma unroll 4
+    for (; i + 4 <= rows; i += 4) {
+        const float4 v = c4[i / 4];
+        acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
+    }
+    for (; i < rows; ++i) acc = __fadd_rn(acc, col[i]);
+    return acc;
+}
+
 #define FOLD_PARAMS                                                                               \
     const a_t* __restrict__ a, long long as0, long long as1, long long asg,                       \
     const b_t* __restrict__ b, long long bs0, long long bs1, long long bsg,                       \
@@ -117,28 +140,6 @@ __device__ __forceinline__ float fold_stage(float acc, int rows, Value value) {
 #ifndef COLUMN_MAJOR
 #define COLUMN_MAJOR 0
 #endif
-
-// Folds `rows` consecutive fp32 values of one column (16-byte aligned) into acc, four rows per load;
-// the adds stay one at a time, in row order.
-__device__ __forceinline__ float fold_column(float acc, int rows, const float* col) {
-    const float4* c4 = reinterpret_cast<const float4*>(col);
-    if (FULL_STAGE && rows == ROWS_PER_STAGE) {
-#pragma unroll
-        for (int j = 0; j < ROWS_PER_STAGE / 4; ++j) {
-            const float4 v = c4[j];
-            acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
-        }
-        return acc;
-    }
-    int i = 0;
-#pragma unroll 4
-    for (; i + 4 <= rows; i += 4) {
-        const float4 v = c4[i / 4];
-        acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
-    }
-    for (; i < rows; ++i) acc = __fadd_rn(acc, col[i]);
-    return acc;
-}
 
 constexpr int A_ROW_BYTES = COLS * sizeof(a_t);
 constexpr int B_ROW_BYTES = (WHAT != 0) ? COLS * sizeof(b_t) : 0;
@@ -242,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
             const long long left = rows_per_group - s * ROWS_PER_STAGE;
             const int rows = left < ROWS_PER_STAGE ? static_cast<int>(left) : ROWS_PER_STAGE;
 #if COLUMN_MAJOR
-            acc = fold_column(acc, rows, tc + lane * COLUMN_STRIDE);
+            acc = fold_column<FULL_STAGE ? ROWS_PER_STAGE : 0>(acc, rows, tc + lane * COLUMN_STRIDE);
 #else
             acc = fold_stage(acc, rows, [&](int i) { return tc[i * COLS + lane]; });
 #endif
@@ -376,15 +377,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, in
                 } while (!(word & HANDED));
                 acc = __uint_as_float(static_cast<unsigned int>(word));
             }
-            const float* col = contrib + lane * CHAIN_STRIDE;
-            const float4* c4 = reinterpret_cast<const float4*>(col);
-            int r = 0;
-#pragma unroll 8
-            for (; r + 4 <= rows; r += 4) {
-                const float4 v = c4[r / 4];
-                acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
-            }
-            for (; r < rows; ++r) acc = __fadd_rn(acc, col[r]);
+            acc = fold_column<0>(acc, rows, contrib + lane * CHAIN_STRIDE);
             if (k + 1 < segments)
                 store_release64(handover + i * COLS + lane, HANDED | __float_as_uint(acc));
             else if (col0 + lane < n)
