@@ -150,12 +150,14 @@ def test_emulated_fold_chain_bitwise(chain_rows, cols, n, items, what, seed, tmp
     """fold.cu's fold_chain (items of chain_rows rows x cols columns, each continuing its predecessor's sums)
     equals the reference's ascending left fold: of the rows themselves (plain fold) and of the dW
     contributions; a partial last item, a partial last column group (or one narrower than an item), a
-    single item (nothing handed over), 16-byte and element loads."""
+    single item (nothing handed over), 16-byte and element loads, every tail of fold_column's loop."""
     from strictnorm.reference import dw_contributions, left_fold_rows
 
     bf16 = torch.bfloat16
     g = torch.Generator().manual_seed(seed)
-    rows = (items - 1) * chain_rows + 17 + seed % 7  # the last item partial; items == 1: no hand-over at all
+    # the last item partial (a 32-row block of fold_column's pipelined loop, then 4-row loads, then single rows);
+    # items == 1: no hand-over at all
+    rows = (items - 1) * chain_rows + 49 + seed % 7
     dy, x = torch.randn(rows, n, generator=g).bfloat16(), torch.randn(rows, n, generator=g).bfloat16()
     x[3::7] = sprinkle_specials(x[3::7], g, "zeros subnormals")
     dy[5, 0], x[9, 1] = float("inf"), float("nan")  # two columns decided whatever the order

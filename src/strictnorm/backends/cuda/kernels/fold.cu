@@ -52,23 +52,43 @@ __device__ __forceinline__ long long fold_row_offset(long long r, const Layout& 
 
 // Folds `rows` consecutive fp32 values of one column (16-byte aligned) into acc, four rows per load; the
 // adds stay one at a time, in row order. FULL > 0: a count of exactly FULL rows is unrolled completely.
+// Else blocks of FOLD_BLOCK loads (4 * FOLD_BLOCK rows), each block's loads issued before the previous
+// block's adds: the shared-memory latency hides behind the chain of adds instead of stalling it once a block
+// (run 7: fold_chain's 4096-row items took ~3.5 ns a row with the loads at the top of each block of 16 rows,
+// against the chain's 2.0).
+__device__ __forceinline__ float add4(float acc, float4 v) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
+}
+constexpr int FOLD_BLOCK = 8;
+
 template <int FULL>
 __device__ __forceinline__ float fold_column(float acc, int rows, const float* col) {
     const float4* c4 = reinterpret_cast<const float4*>(col);
     if (FULL > 0 && rows == FULL) {
 #pragma unroll
-        for (int j = 0; j < FULL / 4; ++j) {
-            const float4 v = c4[j];
-            acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
-        }
+        for (int j = 0; j < FULL / 4; ++j) acc = add4(acc, c4[j]);
         return acc;
     }
-    int i = 0;
-#pragma unroll 4
-    for (; i + 4 <= rows; i += 4) {
-        const float4 v = c4[i / 4];
-        acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
+    const int blocks = rows / (4 * FOLD_BLOCK);
+    if (blocks > 0) {
+        float4 cur[FOLD_BLOCK];
+#pragma unroll
+        for (int j = 0; j < FOLD_BLOCK; ++j) cur[j] = c4[j];
+        for (int blk = 1; blk < blocks; ++blk) {
+            float4 next[FOLD_BLOCK];
+#pragma unroll
+            for (int j = 0; j < FOLD_BLOCK; ++j) next[j] = c4[blk * FOLD_BLOCK + j];
+#pragma unroll
+            for (int j = 0; j < FOLD_BLOCK; ++j) {
+                acc = add4(acc, cur[j]);
+                cur[j] = next[j];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);
     }
+    int i = blocks * 4 * FOLD_BLOCK;
+    for (; i + 4 <= rows; i += 4) acc = add4(acc, c4[i / 4]);
     for (; i < rows; ++i) acc = __fadd_rn(acc, col[i]);
     return acc;
 }
