@@ -198,18 +198,10 @@ def _backend_fwd_cases():
     return ((bf16, None, bf16, bf16), (f16, None, f32, f32), (f32, None, None, f32), (bf16, bf16, f32, bf16))
 
 
-def _tvm_ffi_installed() -> bool:
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.fixture(params=K.CALLS)
 def cute_calls(request, monkeypatch):
     """Both calling conventions of kernels.py (DLPack, TVM FFI): the same kernels, so the same bits."""
-    if request.param == "tvm-ffi" and not _tvm_ffi_installed():
+    if request.param == "tvm-ffi" and not K._tvm_ffi_importable():
         pytest.skip("apache-tvm-ffi is not installed")
     monkeypatch.setenv("STRICTNORM_CUTE_CALLS", request.param)
     return request.param
@@ -219,7 +211,7 @@ def cute_calls(request, monkeypatch):
 def test_tvm_ffi_calls_compile_the_same_kernel(vector, tmp_path):
     """Compiled for TVM FFI calls (torch tensors in, the stream from TVM FFI's environment), the forward's
     and the backward's device code is the PTX of the DLPack build: only the host side differs."""
-    if not _tvm_ffi_installed():
+    if not K._tvm_ffi_importable():
         pytest.skip("apache-tvm-ffi is not installed")
     import cutlass.cute as cute
 
@@ -244,12 +236,14 @@ def test_tvm_ffi_calls_compile_the_same_kernel(vector, tmp_path):
 
 def test_calling_convention_setting(monkeypatch):
     monkeypatch.delenv("STRICTNORM_CUTE_CALLS", raising=False)
+    assert K.calls() == ("tvm-ffi" if K._tvm_ffi_importable() else "dlpack")
+    monkeypatch.setenv("STRICTNORM_CUTE_CALLS", "dlpack")
     assert K.calls() == "dlpack"
     monkeypatch.setenv("STRICTNORM_CUTE_CALLS", "ctypes")
     with pytest.raises(ValueError, match="dlpack"):
         K.calls()
     monkeypatch.setenv("STRICTNORM_CUTE_CALLS", "tvm-ffi")
-    if _tvm_ffi_installed():
+    if K._tvm_ffi_importable():
         assert K.calls() == "tvm-ffi"
     else:
         with pytest.raises(RuntimeError, match="apache-tvm-ffi"):

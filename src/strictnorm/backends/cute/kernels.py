@@ -16,11 +16,12 @@ bench/results/); offered as backend `cute` (backend.py). Rows whose pieces are w
 use 16-byte vector loads and stores; others load element by element. Kernels launch on torch's current
 stream.
 
-Calls: through DLPack (cute.runtime.from_dlpack per tensor per call, and an explicit stream argument), or,
-with STRICTNORM_CUTE_CALLS=tvm-ffi and apache-tvm-ffi installed, through TVM FFI: the kernels are compiled
-for it (`--enable-tvm-ffi`), take torch tensors as they are and find torch's current stream themselves,
-with far less host work per call. The same kernels either way (the calling convention is all that
-differs); DLPack stays the default until the TVM FFI calls have had their GPU run (bench/NOTES.md).
+Calls: through TVM FFI where apache-tvm-ffi is importable (the default then): the kernels are compiled for
+it (`--enable-tvm-ffi`), take torch tensors as they are and find torch's current stream themselves; else
+through DLPack (cute.runtime.from_dlpack per tensor per call, and an explicit stream argument).
+STRICTNORM_CUTE_CALLS=dlpack or tvm-ffi picks one. The same kernels either way (CI compares the PTX); on an
+H200 (bench/results/2026-11-30-h200-run7) both pass the GPU tests and an eager cute forward cost 70 us of
+host time through TVM FFI against 208-359 us through DLPack in run 6.
 """
 
 from __future__ import annotations
@@ -434,13 +435,23 @@ CALLS = ("dlpack", "tvm-ffi")
 
 
 def calls() -> str:
-    """The calling convention in use: STRICTNORM_CUTE_CALLS (default "dlpack"; see the module's docstring)."""
-    how = os.environ.get("STRICTNORM_CUTE_CALLS", "dlpack")
+    """The calling convention in use: STRICTNORM_CUTE_CALLS, else "tvm-ffi" where apache-tvm-ffi is
+    importable and "dlpack" where not (see the module's docstring)."""
+    how = os.environ.get("STRICTNORM_CUTE_CALLS") or ("tvm-ffi" if _tvm_ffi_importable() else "dlpack")
     if how not in CALLS:
         raise ValueError(f"STRICTNORM_CUTE_CALLS must be one of {CALLS}, got {how!r}")
     if how == "tvm-ffi":
         _require_tvm_ffi()
     return how
+
+
+@cache
+def _tvm_ffi_importable() -> bool:
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @cache
