@@ -3,7 +3,8 @@
 Every configuration must give the reference's bits (checked here: y, rstd and dx against the torch
 backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
 Kernels are compiled first, in parallel, into the disk cache. Rows of N below a power of two also try
-each configuration untrimmed too (`trim=False`; trimmed is the default). SWEEP_SHAPES=MxN,MxN limits the shapes.
+each configuration untrimmed too (`trim=False`; trimmed is the default). SWEEP_SHAPES=MxN,MxN limits the shapes;
+SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes.
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
 """
@@ -40,6 +41,12 @@ FWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=0, persistent=p) for
 BWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=b, dw_smem=d)
                for t in _HOLD for b in (4, 8) for d in (False, True)]
 BWD_TUNINGS += [dataclasses.replace(t, partial_blocks_per_sm=b) for t in _STREAM[:3] for b in (4, 8)]
+# SWEEP_MIN_THREADS=128,512: each configuration at each of these block sizes (rows per block = min_threads /
+# threads per row; short rows put many rows in a block)
+if os.environ.get("SWEEP_MIN_THREADS"):
+    _sizes = [int(v) for v in os.environ["SWEEP_MIN_THREADS"].split(",")]
+    FWD_TUNINGS = [dataclasses.replace(t, min_threads=s) for t in FWD_TUNINGS for s in _sizes]
+    BWD_TUNINGS = [dataclasses.replace(t, min_threads=s) for t in BWD_TUNINGS for s in _sizes]
 
 
 def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
@@ -139,8 +146,8 @@ def main() -> None:
     print("tuning:", json.dumps(best))
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
-    knobs = ("values", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm", "dw_smem", "persistent",
-             "trim")
+    knobs = ("values", "min_threads", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm",
+             "dw_smem", "persistent", "trim")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):
