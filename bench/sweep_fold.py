@@ -3,7 +3,9 @@ consumer's whole-stage unroll, the ring's shared memory (past 48 KB: opted into)
 the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major; and fold_chain
 (chain_rows: items spread over every SM, the sums handed from item to item).
 SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_KNOBS=chain (or smem, or
-ring) limits the configurations to fold_chain's, the rings past 48 KB / column-major, or the 48 KB rings.
+ring) limits the configurations to fold_chain's, the rings past 48 KB / column-major, or the 48 KB rings;
+base: the default (fold_chain where the backend picks it) against the default ring only.
+SWEEP_FOLD_PLAIN / SWEEP_FOLD_DW=MxN,... replace the shapes.
 
 Any configuration must give the same bits (the order is the rows' order): each is checked against the
 default configuration, and the plain folds up to 16384 rows against the Python loop. Kernel-only time as
@@ -38,6 +40,15 @@ PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
 STRICT_DW = [(262144, 128), (32768, 4096)]  # rows x N of bf16 dy and x; llama contributions
 
 
+def _shapes(var: str, default: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """SWEEP_FOLD_PLAIN / SWEEP_FOLD_DW=MxN,MxN replace the shape lists."""
+    text = os.environ.get(var)
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")] if text else default
+
+
+PLAIN, STRICT_DW = _shapes("SWEEP_FOLD_PLAIN", PLAIN), _shapes("SWEEP_FOLD_DW", STRICT_DW)
+
+
 def _cases(dev: torch.device):
     g = torch.Generator(device=dev).manual_seed(0)
     cb = get_backend("cuda")
@@ -69,7 +80,9 @@ def main() -> None:
     kinds = {"chain": lambda t: t.chain_rows > 0,
              "smem": lambda t: not t.chain_rows and (t.smem_bytes > 48 * 1024 or t.column_major),
              "ring": lambda t: not t.chain_rows and t.smem_bytes <= 48 * 1024 and not t.column_major}
-    tunings = [None] + [t for t in TUNINGS[1:] if not knobs or kinds[knobs](t)]
+    # "base": the default (fold_chain where default_chain picks it) against the default ring alone
+    tunings = [None] + ([FoldTuning()] if knobs == "base" else
+                        [t for t in TUNINGS[1:] if not knobs or kinds[knobs](t)])
     for name, m, n, fn, ref in _cases(dev):
         if only and not any(t in name for t in only):
             continue

@@ -241,6 +241,28 @@ def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
     assert nvrtc.compile_cubin("fold.cu", "sm_90", cm.defines, use_cache=False)[:4] == b"\x7fELF"
 
 
+def test_default_fold_is_the_chain_for_few_columns_and_many_rows():
+    """Without a FoldTuning the fold takes fold_chain where the ring would leave most SMs idle (one group, at
+    most 512 columns, 32768 rows or more), with items as long as the device's shared memory allows; the
+    ring elsewhere, and where there is no shared-memory figure (the sweep and compile tests pass none)."""
+    from strictnorm.backends.cuda.backend import default_chain
+
+    h200 = 227 * 1024
+    bf16 = torch.bfloat16
+    fl = fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144, smem_optin=h200)
+    assert fl.kernel == "fold_chain" and fl.defines["CHAIN_ROWS"] == 4096 and fl.defines["COLS"] == 8
+    assert fl.shmem <= h200
+    assert default_chain(512, 32768, 1, h200) is not None
+    for n, rows, groups in ((513, 262144, 1), (128, 32767, 1), (128, 262144, 8)):
+        assert default_chain(n, rows, groups, h200) is None
+        assert fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=rows, groups=groups,
+                           smem_optin=h200).kernel == "fold_ring"
+    assert default_chain(128, 262144, 1, 99 * 1024).chain_rows == 2048  # e.g. sm_89: 99 KB a block
+    assert default_chain(128, 262144, 1, 48 * 1024).chain_rows == 1024
+    assert default_chain(128, 262144, 1, 16 * 1024) is None
+    assert fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144).kernel == "fold_ring"
+
+
 def test_tuning_file_replaces_entries_with_row_bounds(tmp_path, monkeypatch):
     """STRICTNORM_CUDA_TUNING as bench/sweep_cuda.py writes it: [max rows, knobs] entries per P (or one
     bare knobs object); the last entry must be unbounded."""

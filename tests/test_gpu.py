@@ -178,6 +178,7 @@ def test_cuda_fold_chain_bitwise(chain_rows, cols, seed):
     dy, x = (torch.randn(100003, 136, device=DEV, generator=g).bfloat16() for _ in range(2))
     rstd = torch.rand(100003, device=DEV, generator=g) + 0.5
     want_plain = _loop(rows)
+    cb.fold_tuning = FoldTuning()  # the ring (fold_chain is the default at these shapes)
     want_dw = cb.fold(*row_layout(dy), *row_layout(x), rstd, 1, 1)
     cb.fold_tuning = FoldTuning(cols=cols, chain_rows=chain_rows, smem_bytes=200 * 1024)
     try:
@@ -186,6 +187,26 @@ def test_cuda_fold_chain_bitwise(chain_rows, cols, seed):
             assert bits_equal(cb.fold(*row_layout(dy), *row_layout(x), rstd, 1, 1), want_dw)
     finally:
         cb.fold_tuning = None
+
+
+def test_cuda_default_strict_backward_at_qk_norm_shapes(seed):
+    """The strict dW by default at QK-norm's shapes (tokens x heads rows of head_dim 128; fold_chain from
+    32768 rows): bitwise equal to the reference's strict backward, gemma offset, 65536 rows and an odd count."""
+    from strictnorm.backends.cuda.backend import default_chain
+    from strictnorm.contract import make_spec
+
+    cb, tr = get_backend("cuda"), get_backend("torch")
+    props = torch.cuda.get_device_properties(DEV)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
+    for m, n in ((65536, 128), (40961, 64)):
+        assert default_chain(n, m, 1, props.shared_memory_per_block_optin) is not None
+        z, dy = (torch.randn(m, n, device=DEV, generator=g).bfloat16() for _ in range(2))
+        w = (torch.randn(n, device=DEV, generator=g) * 0.1).bfloat16()
+        _, rstd, _ = tr.rms_norm_fwd(z, w, None, spec)
+        want_dx, want_dw = tr.rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", True, None)
+        got_dx, got_dw = cb.rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", True, None)
+        assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw), f"{m}x{n}"
 
 
 def test_cuda_fold_adversarial_rows():

@@ -85,6 +85,26 @@ def _chain_launch(n: int, rows: int, num_sms: int, tuning: FoldTuning, defines: 
                       max(1, min(items, num_sms * per_sm)), _THREADS, shmem, 2 + items * cols * 2)
 
 
+# fold_chain by default where the ring leaves most SMs idle and the chain of adds is long: few columns (the
+# ring gives each group of 8-16 columns one SM: 8-16 of 132 busy at 128 columns) and many rows. H200 sweep of
+# 2026-11-30 (bench/results/2026-11-30-h200-run7, call d; 262144 x 128): strict dW 1418.7 -> 642.8 us,
+# plain fold 825.5 -> 634.8 (1.2x the chain floor), 8 columns x 4096 rows an item; at 16384 rows the two
+# tie. Items shrink to fit the device's shared memory (4096 rows need 131 KB).
+_CHAIN_MIN_ROWS = 32768
+_CHAIN_MAX_COLS = 512
+_CHAIN_COLS = 8
+
+
+def default_chain(n: int, rows: int, groups: int, smem_optin: int) -> FoldTuning | None:
+    """The fold_chain tuning the fold uses without a FoldTuning, or None for the ring."""
+    if groups != 1 or rows < _CHAIN_MIN_ROWS or n > _CHAIN_MAX_COLS:
+        return None
+    for chain_rows in (4096, 2048, 1024):
+        if _CHAIN_COLS * (chain_rows + 4) * 4 + 16 <= smem_optin:
+            return FoldTuning(cols=_CHAIN_COLS, chain_rows=chain_rows, smem_bytes=smem_optin)
+    return None
+
+
 def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
                 ) -> tuple[int, int, int, bool, int]:
     """(COLS, ROWS_PER_STAGE, STAGES, CONVERT, shared bytes). Few columns per CTA when columns are few
@@ -111,15 +131,19 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
 
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
                 ring: bool, num_sms: int, tuning: FoldTuning | None = None,
-                out_dtype: torch.dtype = torch.float32, rows: int = 0, groups: int = 1) -> FoldLaunch:
+                out_dtype: torch.dtype = torch.float32, rows: int = 0, groups: int = 1, smem_optin: int = 0
+                ) -> FoldLaunch:
     """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel (any layout);
-    else the ring, or fold_chain where the tuning asks for it and there is one group of `rows` rows.
+    else the ring, or fold_chain where the tuning asks for it (without a tuning: default_chain, given the
+    device's opt-in shared memory per block) and there is one group of `rows` rows.
     out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
     defines = {"A_CODE": _CODE[a_dtype], "B_CODE": _CODE[b_dtype], "WHAT": what, "SIMPLE_ROWS": int(simple_rows)}
     if out_dtype != torch.float32:
         defines["OUT_CODE"] = _CODE[out_dtype]
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
+    if tuning is None:
+        tuning = default_chain(n, rows, groups, smem_optin)
     if tuning is not None and tuning.chain_rows and groups == 1:
         return _chain_launch(n, rows, num_sms, tuning, defines)
     cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
@@ -409,9 +433,9 @@ class CudaBackend:
                    what: int, groups: int, ring: bool, simple: bool, out_dtype: torch.dtype) -> _FoldPlan:
         n = alay.n
         rows_per_group = alay.rows // groups
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning, out_dtype,
-                         rows_per_group, groups)
+        props = torch.cuda.get_device_properties(dev)
+        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, props.multi_processor_count, self.fold_tuning,
+                         out_dtype, rows_per_group, groups, props.shared_memory_per_block_optin)
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
             kernel.allow_dynamic_shared(fl.shmem)
