@@ -242,9 +242,10 @@ def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
 
 
 def test_default_fold_is_the_chain_for_few_columns_and_many_rows():
-    """Without a FoldTuning the fold takes fold_chain where the ring would leave most SMs idle (one group, at
-    most 512 columns, 32768 rows or more), with items as long as the device's shared memory allows; the
-    ring elsewhere, and where there is no shared-memory figure (the sweep and compile tests pass none)."""
+    """Without a FoldTuning the fold takes fold_chain where the ring would leave most SMs idle (one group;
+    the dW fold from 8192 rows up to 1024 columns, the plain fold from 32768 rows up to 512), with items as
+    long as the device's shared memory allows; the ring elsewhere, and where there is no shared-memory
+    figure (the sweep and compile tests pass none)."""
     from strictnorm.backends.cuda.backend import default_chain
 
     h200 = 227 * 1024
@@ -252,10 +253,14 @@ def test_default_fold_is_the_chain_for_few_columns_and_many_rows():
     fl = fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144, smem_optin=h200)
     assert fl.kernel == "fold_chain" and fl.defines["CHAIN_ROWS"] == 4096 and fl.defines["COLS"] == 8
     assert fl.shmem <= h200
-    assert default_chain(512, 32768, 1, h200) is not None
-    for n, rows, groups in ((513, 262144, 1), (128, 32767, 1), (128, 262144, 8)):
-        assert default_chain(n, rows, groups, h200) is None
-        assert fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=rows, groups=groups,
+    assert default_chain(512, 8192, 1, h200).chain_rows == 4096
+    assert default_chain(1024, 8192, 1, h200).chain_rows == 2048
+    assert default_chain(512, 32768, 1, h200, what=0).chain_rows == 4096
+    for n, rows, groups, what in ((1025, 262144, 1, 1), (128, 8191, 1, 1), (128, 262144, 8, 1),
+                                  (513, 262144, 1, 0), (128, 32767, 1, 0)):
+        assert default_chain(n, rows, groups, h200, what) is None
+        dt = bf16 if what else torch.float32
+        assert fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=rows, groups=groups,
                            smem_optin=h200).kernel == "fold_ring"
     assert default_chain(128, 262144, 1, 99 * 1024).chain_rows == 2048  # e.g. sm_89: 99 KB a block
     assert default_chain(128, 262144, 1, 48 * 1024).chain_rows == 1024

@@ -40,7 +40,7 @@ class _RecordingCache:
 @pytest.fixture
 def recording(monkeypatch):
     """A CudaBackend whose kernels record their launches; CPU tensors stand in for device memory."""
-    props = type("Props", (), {"multi_processor_count": 132})()
+    props = type("Props", (), {"multi_processor_count": 132, "shared_memory_per_block_optin": 227 * 1024})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_backend, "current_stream", lambda device_index: 0)

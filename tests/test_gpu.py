@@ -191,7 +191,8 @@ def test_cuda_fold_chain_bitwise(chain_rows, cols, seed):
 
 def test_cuda_default_strict_backward_at_qk_norm_shapes(seed):
     """The strict dW by default at QK-norm's shapes (tokens x heads rows of head_dim 128; fold_chain from
-    32768 rows): bitwise equal to the reference's strict backward, gemma offset, 65536 rows and an odd count."""
+    8192 rows): bitwise equal to the reference's strict backward, gemma offset, 65536 rows, odd counts, a
+    partial column group."""
     from strictnorm.backends.cuda.backend import default_chain
     from strictnorm.contract import make_spec
 
@@ -199,7 +200,7 @@ def test_cuda_default_strict_backward_at_qk_norm_shapes(seed):
     props = torch.cuda.get_device_properties(DEV)
     g = torch.Generator(device=DEV).manual_seed(seed)
     spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
-    for m, n in ((65536, 128), (40961, 64)):
+    for m, n in ((65536, 128), (40961, 64), (12289, 1001)):
         assert default_chain(n, m, 1, props.shared_memory_per_block_optin) is not None
         z, dy = (torch.randn(m, n, device=DEV, generator=g).bfloat16() for _ in range(2))
         w = (torch.randn(n, device=DEV, generator=g) * 0.1).bfloat16()

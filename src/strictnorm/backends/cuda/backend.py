@@ -86,20 +86,29 @@ def _chain_launch(n: int, rows: int, num_sms: int, tuning: FoldTuning, defines: 
 
 
 # fold_chain by default where the ring leaves most SMs idle and the chain of adds is long: few columns (the
-# ring gives each group of 8-16 columns one SM: 8-16 of 132 busy at 128 columns) and many rows. H200 sweep of
-# 2026-11-30 (bench/results/2026-11-30-h200-run7, call d; 262144 x 128): strict dW 1418.7 -> 642.8 us,
-# plain fold 825.5 -> 634.8 (1.2x the chain floor), 8 columns x 4096 rows an item; at 16384 rows the two
-# tie. Items shrink to fit the device's shared memory (4096 rows need 131 KB).
-_CHAIN_MIN_ROWS = 32768
-_CHAIN_MAX_COLS = 512
+# ring gives each group of 8-16 columns one SM: 8-16 of 132 busy at 128 columns) and many rows. H200 sweeps
+# of 2026-11-30 (bench/results/2026-11-30-h200-run7, calls d, e, g; every configuration bitwise): the dW fold
+# (contributions converted by a whole CTA, where the ring's single consumer warp also converts) wins from
+# 8192 rows up to 1024 columns (8192 x 128: 46.5 -> 29.7 us; 16384 x 512: 90.8 -> 63.2; 32768 x 1024: 179.6
+# -> 130.3 with 2048-row items; 262144 x 128: 1418.7 -> 642.8), the plain fold only from 32768 rows up to 512
+# columns (262144 x 128: 825.5 -> 634.8; the ring wins at 16384 x 512 and 32768 x 1024). Items shrink to fit
+# the device's shared memory (4096 rows x 8 columns need 131 KB).
 _CHAIN_COLS = 8
 
 
-def default_chain(n: int, rows: int, groups: int, smem_optin: int) -> FoldTuning | None:
-    """The fold_chain tuning the fold uses without a FoldTuning, or None for the ring."""
-    if groups != 1 or rows < _CHAIN_MIN_ROWS or n > _CHAIN_MAX_COLS:
+def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1) -> FoldTuning | None:
+    """The fold_chain tuning the fold uses without a FoldTuning (what: 0 plain fold, else the dW fold), or
+    None for the ring."""
+    if groups != 1:
+        return None
+    if what == 0:
+        if rows < 32768 or n > 512:
+            return None
+    elif rows < 8192 or n > 1024:
         return None
     for chain_rows in (4096, 2048, 1024):
+        if n > 512 and chain_rows > 2048:
+            continue
         if _CHAIN_COLS * (chain_rows + 4) * 4 + 16 <= smem_optin:
             return FoldTuning(cols=_CHAIN_COLS, chain_rows=chain_rows, smem_bytes=smem_optin)
     return None
@@ -143,7 +152,7 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     if tuning is None:
-        tuning = default_chain(n, rows, groups, smem_optin)
+        tuning = default_chain(n, rows, groups, smem_optin, what)
     if tuning is not None and tuning.chain_rows and groups == 1:
         return _chain_launch(n, rows, num_sms, tuning, defines)
     cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
