@@ -48,8 +48,10 @@ def main(ns: list[int]) -> None:
                 **{s: "i32" for s in ("ROWS_PER_GROUP", "N", "R1", "G", "GROUP_STEP")}}
     print(f"triton {triton.__version__}, sm_90")
     for n in ns:
-        rows, p, log2p, warps = tb._row_tile(n)
-        common = {"ROWS": rows, "P": p, "LOG2P": log2p, "MODE": 0, "XDT": 1, "HAS_W": True, "PER_HEAD": False}
+        tile = tb._row_tile(n)
+        warps = tile.num_warps
+        common = {k_: v for k_, v in tile.meta().items() if k_ not in ("num_warps", "enable_fp_fusion")}
+        common.update(MODE=0, XDT=1, HAS_W=True, PER_HEAD=False)
         c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False}, warps)
         print(f"N={n:6d} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
         c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True}, warps)

@@ -35,10 +35,11 @@ def main() -> None:
         want = None
         for tile in (2048, 4096, 8192, 16384):
             for elems_per_warp in (256, 512, 1024, 2048):
-                def row_tile(n_, tile=tile, epw=elems_per_warp):
-                    p = next_pow2(n_)
-                    rows = max(1, tile // p)
-                    return rows, p, p.bit_length() - 1, max(1, min(32, rows * p // epw))
+                def row_tile(n_, split=None, tile=tile, epw=elems_per_warp):
+                    t = original(n_, split)  # the column tiles as the backend splits them
+                    rows = max(1, tile // next_pow2(n_))
+                    warps = 1 << max(0, min(5, (rows * (t.pa + t.t) // epw).bit_length() - 1))
+                    return tb.RowTile(rows, t.pa, t.t, warps)
 
                 tb._row_tile = row_tile
                 try:

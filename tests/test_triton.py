@@ -9,6 +9,8 @@ from conftest import HAS_CUDA
 from helpers import bits_equal, check_random_case, check_special_values, guarded, randn, random_case, zero_dy_case
 
 import strictnorm as sn
+from strictnorm.backends.registry import get_backend
+from strictnorm.reference import next_pow2
 
 pytest.importorskip("triton")
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -55,7 +57,9 @@ def _assert_same(want, got, skip=()):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 # On a GPU every case compiles kernels (device time); test_gpu.py's grid covers the shapes there.
-@pytest.mark.parametrize("m, n", [(3, 1), (5, 7), (9, 64), (4, 100), (2, 1000)] if not HAS_CUDA else [(4, 100)])
+# N = 5 and 40 take two column tiles (kernels.py, tiled_canon_sum); the rest one.
+@pytest.mark.parametrize("m, n", [(3, 1), (2, 5), (5, 7), (6, 40), (9, 64), (4, 100), (2, 1000)] if not HAS_CUDA
+                         else [(4, 100)])
 def test_rms_norm_bitwise(mode, dtype, m, n, seed):
     g = torch.Generator().manual_seed(seed)
     x = randn(m, n, dtype=dtype, gen=g)
@@ -208,7 +212,7 @@ def test_fast_dw_of_long_rows_is_the_strict_fold(seed):
     _assert_same(want, got)
 
 
-@pytest.mark.parametrize("n", [7, 100] if not HAS_CUDA else [7, 1000, 5120])
+@pytest.mark.parametrize("n", [7, 40, 100] if not HAS_CUDA else [7, 1000, 5120, 18432])
 def test_triton_reads_nothing_past_its_inputs(n, seed):
     """Every input between NaN guard bands of next_pow2(N) elements: a kernel that loads a padded lane
     from memory instead of masking it turns its row into NaN (see test_gpu.py's CUDA counterpart)."""
@@ -236,7 +240,7 @@ def test_triton_reads_nothing_past_its_inputs(n, seed):
                 assert bits_equal(want_dw, got_dw), f"dw at {n} {mode}"
 
 
-@pytest.mark.parametrize("n", [7, 8, 64, 100])
+@pytest.mark.parametrize("n", [5, 7, 8, 40, 64, 100])  # 5 and 40: two column tiles
 def test_signed_zeros_of_a_zero_dy_row(n, seed):
     """helpers.zero_dy_case: the signs of dx's zeros for zero dy rows. Two ways to get them wrong: padded
     lanes computed from zero-filled inputs (0 * (0 + offset) is -0.0, canon_sum pads with +0.0), and a
@@ -273,3 +277,35 @@ def test_random_configurations_bitwise(seed):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     for _ in range(24 if not HAS_CUDA else 8):
         check_random_case(get_backend("triton"), random_case(rng, gen, DEV))
+
+
+def test_row_tiles_split_only_rows_well_below_their_padded_length():
+    """Two column tiles (PA = P / 2 and T = next_pow2(N - PA) lanes) where T < PA, i.e. N <= 3/4 P; one
+    tile of P lanes otherwise; STRICTNORM_TRITON_SPLIT=0's one tile always."""
+    from strictnorm.backends.triton.backend import _row_tile
+
+    for n, pa, t in ((1, 1, 0), (5, 4, 1), (7, 8, 0), (40, 32, 8), (100, 128, 0), (5120, 4096, 1024),
+                     (6144, 4096, 2048), (6145, 8192, 0), (18432, 16384, 2048), (65536, 65536, 0)):
+        tile = _row_tile(n)
+        assert (tile.pa, tile.t) == (pa, t), n
+        assert tile.pa + tile.t >= n and tile.num_warps & (tile.num_warps - 1) == 0
+        assert (_row_tile(n, split=False).pa, _row_tile(n, split=False).t) == (next_pow2(n), 0)
+
+
+@pytest.mark.parametrize("n", [5, 40])
+def test_one_and_two_column_tiles_give_the_same_bits(n, seed, monkeypatch):
+    """The split rows' tree(tile 1) + (tree(tile 2) + 0.0) against the one-tile kernel, forward and backward
+    with a residual and its gradient, a zero dy row (signed zeros) and a negative offset."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    x, res, dy, dres = (randn(5, n, dtype=torch.bfloat16, gen=g) for _ in range(4))
+    dy[2] = 0.0
+    w = randn(n, gen=g)
+    outs = []
+    for split in (True, False):
+        monkeypatch.setattr(tb, "SPLIT_TILES", split)
+        monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+        monkeypatch.setattr(get_backend("triton"), "_bwd_plans", {})
+        outs.append(_run("triton", x, w, dy, mode="gemma", offset=-0.5, dw="fast", res=res, dres=dres, device=DEV))
+    _assert_same(outs[0], outs[1])

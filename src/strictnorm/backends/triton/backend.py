@@ -49,13 +49,38 @@ def _store_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _row_tile(n: int) -> tuple[int, int, int, int]:
-    """(ROWS, P, LOG2P, num_warps) for a row kernel: a function of N alone, so that one compiled
-    kernel serves every row count (any choice gives the same bits; the tree is fixed by N)."""
+# Rows of N <= 3/4 of their padded length P in two column tiles (kernels.py, tiled_canon_sum): the same
+# bits with fewer lanes. STRICTNORM_TRITON_SPLIT=0 keeps one tile of P lanes.
+SPLIT_TILES = os.environ.get("STRICTNORM_TRITON_SPLIT", "1") != "0"
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """A row kernel's tile: ROWS rows of one column tile of PA lanes, or of two (PA = P / 2 and T lanes,
+    T > 0); num_warps. A function of N alone, so that one compiled kernel serves every row count (any
+    choice gives the same bits; the tree is fixed by N)."""
+
+    rows: int
+    pa: int
+    t: int
+    num_warps: int
+
+    def meta(self) -> dict:
+        return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
+                    LOG2T=max(0, self.t.bit_length() - 1), num_warps=self.num_warps, enable_fp_fusion=False)
+
+
+def _row_tile(n: int, split: bool | None = None) -> RowTile:
     p = next_pow2(n)
     rows_per_prog = max(1, _TILE_ELEMS // p)
-    num_warps = max(1, min(32, rows_per_prog * p // 512))
-    return rows_per_prog, p, p.bit_length() - 1, num_warps
+    pa, t = p, 0
+    if split if split is not None else SPLIT_TILES:
+        tail = next_pow2(n - p // 2) if n > p // 2 else 0
+        if 0 < tail < p // 2:
+            pa, t = p // 2, tail
+    lanes = rows_per_prog * (pa + t)
+    num_warps = 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
+    return RowTile(rows_per_prog, pa, t, num_warps)
 
 
 @dataclass(frozen=True)
@@ -119,12 +144,11 @@ class TritonBackend:
         views, lay, w = ForwardPlan.of(v, x, weight, residual), v.lay, v.weight
         if lay.rows == 0:
             return _Plan(views, (), 0, (), {})
-        rows_per_prog, p, log2p, num_warps = _row_tile(lay.n)
+        tile = _row_tile(lay.n)
         norm_dtype = residual.dtype if residual is not None else x.dtype
-        meta = dict(ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[norm_dtype],
-                    YDT=_DT[spec.out_dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
-                    HAS_RES=residual is not None, **_launch_opts(num_warps))
-        return _Plan(views, (_cdiv(lay.rows, rows_per_prog),), w.stride(0) if views.per_head else 0,
+        meta = dict(MODE=_MODE[spec.mode], XDT=_DT[norm_dtype], YDT=_DT[spec.out_dtype], HAS_W=w is not None,
+                    PER_HEAD=views.per_head, HAS_RES=residual is not None, **tile.meta())
+        return _Plan(views, (_cdiv(lay.rows, tile.rows),), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta)
 
     # ---- backward ------------------------------------------------------------------------------
@@ -170,12 +194,11 @@ class TritonBackend:
         # than the strict fold: 701 vs 291 us at 2048 x 18432 on an H200 (bench/results/2026-11-29-h200-run2);
         # the fold is deterministic too, so it serves dw="fast" there.
         partials = need_dw and dw_mode == "fast" and not views.per_head and next_pow2(n) <= _PARTIALS_MAX_P
-        rows_per_prog, p, log2p, num_warps = _row_tile(n)
-        blocks = _cdiv(rows, rows_per_prog)
+        tile = _row_tile(n)
+        blocks = _cdiv(rows, tile.rows)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
-        meta = dict(ROWS=rows_per_prog, P=p, LOG2P=log2p, MODE=_MODE[spec.mode], XDT=_DT[z.dtype],
-                    HAS_W=w is not None, PER_HEAD=views.per_head, HAS_DRES=dres is not None,
-                    DW_PARTIALS=partials, **_launch_opts(num_warps))
+        meta = dict(MODE=_MODE[spec.mode], XDT=_DT[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
+                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.meta())
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
                      meta)
 

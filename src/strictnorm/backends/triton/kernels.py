@@ -13,6 +13,10 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
   numpy's, which starts from +0.0, so under the interpreter the pair is split and added instead.
 - Padded lanes (columns N..P-1) enter canon_sum as +0.0, as the contract pads: their effective weight is
   +0.0, not 0 + offset (whose product with a zero-filled dy is -0.0 for a negative offset).
+- Rows split in two column tiles (T > 0): lanes [0, PA) with PA = P / 2, and [PA, PA + T) with
+  T = next_pow2(N - PA) < PA. canon_sum over P is then tree(tile 1) + (tree(tile 2) + 0.0): every subtree
+  of [PA + T, P) is padding and sums to +0.0, and adding +0.0 (once or more) only turns -0.0 into +0.0.
+  N = 18432 then takes 18432 lanes instead of 32768 (5120 instead of 8192), the same bits.
 """
 
 from __future__ import annotations
@@ -100,6 +104,17 @@ def canon_sum(v, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr):
 
 
 @triton.jit
+def tiled_canon_sum(va, vb, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
+                    LOG2T: tl.constexpr):
+    """canon_sum over the padded row P = 2 * PA of its two column tiles (T > 0; see the module's notes),
+    or over the one tile va of PA = P lanes (T == 0: vb is not used)."""
+    s = canon_sum(va, ROWS, PA, LOG2PA)
+    if T > 0:
+        s = s + (canon_sum(vb, ROWS, T, LOG2T) + 0.0)
+    return s
+
+
+@triton.jit
 def row_offsets(rows, R1, G, s0, s1, sg):
     """Element offsets of logical rows in a RowLayout view, and each row's group (head) index."""
     rows = rows.to(tl.int64)
@@ -133,29 +148,24 @@ def normalized_as_used(xf, rstd, MODE: tl.constexpr, XDT: tl.constexpr):
         return round_f32(xf * round_f32(rstd, XDT)[:, None], XDT)
 
 
-# Row counts are not specialized on: one compiled kernel serves every batch. R1 and G are: the common
-# R1 = G = 1 (one leading dim) then compiles to offset = row * s0, without 64-bit divisions.
-@triton.jit(do_not_specialize=["M"])
-def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
-                   M, N, R1, G, eps, offset,
-                   ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr, MODE: tl.constexpr,
-                   XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-                   HAS_RES: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, P)
+@triton.jit
+def _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT: tl.constexpr, HAS_RES: tl.constexpr):
+    """One column tile of the norm's input rows, widened: x, or z = rd(f32(x) + f32(residual), residual
+    dtype) (stored to Z)."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
     xf = widen(tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0))
-    dense = rows[:, None] * N + cols[None, :]
-    if HAS_RES:  # z = rd(f32(x) + f32(residual), residual dtype) is the norm's input (XDT)
-        r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
+    if HAS_RES:
         rf = widen(tl.load(RES + r_offs[:, None] + cols[None, :], mask=mask, other=0.0))
         xf = round_f32(xf + rf, XDT)
-        store_rounded(Z + dense, xf, mask, XDT)
-    ss = canon_sum(xf * xf, ROWS, P, LOG2P)
-    mean = tl.div_rn(ss, tl.full((ROWS,), N, tl.float32))
-    rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))
-    tl.store(RSTD + rows, rstd, mask=rows < M)
+        store_rounded(Z + rows[:, None] * N + cols[None, :], xf, mask, XDT)
+    return xf
+
+
+@triton.jit
+def _fwd_output(xf, rstd, g, W, wsg, Y, rows, M, N, cols, offset, MODE: tl.constexpr, XDT: tl.constexpr,
+                YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr):
+    """y of one column tile."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
     if PER_HEAD:
         wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
     else:
@@ -163,51 +173,111 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     y = normalized_as_used(xf, rstd, MODE, XDT) * wf
     if MODE == NONE:
         y = round_f32(y, XDT)
-    store_rounded(Y + dense, y, mask, YDT)
+    store_rounded(Y + rows[:, None] * N + cols[None, :], y, mask, YDT)
+
+
+# Row counts are not specialized on: one compiled kernel serves every batch. R1 and G are: the common
+# R1 = G = 1 (one leading dim) then compiles to offset = row * s0, without 64-bit divisions.
+@triton.jit(do_not_specialize=["M"])
+def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
+                   M, N, R1, G, eps, offset,
+                   ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
+                   LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
+                   HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
+    r_offs = x_offs
+    if HAS_RES:
+        r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
+    cols_a = tl.arange(0, PA)
+    xa = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols_a, XDT, HAS_RES)
+    xb = xa
+    if T > 0:
+        cols_b = PA + tl.arange(0, T)
+        xb = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols_b, XDT, HAS_RES)
+    ss = tiled_canon_sum(xa * xa, xb * xb, ROWS, PA, LOG2PA, T, LOG2T)
+    mean = tl.div_rn(ss, tl.full((ROWS,), N, tl.float32))
+    rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+    tl.store(RSTD + rows, rstd, mask=rows < M)
+    _fwd_output(xa, rstd, g, W, wsg, Y, rows, M, N, cols_a, offset, MODE, XDT, YDT, HAS_W, PER_HEAD)
+    if T > 0:
+        _fwd_output(xb, rstd, g, W, wsg, Y, rows, M, N, cols_b, offset, MODE, XDT, YDT, HAS_W, PER_HEAD)
+
+
+@triton.jit
+def _bwd_input(DY, d_offs, Z, z_offs, W, wsg, wf_shared, g, rows, rstd, M, N, cols, offset, MODE: tl.constexpr,
+               XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr):
+    """One column tile of the backward's rows: (xf, dyf, xh, gr) with xh = xf * rstd, gr = dyf * wf."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    xf = widen(tl.load(Z + z_offs[:, None] + cols[None, :], mask=mask, other=0.0))
+    dyf = widen(tl.load(DY + d_offs[:, None] + cols[None, :], mask=mask, other=0.0))
+    if PER_HEAD:
+        wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
+    else:
+        wf = wf_shared
+    return xf, dyf, xf * rstd[:, None], dyf * wf
+
+
+@triton.jit
+def _bwd_output(xh, gr, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols, XDT: tl.constexpr,
+                HAS_DRES: tl.constexpr):
+    """dx of one column tile: (gr - xh * c) * rstd, plus the residual's gradient."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dx = (gr - xh * c[:, None]) * rstd[:, None]
+    if HAS_DRES:
+        dx = dx + widen(tl.load(DRES + e_offs[:, None] + cols[None, :], mask=mask, other=0.0))
+    store_rounded(DX + x_offs[:, None] + cols[None, :], dx, mask, XDT)
 
 
 @triton.jit(do_not_specialize=["M"])
 def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg,
                    DX, xs0, xs1, xsg, DW_PART,
                    M, N, R1, G, offset,
-                   ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr, MODE: tl.constexpr,
-                   XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-                   HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr):
-    """dx for blocks of ROWS rows, programs striding over the blocks. With DW_PARTIALS, each
-    program also sums its rows' dW contributions (shared weight only) into DW_PART[pid]."""
+                   ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
+                   LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
+                   PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr):
+    """dx for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T). With
+    DW_PARTIALS, each program also sums its rows' dW contributions (shared weight only) into DW_PART[pid]."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    cols = tl.arange(0, P)
-    cmask = cols < N
+    cols_a = tl.arange(0, PA)
+    cols_b = PA + tl.arange(0, T if T > 0 else 1)
+    wf_a = tl.zeros((1, PA), tl.float32)
+    wf_b = tl.zeros((1, T if T > 0 else 1), tl.float32)
     if not PER_HEAD:
-        wf_shared = effective_weight(W, cols, cmask, offset, MODE, XDT, HAS_W)[None, :]
-    dw_acc = tl.zeros((P,), tl.float32)
+        wf_a = effective_weight(W, cols_a, cols_a < N, offset, MODE, XDT, HAS_W)[None, :]
+        if T > 0:
+            wf_b = effective_weight(W, cols_b, cols_b < N, offset, MODE, XDT, HAS_W)[None, :]
+    dw_a = tl.zeros((PA,), tl.float32)
+    dw_b = tl.zeros((T if T > 0 else 1,), tl.float32)
     for blk in range(pid, tl.cdiv(M, ROWS), nprog):
         rows = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
         z_offs, g = row_offsets(rows, R1, G, zs0, zs1, zsg)
         d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
-        xf = widen(tl.load(Z + z_offs[:, None] + cols[None, :], mask=mask, other=0.0))
-        dyf = widen(tl.load(DY + d_offs[:, None] + cols[None, :], mask=mask, other=0.0))
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-        if PER_HEAD:
-            wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
-        else:
-            wf = wf_shared
-        xh = xf * rstd[:, None]
-        gr = dyf * wf
-        c = tl.div_rn(canon_sum(xh * gr, ROWS, P, LOG2P), tl.full((ROWS,), N, tl.float32))
-        dx = (gr - xh * c[:, None]) * rstd[:, None]
+        x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
+        e_offs = x_offs
         if HAS_DRES:
             e_offs, _ = row_offsets(rows, R1, G, es0, es1, esg)
-            dx = dx + widen(tl.load(DRES + e_offs[:, None] + cols[None, :], mask=mask, other=0.0))
-        x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
-        store_rounded(DX + x_offs[:, None] + cols[None, :], dx, mask, XDT)
+        rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+        xa, dya, xha, gra = _bwd_input(DY, d_offs, Z, z_offs, W, wsg, wf_a, g, rows, rstd, M, N, cols_a, offset,
+                                       MODE, XDT, HAS_W, PER_HEAD)
+        pb = xha * gra
+        if T > 0:
+            xb, dyb, xhb, grb = _bwd_input(DY, d_offs, Z, z_offs, W, wsg, wf_b, g, rows, rstd, M, N, cols_b,
+                                           offset, MODE, XDT, HAS_W, PER_HEAD)
+            pb = xhb * grb
+        c = tl.div_rn(tiled_canon_sum(xha * gra, pb, ROWS, PA, LOG2PA, T, LOG2T), tl.full((ROWS,), N, tl.float32))
+        _bwd_output(xha, gra, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols_a, XDT, HAS_DRES)
         if DW_PARTIALS:
-            dw_acc += tl.sum(dyf * normalized_as_used(xf, rstd, MODE, XDT), axis=0)
+            dw_a += tl.sum(dya * normalized_as_used(xa, rstd, MODE, XDT), axis=0)
+        if T > 0:
+            _bwd_output(xhb, grb, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols_b, XDT, HAS_DRES)
+            if DW_PARTIALS:
+                dw_b += tl.sum(dyb * normalized_as_used(xb, rstd, MODE, XDT), axis=0)
     if DW_PARTIALS:
-        tl.store(DW_PART + pid.to(tl.int64) * N + cols, dw_acc, mask=cmask)
+        tl.store(DW_PART + pid.to(tl.int64) * N + cols_a, dw_a, mask=cols_a < N)
+        if T > 0:
+            tl.store(DW_PART + pid.to(tl.int64) * N + cols_b, dw_b, mask=cols_b < N)
 
 
 @triton.jit(do_not_specialize=["ROWS_PER_GROUP", "GROUP_STEP"])
