@@ -48,12 +48,15 @@ def main(ns: list[int]) -> None:
                 **{s: "i32" for s in ("ROWS_PER_GROUP", "N", "R1", "G", "GROUP_STEP")}}
     print(f"triton {triton.__version__}, sm_90")
     for n in ns:
-        tile = tb._row_tile(n)
-        warps = tile.num_warps
-        common = {k_: v for k_, v in tile.meta().items() if k_ not in ("num_warps", "enable_fp_fusion")}
-        common.update(MODE=0, XDT=1, HAS_W=True, PER_HEAD=False)
+        def tiled(direction: str, n: int = n) -> tuple[dict, int]:
+            tile = tb._row_tile(n, tb.SPLIT_TILES[direction])
+            meta = {k_: v for k_, v in tile.meta().items() if k_ not in ("num_warps", "enable_fp_fusion")}
+            return dict(meta, MODE=0, XDT=1, HAS_W=True, PER_HEAD=False), tile.num_warps
+
+        common, warps = tiled("fwd")
         c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False}, warps)
         print(f"N={n:6d} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
+        common, warps = tiled("bwd")
         c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True}, warps)
         print(f"N={n:6d} bwd  {s:6.1f} s  {_stats(c)}", flush=True)
     c, s = _compile(k.fold_kernel, fold_sig, {"BN": tb._FOLD_BN, "UNROLL": tb._FOLD_UNROLL, "WHAT": 1, "XDT": 1}, 2)

@@ -280,22 +280,24 @@ def test_random_configurations_bitwise(seed):
 
 
 def test_row_tiles_split_only_rows_well_below_their_padded_length():
-    """Two column tiles (PA = P / 2 and T = next_pow2(N - PA) lanes) where T < PA, i.e. N <= 3/4 P; one
-    tile of P lanes otherwise; STRICTNORM_TRITON_SPLIT=0's one tile always."""
-    from strictnorm.backends.triton.backend import _row_tile
+    """Two column tiles (PA = P / 2 and T = next_pow2(N - PA) lanes) where T < PA, i.e. N <= 3/4 P, when
+    asked (the backward); one tile of P lanes otherwise."""
+    from strictnorm.backends.triton.backend import SPLIT_TILES, _row_tile
 
+    assert SPLIT_TILES == {"fwd": False, "bwd": True}
     for n, pa, t in ((1, 1, 0), (5, 4, 1), (7, 8, 0), (40, 32, 8), (100, 128, 0), (5120, 4096, 1024),
                      (6144, 4096, 2048), (6145, 8192, 0), (18432, 16384, 2048), (65536, 65536, 0)):
-        tile = _row_tile(n)
+        tile = _row_tile(n, True)
         assert (tile.pa, tile.t) == (pa, t), n
         assert tile.pa + tile.t >= n and tile.num_warps & (tile.num_warps - 1) == 0
-        assert (_row_tile(n, split=False).pa, _row_tile(n, split=False).t) == (next_pow2(n), 0)
+        assert (_row_tile(n, False).pa, _row_tile(n, False).t) == (next_pow2(n), 0)
 
 
 @pytest.mark.parametrize("n", [5, 40])
 def test_one_and_two_column_tiles_give_the_same_bits(n, seed, monkeypatch):
     """The split rows' tree(tile 1) + (tree(tile 2) + 0.0) against the one-tile kernel, forward and backward
-    with a residual and its gradient, a zero dy row (signed zeros) and a negative offset."""
+    with a residual and its gradient, a zero dy row and a negative offset (strict dW: the fast dW's partial
+    sums over rows follow the launch's warps, which differ between the two)."""
     from strictnorm.backends.triton import backend as tb
 
     g = torch.Generator().manual_seed(seed)
@@ -304,8 +306,9 @@ def test_one_and_two_column_tiles_give_the_same_bits(n, seed, monkeypatch):
     w = randn(n, gen=g)
     outs = []
     for split in (True, False):
-        monkeypatch.setattr(tb, "SPLIT_TILES", split)
+        monkeypatch.setattr(tb, "SPLIT_TILES", {"fwd": split, "bwd": split})
         monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
         monkeypatch.setattr(get_backend("triton"), "_bwd_plans", {})
-        outs.append(_run("triton", x, w, dy, mode="gemma", offset=-0.5, dw="fast", res=res, dres=dres, device=DEV))
+        outs.append(_run("triton", x, w, dy, mode="gemma", offset=-0.5, dw="strict", res=res, dres=dres,
+                         device=DEV))
     _assert_same(outs[0], outs[1])

@@ -50,8 +50,9 @@ def _store_view(t: torch.Tensor) -> torch.Tensor:
 
 
 # Rows of N <= 3/4 of their padded length P in two column tiles (kernels.py, tiled_canon_sum): the same
-# bits with fewer lanes. STRICTNORM_TRITON_SPLIT=0 keeps one tile of P lanes.
-SPLIT_TILES = os.environ.get("STRICTNORM_TRITON_SPLIT", "1") != "0"
+# bits with fewer lanes. On an H200 (bench/results/2026-11-30-h200-run7, call i; 2048 x 18432) the backward
+# went 282 -> 177 us, the forward 80 -> 84 us: split in the backward only.
+SPLIT_TILES = {"fwd": False, "bwd": True}
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,11 @@ class RowTile:
                     LOG2T=max(0, self.t.bit_length() - 1), num_warps=self.num_warps, enable_fp_fusion=False)
 
 
-def _row_tile(n: int, split: bool | None = None) -> RowTile:
+def _row_tile(n: int, split: bool) -> RowTile:
     p = next_pow2(n)
     rows_per_prog = max(1, _TILE_ELEMS // p)
     pa, t = p, 0
-    if split if split is not None else SPLIT_TILES:
+    if split:
         tail = next_pow2(n - p // 2) if n > p // 2 else 0
         if 0 < tail < p // 2:
             pa, t = p // 2, tail
@@ -144,7 +145,7 @@ class TritonBackend:
         views, lay, w = ForwardPlan.of(v, x, weight, residual), v.lay, v.weight
         if lay.rows == 0:
             return _Plan(views, (), 0, (), {})
-        tile = _row_tile(lay.n)
+        tile = _row_tile(lay.n, SPLIT_TILES["fwd"])
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=_MODE[spec.mode], XDT=_DT[norm_dtype], YDT=_DT[spec.out_dtype], HAS_W=w is not None,
                     PER_HEAD=views.per_head, HAS_RES=residual is not None, **tile.meta())
@@ -194,7 +195,7 @@ class TritonBackend:
         # than the strict fold: 701 vs 291 us at 2048 x 18432 on an H200 (bench/results/2026-11-29-h200-run2);
         # the fold is deterministic too, so it serves dw="fast" there.
         partials = need_dw and dw_mode == "fast" and not views.per_head and next_pow2(n) <= _PARTIALS_MAX_P
-        tile = _row_tile(n)
+        tile = _row_tile(n, SPLIT_TILES["bwd"])
         blocks = _cdiv(rows, tile.rows)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
         meta = dict(MODE=_MODE[spec.mode], XDT=_DT[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
