@@ -34,7 +34,7 @@ def main() -> None:
         xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         want = None
         for tile in (2048, 4096, 8192, 16384):
-            for elems_per_warp in (256, 512, 1024, 2048):
+            for elems_per_warp in (256, 512, 1024, 2048, 4096, 8192):  # 8192: 4 warps at P = 32768
                 def row_tile(n_, split=None, tile=tile, epw=elems_per_warp):
                     t = original(n_, split)  # the column tiles as the backend splits them
                     rows = max(1, tile // next_pow2(n_))
