@@ -40,6 +40,7 @@ _THREADS = 256
 _SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
 _MIN_ARCH = (8, 0)  # cp.async
 _MAX_GRID_X = 2**31 - 1  # the kernels stride over rows, so a capped grid is still complete
+_CHAIN_COLS = 8  # fold_chain's columns an item, unless a FoldTuning says otherwise
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,17 @@ class FoldTuning:
     chain_rows: int = 0
 
 
+def _chain_shmem(cols: int, chain_rows: int) -> int:
+    """fold_chain's shared memory: an item's fp32 contributions, each column's rows padded by 4 (CHAIN_STRIDE),
+    and the item slot."""
+    return cols * (chain_rows + 4) * 4 + 16
+
+
 def _chain_launch(n: int, rows: int, num_sms: int, tuning: FoldTuning, defines: dict[str, int]) -> FoldLaunch:
-    cols, chain = tuning.cols or 8, tuning.chain_rows
+    cols, chain = tuning.cols or _CHAIN_COLS, tuning.chain_rows
     if chain % 4 or not 1 <= cols <= 32:
         raise ValueError(f"fold_chain takes items of a multiple of 4 rows and 1 to 32 columns, got {chain} x {cols}")
-    shmem = cols * (chain + 4) * 4 + 16
+    shmem = _chain_shmem(cols, chain)
     if shmem > tuning.smem_bytes:
         raise ValueError(f"fold_chain items of {chain} rows x {cols} columns need {shmem} bytes of shared memory, "
                          f"more than smem_bytes = {tuning.smem_bytes}")
@@ -93,7 +100,6 @@ def _chain_launch(n: int, rows: int, num_sms: int, tuning: FoldTuning, defines: 
 # -> 130.3 with 2048-row items; 262144 x 128: 1418.7 -> 642.8), the plain fold only from 32768 rows up to 512
 # columns (262144 x 128: 825.5 -> 634.8; the ring wins at 16384 x 512 and 32768 x 1024). Items shrink to fit
 # the device's shared memory (4096 rows x 8 columns need 131 KB).
-_CHAIN_COLS = 8
 
 
 def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1) -> FoldTuning | None:
@@ -106,10 +112,8 @@ def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1
             return None
     elif rows < 8192 or n > 1024:
         return None
-    for chain_rows in (4096, 2048, 1024):
-        if n > 512 and chain_rows > 2048:
-            continue
-        if _CHAIN_COLS * (chain_rows + 4) * 4 + 16 <= smem_optin:
+    for chain_rows in (2048, 1024) if n > 512 else (4096, 2048, 1024):
+        if _chain_shmem(_CHAIN_COLS, chain_rows) <= smem_optin:
             return FoldTuning(cols=_CHAIN_COLS, chain_rows=chain_rows, smem_bytes=smem_optin)
     return None
 
