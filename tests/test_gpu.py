@@ -191,23 +191,23 @@ def test_cuda_fold_chain_bitwise(chain_rows, cols, seed):
 
 def test_cuda_default_strict_backward_at_qk_norm_shapes(seed):
     """The strict dW by default at QK-norm's shapes (tokens x heads rows of head_dim 128; fold_chain from
-    8192 rows): bitwise equal to the reference's strict backward, gemma offset, 65536 rows, odd counts, a
-    partial column group."""
-    from strictnorm.backends.cuda.backend import default_chain
+    8192 rows): bitwise equal to the reference's strict backward, gemma offset, 65536 rows, odd row counts,
+    1000 columns (2048-row items). Each case is checked to have run fold_chain (bf16 rows of N % 8 != 0 are
+    not 16-byte aligned and take fold_simple instead)."""
     from strictnorm.contract import make_spec
 
     cb, tr = get_backend("cuda"), get_backend("torch")
-    props = torch.cuda.get_device_properties(DEV)
     g = torch.Generator(device=DEV).manual_seed(seed)
     spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
-    for m, n in ((65536, 128), (40961, 64), (12289, 1001)):
-        assert default_chain(n, m, 1, props.shared_memory_per_block_optin) is not None
+    for m, n in ((65536, 128), (40961, 64), (12289, 1000)):
         z, dy = (torch.randn(m, n, device=DEV, generator=g).bfloat16() for _ in range(2))
         w = (torch.randn(n, device=DEV, generator=g) * 0.1).bfloat16()
         _, rstd, _ = tr.rms_norm_fwd(z, w, None, spec)
         want_dx, want_dw = tr.rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", True, None)
+        cb._fold_plans.clear()
         got_dx, got_dw = cb.rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", True, None)
         assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw), f"{m}x{n}"
+        assert [p.state_ints > 0 for p in cb._fold_plans.values()] == [True], f"{m}x{n}: not fold_chain"
 
 
 def test_cuda_fold_adversarial_rows():
