@@ -440,8 +440,8 @@ def calls() -> str:
     how = os.environ.get("STRICTNORM_CUTE_CALLS") or ("tvm-ffi" if _tvm_ffi_importable() else "dlpack")
     if how not in CALLS:
         raise ValueError(f"STRICTNORM_CUTE_CALLS must be one of {CALLS}, got {how!r}")
-    if how == "tvm-ffi":
-        _require_tvm_ffi()
+    if how == "tvm-ffi" and not _tvm_ffi_importable():
+        raise RuntimeError("STRICTNORM_CUTE_CALLS=tvm-ffi needs apache-tvm-ffi: pip install apache-tvm-ffi")
     return how
 
 
@@ -452,14 +452,6 @@ def _tvm_ffi_importable() -> bool:
     except ImportError:
         return False
     return True
-
-
-@cache
-def _require_tvm_ffi() -> None:
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError as e:
-        raise RuntimeError("STRICTNORM_CUTE_CALLS=tvm-ffi needs apache-tvm-ffi: pip install apache-tvm-ffi") from e
 
 
 def _launch(compiled, tvm_ffi: bool, tensors: tuple, scalars: tuple, device) -> None:
