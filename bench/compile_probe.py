@@ -50,8 +50,7 @@ def main(ns: list[int]) -> None:
     for n in ns:
         def tiled(direction: str, n: int = n) -> tuple[dict, int]:
             tile = tb._row_tile(n, tb.SPLIT_TILES[direction])
-            meta = {k_: v for k_, v in tile.meta().items() if k_ not in ("num_warps", "enable_fp_fusion")}
-            return dict(meta, MODE=0, XDT=1, HAS_W=True, PER_HEAD=False), tile.num_warps
+            return dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False), tile.num_warps
 
         common, warps = tiled("fwd")
         c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False}, warps)

@@ -66,9 +66,13 @@ class RowTile:
     t: int
     num_warps: int
 
-    def meta(self) -> dict:
+    def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
-                    LOG2T=max(0, self.t.bit_length() - 1), num_warps=self.num_warps, enable_fp_fusion=False)
+                    LOG2T=max(0, self.t.bit_length() - 1))
+
+    def meta(self) -> dict:
+        """The constexprs and the launch options."""
+        return {**self.constexprs(), **_launch_opts(self.num_warps)}
 
 
 def _row_tile(n: int, split: bool) -> RowTile:
