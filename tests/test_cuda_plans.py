@@ -26,7 +26,7 @@ class _RecordingKernel:
         self.occupancy = _Occupancy()
 
     def launch(self, stream, grid, block, shmem, *args) -> None:
-        self.log.append((self.name, grid, block, shmem, args))
+        self.log.append((self.name, grid, block, shmem, args, stream))
 
 
 class _RecordingCache:
@@ -61,7 +61,7 @@ def test_forward_plan_serves_new_tensors_of_the_same_signature(recording):
     for _ in range(3):
         x, w = torch.randn(5, 256).bfloat16(), torch.randn(256).bfloat16()
         y, rstd, z = cb.rms_norm_fwd(x, w, None, _spec())
-        name, grid, block, shmem, args = log.pop()
+        name, grid, block, shmem, args, _ = log.pop()
         assert name == "rms_fwd" and z is None
         assert args[0] == x.data_ptr() and args[9] == w.data_ptr()
         assert args[11] == y.data_ptr() and args[12] == rstd.data_ptr()
@@ -102,6 +102,35 @@ def test_backward_plans_fold_before_dx_and_sum_partials(recording):
     empty = torch.empty(0, 128).bfloat16()
     dx, dw = cb.rms_norm_bwd(empty, empty, w, torch.empty(0), None, _spec(), "strict", True, None)
     assert not log and dx.shape == (0, 128) and torch.equal(dw, torch.zeros_like(w))
+
+
+class _FakeStream:
+    def __init__(self, handle: int, log: list) -> None:
+        self.cuda_stream, self.log = handle, log
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append(("wait", self.cuda_stream, other.cuda_stream))
+
+
+def test_strict_fold_forks_beside_the_dx_kernel(recording, monkeypatch):
+    """dw="strict" with a dx of its own: the side stream waits for the current one, the fold launches on it,
+    the dx kernel on the current stream, then the current stream waits for the side one (join) before the
+    call returns. fold_beside_dx=False, or dx over dy: both on the current stream, fold first."""
+    cb, log = recording
+    here = _FakeStream(0, log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: here)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(7, log))
+    x, dy, w = torch.randn(64, 128).bfloat16(), torch.randn(64, 128).bfloat16(), torch.randn(128).bfloat16()
+    rstd = torch.rand(64) + 0.5
+    cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, None)
+    assert [(e[0], e[-1]) if e[0] != "wait" else e for e in log] == [
+        ("wait", 7, 0), ("fold_ring", 7), ("rms_bwd", 0), ("wait", 0, 7)]
+    for dx_out, beside in ((None, False), (dy, True)):
+        log.clear()
+        cb.fold_beside_dx = beside
+        cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, dx_out)
+        assert [(e[0], e[-1]) for e in log] == [("fold_ring", 0), ("rms_bwd", 0)]
+    assert not cb.fold_beside(dy[1:], x, dy) and cb.fold_beside(torch.empty(1), x[0])
 
 
 def test_plan_cache_is_bounded(recording, monkeypatch):

@@ -117,6 +117,35 @@ def test_cuda_graph_replay_with_new_inputs(backend, dw, seed):
                                                             next(seeds)), replays=3)
 
 
+@pytest.mark.parametrize("backend", ["cuda", "triton", "cute"])
+def test_strict_fold_beside_the_dx_pass(backend, seed):
+    """The strict dW fold runs on a side stream beside the dx pass (CudaBackend.fold_beside_dx): dx and dW
+    equal the one-after-the-other run's and the reference's; an in-place backward (dx over dy, which the
+    fold reads) still folds first, at a size where a race would show."""
+    if not status(backend, torch.device(DEV)).available:
+        pytest.skip(status(backend, torch.device(DEV)).reason)
+    from strictnorm.contract import make_spec
+
+    cb, b, tr = get_backend("cuda"), get_backend(backend), get_backend("torch")
+    x, w, dy = _data(16384, 4096, torch.bfloat16, torch.bfloat16, seed)
+    spec = make_spec(x.dtype, 1e-6, 1.0, "gemma", x.dtype)
+    rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
+    want = tr.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
+    try:
+        got = {}
+        for beside in (False, True):
+            cb.fold_beside_dx = beside
+            got[beside] = b.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
+            buf = dy.clone()
+            in_place = b.rms_norm_bwd(buf, x, w, rstd, None, spec, "strict", True, buf)
+            assert in_place[0].data_ptr() == buf.data_ptr()
+            assert bits_equal(in_place[0], want[0]) and bits_equal(in_place[1], want[1])
+    finally:
+        cb.fold_beside_dx = True
+    for beside in (False, True):
+        assert bits_equal(got[beside][0], want[0]) and bits_equal(got[beside][1], want[1])
+
+
 def _loop(rows):
     acc = torch.zeros(rows.shape[1:], device=rows.device)
     for r in rows:

@@ -1,10 +1,11 @@
 """`strictnorm bench`: strictnorm and the anchors side by side, in one process and one run.
 
-Two figures per provider and op: kernel-only time (the sum of the op's CUDA kernel durations from
-torch.profiler, L2 flushed before each timed call, median over iterations; the method behind the
-anchor figures in PERF.md) and eager time (triton.testing.do_bench: what a Python caller sees,
-host cost included). Bytes are counted (forward: read x, write y; backward: read x, dy, write dx),
-and the device-to-device copy bandwidth is measured in the same run as the ceiling.
+Two figures per provider and op: kernel-only time (the time the op's CUDA kernels ran from
+torch.profiler: their durations summed, kernels running side by side counted once; L2 flushed before
+each timed call, median over iterations; the method behind the anchor figures in PERF.md) and eager
+time (triton.testing.do_bench: what a Python caller sees, host cost included). Bytes are counted
+(forward: read x, write y; backward: read x, dy, write dx), and the device-to-device copy bandwidth
+is measured in the same run as the ceiling.
 
 Sections: norm (forward and backward, bf16, llama casting; presets: the PERF.md grid, Llama-3 and
 QK-norm shapes, or --shapes) with rounds in shuffled provider order and an A/A control (the same
@@ -19,6 +20,7 @@ import argparse
 import contextlib
 import csv
 import json
+import math
 import os
 import platform
 import random
@@ -68,8 +70,9 @@ def environment() -> dict:
 class Timer:
     """Kernel-only and eager time of a callable on one device.
 
-    CUDA: kernel-only time is the sum of the call's kernel durations from torch.profiler with the L2
-    flushed before every timed call (median over iterations); eager time is triton's do_bench median.
+    CUDA: kernel-only time is the union of the call's kernel intervals from torch.profiler (busy_us: the
+    sum of their durations where they run one after the other) with the L2 flushed before every timed call
+    (median over iterations); eager time is triton's do_bench median.
     CPU: both figures are the wall-clock median of the call (there are no kernels to separate).
     """
 
@@ -98,8 +101,8 @@ class Timer:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 fn()
                 torch.cuda.synchronize()
-            per_iter.append(sum(e.device_time_total for e in prof.events()
-                                if e.device_type == torch.autograd.DeviceType.CUDA))
+            per_iter.append(busy_us([(e.time_range.start, e.time_range.end) for e in prof.events()
+                                     if e.device_type == torch.autograd.DeviceType.CUDA]))
         return statistics.median(per_iter)
 
     def eager_us(self, fn: Callable[[], object]) -> float:
@@ -116,6 +119,17 @@ class Timer:
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(times)
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: the time some kernel of a call ran. Kernels on one
+    stream add up; kernels running side by side (the strict dW fold beside the dx pass) count once."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def copy_ceiling_gbps(device: torch.device) -> float:

@@ -13,6 +13,10 @@ from ..contract import NormSpec
 OPS = ("rms_norm", "left_fold")
 
 
+def no_join() -> None:
+    """The join of work that was not forked onto another stream (see CudaBackend.launch_fold)."""
+
+
 class Backend(Protocol):
     name: str
     ops: frozenset[str]

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
+from ..base import no_join
 from ..layout import (
     BackwardPlan,
     ForwardPlan,
@@ -395,6 +397,10 @@ class CudaBackend:
         self.fwd_tuning: NormTuning | None = None
         self.bwd_tuning: NormTuning | None = None
         self.fold_tuning: FoldTuning | None = None
+        # the strict dW fold runs on a side stream beside the dx pass (see launch_fold); False: one after
+        # the other on the current stream (same bits either way)
+        self.fold_beside_dx = True
+        self._side_streams: dict[int, torch.cuda.Stream] = {}
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
         return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
@@ -455,21 +461,53 @@ class CudaBackend:
         return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
                          alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints)
 
+    def _side_stream(self, dev: int) -> torch.cuda.Stream:
+        side = self._side_streams.get(dev)
+        if side is None:
+            side = self._side_streams.setdefault(dev, torch.cuda.Stream(device=dev))
+        return side
+
     def _run_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor) -> Tensor:
+        return self._launch_fold(plan, a, b, rstd, beside=False)[0]
+
+    def _launch_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor, beside: bool
+                     ) -> tuple[Tensor, Callable[[], None]]:
+        """(the fold's output, join). beside=False: launched on the current stream, join does nothing.
+        beside=True: launched on a side stream once the current stream's work so far is done, concurrent
+        with what the caller enqueues next; join() makes the current stream wait for the fold. Outputs and
+        state are allocated on the current stream before the fork and kept alive until the join."""
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=a.device)
         if plan.kernel is None:
-            return out.zero_()
+            return out.zero_(), no_join
         args = (a.data_ptr(), *plan.a_strides, b.data_ptr(), *plan.b_strides, plan.r1, plan.g, rstd.data_ptr(),
                 out.data_ptr(), plan.rows_per_group, plan.n, plan.groups)
+        state = None
         if plan.state_ints:  # fold_chain: its item counter and hand-over words, zeroed; rows aligned
             state = torch.zeros(plan.state_ints, dtype=torch.int32, device=a.device)
             args = (*args, state.data_ptr(), np.int32(1))
-        plan.kernel.launch(current_stream(_device_index(a)), plan.grid, plan.block, plan.shmem, *args)
-        return out
+        dev = _device_index(a)
+        if not beside:
+            plan.kernel.launch(current_stream(dev), plan.grid, plan.block, plan.shmem, *args)
+            return out, no_join
+        here, side = torch.cuda.current_stream(dev), self._side_stream(dev)
+        side.wait_stream(here)
+        plan.kernel.launch(side.cuda_stream, plan.grid, plan.block, plan.shmem, *args)
+
+        def join(keep: tuple = (out, state, a, b, rstd)) -> None:
+            here.wait_stream(side)
+
+        return out, join
 
     def fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
              what: int, groups: int, ring: bool = True, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(groups, N) in out_dtype: group h folds logical rows t * groups + h in fp32 (see fold.cu)."""
+        return self.launch_fold(a, alay, b, blay, rstd, what, groups, ring, out_dtype)[0]
+
+    def launch_fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
+                    what: int, groups: int, ring: bool = True, out_dtype: torch.dtype = torch.float32,
+                    beside: bool = False) -> tuple[Tensor, Callable[[], None]]:
+        """fold's result and a join (see _launch_fold): with beside=True the fold runs on a side stream, beside
+        the kernels the caller enqueues before calling join() (which must not write a, b or rstd)."""
         dev = _device_index(a)
         key = (dev, alay, a.dtype, a.data_ptr() % 16 == 0, blay, b.dtype, b.data_ptr() % 16 == 0, what, groups,
                ring, self.fold_tuning, out_dtype)
@@ -479,7 +517,16 @@ class CudaBackend:
             simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
             plan = remember(self._fold_plans, key,
                             self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype))
-        return self._run_fold(plan, a, b, rstd)
+        return self._launch_fold(plan, a, b, rstd, beside)
+
+    def fold_beside(self, dx: Tensor, *reads: Tensor) -> bool:
+        """Whether a strict dW fold reading `reads` may run beside a dx pass writing dx: the backend's
+        setting allows it and dx shares no storage with them (an in-place backward, dx over dy, folds
+        first)."""
+        if not self.fold_beside_dx:
+            return False
+        out = dx.untyped_storage().data_ptr()
+        return all(t.untyped_storage().data_ptr() != out for t in reads)
 
     # ---- rms_norm forward ----------------------------------------------------------------------------
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
@@ -538,15 +585,17 @@ class CudaBackend:
             return dx, (torch.zeros(weight.shape, dtype=weight.dtype, device=z.device) if need_dw else None)
         dyk, zk, w, rstd, dresk, dxk = plan.views.inputs(dy, z, weight, rstd, dres, dx)
         lays = plan.views
-        dw = None
-        if plan.strict is not None:  # strict (or per-head): fold first, as dx may overwrite dy
-            dw = self._run_fold(plan.strict, dyk, zk, rstd).reshape(weight.shape)
+        dw, join = None, no_join
+        if plan.strict is not None:  # strict (or per-head): beside the dx pass, or first where dx overwrites dy
+            dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(dx, dy, z, rstd))
+            dw = dw.reshape(weight.shape)
         # the partial rows (an unused pointer without them)
         part = self._partials_buffer(plan.partial_rows, zk.shape[-1], z.device) if plan.partial_rows else rstd
         plan.kernel.launch(current_stream(_device_index(z)), (plan.grid, 1, 1), plan.threads, plan.shmem,
                            dyk.data_ptr(), *lays.dlay.args(), zk.data_ptr(), *lays.lay.args(),
                            (w if w is not None else zk).data_ptr(), plan.wsg, rstd.data_ptr(), dresk.data_ptr(),
                            *lays.elay.args(), dxk.data_ptr(), *lays.xlay.args(), part.data_ptr(), *plan.tail)
+        join()
         if dxk is not dx:
             dx.copy_(dxk)
         if plan.partial_rows:
@@ -591,12 +640,14 @@ class CudaBackend:
                         self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
 
     def strict_dw(self, dy: Tensor, dlay: RowLayout, z: Tensor, zlay: RowLayout, rstd: Tensor, mode: str,
-                  weight: Tensor) -> Tensor:
-        """dW in weight's dtype and shape as the ascending left fold of the rows' contributions (per head
-        for (H, N) weights), recomputed from dy, z and rstd by the fold kernel; zeros for no rows."""
+                  weight: Tensor, beside: bool = False) -> tuple[Tensor, Callable[[], None]]:
+        """(dW, join): dW in weight's dtype and shape as the ascending left fold of the rows' contributions
+        (per head for (H, N) weights), recomputed from dy, z and rstd by the fold kernel; zeros for no rows.
+        beside: on a side stream until join() (see launch_fold)."""
         groups = weight.shape[0] if weight.dim() == 2 else 1
-        dw = self.fold(dy, dlay, z, zlay, rstd, _MODES[mode] + 1, groups, out_dtype=weight.dtype)
-        return dw.reshape(weight.shape)
+        dw, join = self.launch_fold(dy, dlay, z, zlay, rstd, _MODES[mode] + 1, groups, out_dtype=weight.dtype,
+                                    beside=beside)
+        return dw.reshape(weight.shape), join
 
     # ---- fixed-order sums of fp32 partial rows -------------------------------------------------------
     @staticmethod

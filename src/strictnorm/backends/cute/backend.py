@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
+from ..base import no_join
 from ..layout import row_layout
 
 _MAX_P = 32768  # longest padded row the kernels' register mapping was built and tested for
@@ -105,13 +106,15 @@ class CuteBackend:
         z2, dy2 = as_rows(z), as_rows(dy)
         rows = z2.shape[0]
         rstd2 = rstd.reshape(-1).contiguous()
-        dw = None
+        dw, join = None, no_join
         strict = dw_mode == "strict" or next_pow2(n) > _PARTIALS_MAX_P
-        if need_dw and (strict or rows == 0):
-            dw = _cuda().strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight)
+        if need_dw and (strict or rows == 0):  # beside the dx pass: dx has a buffer of its own until the join
+            cb = _cuda()
+            dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight, cb.fold_beside_dx)
         partials = need_dw and dw is None
         dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
                                        spec.offset, spec.mode, partials=partials)
+        join()
         if partials:
             dw = _cuda().sum_rows(part, weight.dtype)
         dx = dx.view(z.shape)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
+from ..base import no_join
 from ..layout import (
     BackwardPlan,
     ForwardPlan,
@@ -171,14 +173,17 @@ class TritonBackend:
         lays = plan.views
         dyk, zk, w, rstd, dresk, dxk = lays.inputs(dy, z, weight, rstd, dres, dx)
         partials = plan.meta["DW_PARTIALS"]
-        dw = None
-        if need_dw and not partials:  # before the dx pass: in place, dx overwrites dy
-            dw = self._fold(dyk, lays.dlay, zk, lays.lay, rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
-                            weight.shape[0] if lays.per_head else 1, weight.dtype).reshape(weight.shape)
+        dw, join = None, no_join
+        if need_dw and not partials:  # beside the dx pass (CUDA fold), or before it: in place, dx overwrites dy
+            dw, join = self._launch_fold(dyk, lays.dlay, zk, lays.lay, rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
+                                         weight.shape[0] if lays.per_head else 1, weight.dtype, dx=dx,
+                                         reads=(dy, z, rstd))
+            dw = dw.reshape(weight.shape)
         part = torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials else rstd
         _kernels().rms_bwd_kernel[plan.grid](
             dyk, *lays.dlay.args(), zk, *lays.lay.args(), w if w is not None else zk, plan.wsg, rstd, dresk,
             *lays.elay.args(), _store_view(dxk), *lays.xlay.args(), part, *plan.scalars, **plan.meta)
+        join()
         if dxk is not dx:
             dx.copy_(dxk)
         if partials:
@@ -221,15 +226,24 @@ class TritonBackend:
     def _fold(self, a: Tensor, alay: RowLayout, b: Tensor, blay: RowLayout, rstd: Tensor, what: int, xdt: int,
               groups: int, out_dtype: torch.dtype = torch.float32) -> Tensor:
         """(groups, N) in out_dtype: the strict left fold (see fold_kernel)."""
+        return self._launch_fold(a, alay, b, blay, rstd, what, xdt, groups, out_dtype)[0]
+
+    def _launch_fold(self, a: Tensor, alay: RowLayout, b: Tensor, blay: RowLayout, rstd: Tensor, what: int,
+                     xdt: int, groups: int, out_dtype: torch.dtype = torch.float32, dx: Tensor | None = None,
+                     reads: tuple[Tensor, ...] = ()) -> tuple[Tensor, Callable[[], None]]:
+        """_fold's result and a join: with the CUDA fold and a dx pass writing dx next (that does not
+        overwrite `reads`), the fold runs beside it until join() (the CUDA backend's launch_fold)."""
         if self._cuda_available(a):
-            return get_backend("cuda").fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype)
+            cb = get_backend("cuda")
+            beside = dx is not None and cb.fold_beside(dx, *reads)
+            return cb.launch_fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype, beside=beside)
         out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)  # fp32, then rounded once
         grid = (_cdiv(alay.n, _FOLD_BN), groups)
         _kernels().fold_kernel[grid](
             a, *alay.args(), b, *blay.args(), rstd, out, alay.rows // groups, alay.n, alay.r1, alay.g,
             groups, BN=_FOLD_BN, UNROLL=_FOLD_UNROLL, WHAT=what, XDT=xdt,
             **_launch_opts(2))
-        return out.to(out_dtype)
+        return out.to(out_dtype), no_join
 
     def left_fold(self, rows: Tensor) -> Tensor:
         if rows.numel() == 0:

@@ -1,0 +1,86 @@
+"""The strict backward with its dW fold beside the dx pass (a side stream) against one after the other.
+
+Both read every row of x and dy; side by side, the rows the first reads are still in L2 when the second
+reads them (L2 holds ~3000 rows of 4096 bf16 x and dy), so DRAM sees x and dy about once. Per shape and
+backend (cuda, triton): kernel-only time (strictnorm.bench's Timer: kernels side by side counted once) of
+the strict backward in both settings, of the dx pass alone (need_dw=False) and of the fold alone; every
+dx and dW checked bitwise between the two settings. Run on the GPU machine:
+    python3 bench/overlap_probe.py [out.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from strictnorm.backends.layout import row_layout
+from strictnorm.backends.registry import get_backend
+from strictnorm.bench import Timer, copy_ceiling_gbps
+from strictnorm.contract import make_spec
+
+SHAPES = [(32768, 4096), (16384, 4096), (8192, 4096), (2048, 4096), (8192, 8192), (2048, 18432), (262144, 128),
+          (65536, 128), (16384, 128)]
+
+
+def _shapes() -> list[tuple[int, int]]:
+    text = os.environ.get("OVERLAP_SHAPES")
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")] if text else SHAPES
+
+
+def measure(timer: Timer, m: int, n: int, ceiling: float, g: torch.Generator) -> list[dict]:
+    dev = torch.device("cuda")
+    cb = get_backend("cuda")
+    x = torch.randn(m, n, device=dev, generator=g).bfloat16()
+    dy = torch.randn(m, n, device=dev, generator=g).bfloat16()
+    w = (torch.randn(n, device=dev, generator=g) * 0.5 + 1).bfloat16()
+    rstd = torch.rand(m, device=dev, generator=g) + 0.5
+    spec = make_spec(x.dtype, 1e-6, 0.0, "llama", x.dtype)
+    rows = []
+    for name in ("cuda", "triton"):
+        b = get_backend(name)
+
+        def bwd(need_dw: bool = True, b=b):
+            return b.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", need_dw, None)
+
+        row = {"m": m, "n": n, "backend": name, "floor_us": 6 * m * n / ceiling / 1e3}
+        outs = {}
+        try:
+            for beside in (False, True):
+                cb.fold_beside_dx = beside
+                outs[beside] = bwd()
+                row["beside" if beside else "serial"] = timer.kernel_us(bwd)
+        finally:
+            cb.fold_beside_dx = True
+        row["same_bits"] = all(torch.equal(p.view(torch.int16), q.view(torch.int16))
+                               for p, q in zip(outs[False], outs[True], strict=True))
+        row["dx_only"] = timer.kernel_us(lambda: bwd(False))
+        if name == "cuda":
+            row["fold_only"] = timer.kernel_us(
+                lambda: cb.strict_dw(*row_layout(dy), *row_layout(x), rstd, "llama", w))
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    timer = Timer(dev, iters=9)
+    ceiling = copy_ceiling_gbps(dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows_out = [row for m, n in _shapes() for row in measure(timer, m, n, ceiling, g)]
+    print(f"copy {ceiling:.0f} GB/s; kernel-only us, strict backward (dx + strict dW), bf16 llama")
+    print(f"{'M x N':>14} {'backend':>7} {'floor':>7} {'serial':>8} {'beside':>8} {'dx only':>8} {'fold':>8} bits")
+    for r in rows_out:
+        print(f"{r['m']:>7} x {r['n']:<5} {r['backend']:>7} {r['floor_us']:7.1f} {r['serial']:8.1f} "
+              f"{r['beside']:8.1f} {r['dx_only']:8.1f} {r.get('fold_only', float('nan')):8.1f} "
+              f"{'same' if r['same_bits'] else 'DIFFER'}")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"copy_GBps": ceiling, "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
