@@ -2,8 +2,9 @@
 consumer's whole-stage unroll, the ring's shared memory (past 48 KB: opted into), on plain fp32 rows and on
 the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major; and fold_chain
 (chain_rows: items spread over every SM, the sums handed from item to item).
-SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_KNOBS=chain (or smem, or
-ring) limits the configurations to fold_chain's, the rings past 48 KB / column-major, or the 48 KB rings;
+SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_KNOBS=chain (or smem, ring,
+wide, or several: smem,wide) limits the configurations to fold_chain's, the rings past 48 KB / column-major,
+the 48 KB rings, or the rings of 32 columns past 48 KB;
 base: the default (fold_chain where the backend picks it) against the default ring only.
 SWEEP_FOLD_PLAIN / SWEEP_FOLD_DW=MxN,... replace the shapes.
 
@@ -33,6 +34,9 @@ TUNINGS = [None] + [FoldTuning(cols=c, rows_per_stage=r, full_stage=f)
 TUNINGS += [FoldTuning(cols=c, rows_per_stage=r, smem_bytes=kb * 1024, column_major=cm)
             for c in (8, 16) for r in (128, 256, 512) for kb in (48, 96, 200) for cm in (False, True)
             if (kb, cm) != (48, False)]
+# wide rings: a warp's 32 columns (64 bytes of every bf16 row), many stages in flight
+TUNINGS += [FoldTuning(cols=32, rows_per_stage=r, smem_bytes=kb * 1024, column_major=cm)
+            for r in (64, 128, 256) for kb in (96, 200) for cm in (False, True)]
 # fold_chain: items of chain_rows rows x cols columns spread over every SM
 TUNINGS += [FoldTuning(cols=c, chain_rows=r, smem_bytes=200 * 1024) for c in (4, 8, 16) for r in (512, 1024, 2048, 4096)
             if c * (r + 4) * 4 + 16 <= 200 * 1024]
@@ -79,10 +83,12 @@ def main() -> None:
     knobs = os.environ.get("SWEEP_FOLD_KNOBS", "")
     kinds = {"chain": lambda t: t.chain_rows > 0,
              "smem": lambda t: not t.chain_rows and (t.smem_bytes > 48 * 1024 or t.column_major),
-             "ring": lambda t: not t.chain_rows and t.smem_bytes <= 48 * 1024 and not t.column_major}
+             "ring": lambda t: not t.chain_rows and t.smem_bytes <= 48 * 1024 and not t.column_major,
+             "wide": lambda t: not t.chain_rows and t.cols == 32 and t.smem_bytes > 48 * 1024}
     # "base": the default (fold_chain where default_chain picks it) against the default ring alone
     tunings = [None] + ([FoldTuning()] if knobs == "base" else
-                        [t for t in TUNINGS[1:] if not knobs or kinds[knobs](t)])
+                        list(dict.fromkeys(t for t in TUNINGS[1:]
+                                           if not knobs or any(kinds[k](t) for k in knobs.split(",")))))
     for name, m, n, fn, ref in _cases(dev):
         if only and not any(t in name for t in only):
             continue

@@ -233,10 +233,10 @@ def test_cuda_default_strict_backward_at_qk_norm_shapes(seed):
         w = (torch.randn(n, device=DEV, generator=g) * 0.1).bfloat16()
         _, rstd, _ = tr.rms_norm_fwd(z, w, None, spec)
         want_dx, want_dw = tr.rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", True, None)
-        cb._fold_plans.clear()
+        cb._bwd_plans.clear()
         got_dx, got_dw = cb.rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", True, None)
         assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw), f"{m}x{n}"
-        assert [p.state_ints > 0 for p in cb._fold_plans.values()] == [True], f"{m}x{n}: not fold_chain"
+        assert [p.strict.state_ints > 0 for p in cb._bwd_plans.values()] == [True], f"{m}x{n}: not fold_chain"
 
 
 def test_cuda_fold_adversarial_rows():
