@@ -4,7 +4,9 @@ Both read every row of x and dy; side by side, the rows the first reads are stil
 reads them (L2 holds ~3000 rows of 4096 bf16 x and dy), so DRAM sees x and dy about once. Per shape and
 backend (cuda, triton): kernel-only time (strictnorm.bench's Timer: kernels side by side counted once) of
 the strict backward in both settings, of the dx pass alone (need_dw=False) and of the fold alone; every
-dx and dW checked bitwise between the two settings. Run on the GPU machine:
+dx and dW checked bitwise between the two settings. OVERLAP_SHAPES=MxN,... replaces the shapes;
+OVERLAP_SWEEP=sweep.json (bench/sweep_fold.py's output) runs each shape's fold in the configuration that was
+fastest there for the strict dW (the default where the sweep has no such case). Run on the GPU machine:
     python3 bench/overlap_probe.py [out.json]
 """
 
@@ -16,6 +18,7 @@ import sys
 
 import torch
 
+from strictnorm.backends.cuda.backend import FoldTuning
 from strictnorm.backends.layout import row_layout
 from strictnorm.backends.registry import get_backend
 from strictnorm.bench import Timer, copy_ceiling_gbps
@@ -28,6 +31,20 @@ SHAPES = [(32768, 4096), (16384, 4096), (8192, 4096), (2048, 4096), (8192, 8192)
 def _shapes() -> list[tuple[int, int]]:
     text = os.environ.get("OVERLAP_SHAPES")
     return [tuple(int(v) for v in s.split("x")) for s in text.split(",")] if text else SHAPES
+
+
+def best_tuning(m: int, n: int) -> FoldTuning | None:
+    path = os.environ.get("OVERLAP_SWEEP")
+    if not path:
+        return None
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r["case"] == f"strict dW {m}x{n}" and "us" in r
+                and r["bitwise_vs_default"]]
+    if not rows:
+        return None
+    best = min(rows, key=lambda r: r["us"])
+    return None if best.get("default") else FoldTuning(**{k: best[k] for k in FoldTuning.__dataclass_fields__
+                                                          if k in best})
 
 
 def measure(timer: Timer, m: int, n: int, ceiling: float, g: torch.Generator) -> list[dict]:
@@ -46,6 +63,8 @@ def measure(timer: Timer, m: int, n: int, ceiling: float, g: torch.Generator) ->
             return b.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", need_dw, None)
 
         row = {"m": m, "n": n, "backend": name, "floor_us": 6 * m * n / ceiling / 1e3}
+        cb.fold_tuning = best_tuning(m, n)
+        row["fold_tuning"] = str(cb.fold_tuning)
         outs = {}
         try:
             for beside in (False, True):
@@ -60,6 +79,7 @@ def measure(timer: Timer, m: int, n: int, ceiling: float, g: torch.Generator) ->
         if name == "cuda":
             row["fold_only"] = timer.kernel_us(
                 lambda: cb.strict_dw(*row_layout(dy), *row_layout(x), rstd, "llama", w))
+        cb.fold_tuning = None
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
