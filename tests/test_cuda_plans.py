@@ -115,8 +115,10 @@ class _FakeStream:
 def test_strict_fold_forks_beside_the_dx_kernel(recording, monkeypatch):
     """dw="strict" with a dx of its own: the side stream waits for the current one, the fold launches on it,
     the dx kernel on the current stream, then the current stream waits for the side one (join) before the
-    call returns. fold_beside_dx=False, or dx over dy: both on the current stream, fold first."""
+    call returns. fold_beside_dx=False, or dx over dy: both on the current stream, fold first. By default
+    (fold_beside_dx=None) beside from 16384 rows."""
     cb, log = recording
+    cb.fold_beside_dx = True
     here = _FakeStream(0, log)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: here)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(7, log))
@@ -130,7 +132,10 @@ def test_strict_fold_forks_beside_the_dx_kernel(recording, monkeypatch):
         cb.fold_beside_dx = beside
         cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, dx_out)
         assert [(e[0], e[-1]) for e in log] == [("fold_ring", 0), ("rms_bwd", 0)]
-    assert not cb.fold_beside(dy[1:], x, dy) and cb.fold_beside(torch.empty(1), x[0])
+    assert not cb.fold_beside(64, dy[1:], x, dy) and cb.fold_beside(64, torch.empty(1), x[0])
+    cb.fold_beside_dx = None
+    assert [cb.fold_beside(rows, None) for rows in (16383, 16384)] == [False, True]
+    assert not cb.fold_beside(1 << 20, dy, dy)
 
 
 def test_plan_cache_is_bounded(recording, monkeypatch):

@@ -112,9 +112,16 @@ def test_run_to_run_determinism(seed):
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dw", ["fast", "strict"])
 def test_cuda_graph_replay_with_new_inputs(backend, dw, seed):
+    """Captured and replayed with new inputs; the strict dW fold forked onto its side stream and joined
+    inside the capture (fold_beside_dx=True: at 4096 rows it would run first otherwise)."""
     seeds = iter(range(seed, seed + 10))
-    check_fused_add_graph_replay(backend, dw, lambda: _data(4096, 2048, torch.bfloat16, torch.bfloat16,
-                                                            next(seeds)), replays=3)
+    cb = get_backend("cuda")
+    cb.fold_beside_dx = True
+    try:
+        check_fused_add_graph_replay(backend, dw, lambda: _data(4096, 2048, torch.bfloat16, torch.bfloat16,
+                                                                next(seeds)), replays=3)
+    finally:
+        cb.fold_beside_dx = None
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton", "cute"])
@@ -141,7 +148,7 @@ def test_strict_fold_beside_the_dx_pass(backend, seed):
             assert in_place[0].data_ptr() == buf.data_ptr()
             assert bits_equal(in_place[0], want[0]) and bits_equal(in_place[1], want[1])
     finally:
-        cb.fold_beside_dx = True
+        cb.fold_beside_dx = None
     for beside in (False, True):
         assert bits_equal(got[beside][0], want[0]) and bits_equal(got[beside][1], want[1])
 

@@ -43,6 +43,12 @@ _SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
 _MIN_ARCH = (8, 0)  # cp.async
 _MAX_GRID_X = 2**31 - 1  # the kernels stride over rows, so a capped grid is still complete
 _CHAIN_COLS = 8  # fold_chain's columns an item, unless a FoldTuning says otherwise
+# The strict dW fold runs beside the dx pass (a side stream) from this many rows: long folds are bound by
+# their chain of adds and by latency, not by DRAM, and the dx pass fills the bandwidth they leave. H200, run
+# 8 (bench/results/2026-11-30-h200-run8, calls a and b; kernel-only us, one after the other -> beside):
+# 32768 x 4096 553 -> 490, 16384 x 4096 283 -> 257, 262144 x 128 693 -> 664, 65536 x 128 189 -> 182; where
+# both are bandwidth-bound, beside is slower (2048 x 18432 146 -> 162, 8192 x 8192 221 -> 240).
+_BESIDE_MIN_ROWS = 16384
 
 
 @dataclass(frozen=True)
@@ -397,9 +403,9 @@ class CudaBackend:
         self.fwd_tuning: NormTuning | None = None
         self.bwd_tuning: NormTuning | None = None
         self.fold_tuning: FoldTuning | None = None
-        # the strict dW fold runs on a side stream beside the dx pass (see launch_fold); False: one after
-        # the other on the current stream (same bits either way)
-        self.fold_beside_dx = True
+        # the strict dW fold on a side stream beside the dx pass (see launch_fold and fold_beside): None where
+        # it pays (long folds), True always, False never (one after the other; same bits either way)
+        self.fold_beside_dx: bool | None = None
         self._side_streams: dict[int, torch.cuda.Stream] = {}
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
@@ -519,14 +525,15 @@ class CudaBackend:
                             self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype))
         return self._launch_fold(plan, a, b, rstd, beside)
 
-    def fold_beside(self, dx: Tensor, *reads: Tensor) -> bool:
-        """Whether a strict dW fold reading `reads` may run beside a dx pass writing dx: the backend's
-        setting allows it and dx shares no storage with them (an in-place backward, dx over dy, folds
-        first)."""
-        if not self.fold_beside_dx:
-            return False
-        out = dx.untyped_storage().data_ptr()
-        return all(t.untyped_storage().data_ptr() != out for t in reads)
+    def fold_beside(self, rows: int, dx: Tensor | None, *reads: Tensor) -> bool:
+        """Whether a strict dW fold of `rows` rows reading `reads` runs beside a dx pass writing dx (None: a
+        buffer of the pass's own): never where dx shares storage with them (an in-place backward, dx over dy,
+        folds first), else as fold_beside_dx says, by default from _BESIDE_MIN_ROWS rows."""
+        if dx is not None:
+            out = dx.untyped_storage().data_ptr()
+            if any(t.untyped_storage().data_ptr() == out for t in reads):
+                return False
+        return rows >= _BESIDE_MIN_ROWS if self.fold_beside_dx is None else self.fold_beside_dx
 
     # ---- rms_norm forward ----------------------------------------------------------------------------
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
@@ -587,7 +594,7 @@ class CudaBackend:
         lays = plan.views
         dw, join = None, no_join
         if plan.strict is not None:  # strict (or per-head): beside the dx pass, or first where dx overwrites dy
-            dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(dx, dy, z, rstd))
+            dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(plan.rows, dx, dy, z, rstd))
             dw = dw.reshape(weight.shape)
         # the partial rows (an unused pointer without them)
         part = self._partials_buffer(plan.partial_rows, zk.shape[-1], z.device) if plan.partial_rows else rstd

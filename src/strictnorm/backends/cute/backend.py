@@ -110,7 +110,8 @@ class CuteBackend:
         strict = dw_mode == "strict" or next_pow2(n) > _PARTIALS_MAX_P
         if need_dw and (strict or rows == 0):  # beside the dx pass: dx has a buffer of its own until the join
             cb = _cuda()
-            dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight, cb.fold_beside_dx)
+            dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight,
+                                    cb.fold_beside(rows, None))
         partials = need_dw and dw is None
         dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
                                        spec.offset, spec.mode, partials=partials)

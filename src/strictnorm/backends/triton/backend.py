@@ -235,7 +235,7 @@ class TritonBackend:
         overwrite `reads`), the fold runs beside it until join() (the CUDA backend's launch_fold)."""
         if self._cuda_available(a):
             cb = get_backend("cuda")
-            beside = dx is not None and cb.fold_beside(dx, *reads)
+            beside = dx is not None and cb.fold_beside(alay.rows, dx, *reads)
             return cb.launch_fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype, beside=beside)
         out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)  # fp32, then rounded once
         grid = (_cdiv(alay.n, _FOLD_BN), groups)
