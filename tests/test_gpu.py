@@ -69,8 +69,12 @@ def test_triton_grid_bitwise(n, dtype, mode, seed):
         got = _fwd_bwd("triton", x, w, dy, mode, dw, offset)
         for name, a, b in zip(("y", "rstd", "dx", "dw"), want, got, strict=True):
             if name == "dw" and dw == "fast":
+                # the fast dW reassociates the fp32 sum, so the rounded results may differ by an ulp of the
+                # weight's dtype here and there (a bf16 ulp in 8 of 4096 entries is ~1.7e-4 of the norm); a
+                # row left out or counted twice is ~1/sqrt(rows), well above
+                tol = max(torch.finfo(a.dtype).eps / 2, 1e-5)
                 rel = ((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30)).item()
-                assert rel < 1e-4, f"{m}x{n} {mode} dw fast rel {rel}"
+                assert rel < tol, f"{m}x{n} {mode} dw fast rel {rel}"
             else:
                 assert bits_equal(a, b), f"{name} differs at {m}x{n} {dtype} {mode}"
 
