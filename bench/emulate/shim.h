@@ -60,6 +60,7 @@ inline unsigned short emu_bf16_rn(float v) {
 // left to do. Stronger than the GPU's ordering: it checks the ring's indexing and bounds, not its waits.
 #define __align__(x) alignas(x)
 struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline unsigned char* g_dynamic_smem = nullptr;
 inline void cp_async16(void* smem, const void* gmem, int bytes) {
     std::memset(smem, 0, 16);

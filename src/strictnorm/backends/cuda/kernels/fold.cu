@@ -93,6 +93,30 @@ __device__ __forceinline__ float fold_column(float acc, int rows, const float* c
     return acc;
 }
 
+// COUNT consecutive elements at p (16-byte aligned; COUNT * sizeof(T) a multiple of 16) widened to fp32,
+// through 16-byte loads (global or shared memory).
+template <typename T, int CODE, int COUNT>
+__device__ __forceinline__ void load_widened(float* v, const T* p) {
+    constexpr int PER = 16 / sizeof(T);
+    static_assert(COUNT % PER == 0, "whole 16-byte chunks");
+#pragma unroll
+    for (int q = 0; q < COUNT / PER; ++q) {
+        const uint4 u = reinterpret_cast<const uint4*>(p)[q];
+        if constexpr (CODE == 1) {  // bf16 pairs widened in their 32-bit words: one shift or mask each
+            const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                v[q * PER + 2 * j] = __uint_as_float(w[j] << 16);
+                v[q * PER + 2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+            }
+        } else {
+            const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+            for (int j = 0; j < PER; ++j) v[q * PER + j] = Elem<CODE>::widen(e[j]);
+        }
+    }
+}
+
 #define FOLD_PARAMS                                                                               \
     const a_t* __restrict__ a, long long as0, long long as1, long long asg,                       \
     const b_t* __restrict__ b, long long bs0, long long bs1, long long bsg,                       \
@@ -176,23 +200,47 @@ static_assert(!COLUMN_MAJOR || (CONVERT && ROWS_PER_STAGE % 4 == 0), "COLUMN_MAJ
 static_assert(A_ROW_BYTES % 16 == 0 && B_ROW_BYTES % 16 == 0, "row segments must be whole 16-byte chunks");
 static_assert(COLS <= 32, "one consumer lane per column");
 static_assert(!CONVERT || (WHAT != 0 && STAGES >= 3), "CONVERT folds dW contributions through >= 3 stages");
+// columns a producer converts at once: 16 bytes of a 16-bit dtype (whole chunks of fp32 too)
+constexpr int CONVERT_VEC = 8;
+static_assert(!CONVERT || COLS % CONVERT_VEC == 0, "CONVERT: whole groups of CONVERT_VEC columns");
 
-// Copies rows [t0, t0 + ROWS_PER_STAGE) of group h into one ring slot. p: producer index.
-template <int ROW_BYTES, int ESIZE, typename T>
-__device__ __forceinline__ void issue_tile(unsigned char* slot, const T* src, const Layout& l, int p,
-                                           long long t0, long long rows_per_group, long long group_step,
-                                           int h, int col0, int n) {
-    constexpr int CHUNKS = ROW_BYTES / 16;
-    constexpr int PER_CHUNK = 16 / ESIZE;
+// One 16-byte chunk of a row segment starting at column c (fewer bytes, zero-filled, past column n).
+template <typename T>
+__device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* row, int c, int n) {
+    constexpr int PER_CHUNK = 16 / sizeof(T);
+    const int valid = n - c;
+    const int bytes = valid >= PER_CHUNK ? 16 : (valid > 0 ? valid * static_cast<int>(sizeof(T)) : 0);
+    cp_async16(dst, bytes ? row + c : row, bytes);
+}
+
+constexpr int A_CHUNKS = A_ROW_BYTES / 16;
+constexpr int B_CHUNKS = B_ROW_BYTES / 16;
+constexpr int CHUNKS = A_CHUNKS > B_CHUNKS ? A_CHUNKS : B_CHUNKS;
+
+// Copies rows [t0, t0 + ROWS_PER_STAGE) of group h into one ring slot: a's row segments, and b's and rstd
+// for the dW fold. Producer p takes chunk ch of row `row` for i = row * CHUNKS + ch (consecutive producers,
+// consecutive chunks of a row), a row's offsets computed once for all its copies (run 8, ncu: with a loop
+// per tensor, address arithmetic was ~30% of the dW ring's instructions, and the ring is issue-bound).
+__device__ __forceinline__ void issue_stage(unsigned char* slot, const a_t* a, const b_t* b, const float* rstd,
+                                            const Layout& la, const Layout& lb, int p, long long t0,
+                                            long long rows_per_group, long long group_step, int h, int col0,
+                                            int n) {
     for (int i = p; i < ROWS_PER_STAGE * CHUNKS; i += PRODUCERS) {
         const int row = i / CHUNKS, ch = i % CHUNKS;
         const long long t = t0 + row;
         if (t >= rows_per_group) break;  // i grows with row: later i are past the end too
-        const int c = col0 + ch * PER_CHUNK;
-        const int valid = n - c;
-        const int bytes = valid >= PER_CHUNK ? 16 : (valid > 0 ? valid * ESIZE : 0);
-        const T* g = bytes ? src + fold_row_offset(t * group_step + h, l) + c : src;
-        cp_async16(slot + row * ROW_BYTES + ch * 16, g, bytes);
+        const long long r = t * group_step + h;
+        if (ch < A_CHUNKS)
+            copy_chunk(slot + row * A_ROW_BYTES + ch * 16, a + fold_row_offset(r, la),
+                       col0 + ch * (16 / static_cast<int>(sizeof(a_t))), n);
+#if WHAT != 0
+        if (ch < B_CHUNKS)
+            copy_chunk(slot + A_TILE + row * B_ROW_BYTES + ch * 16, b + fold_row_offset(r, lb),
+                       col0 + ch * (16 / static_cast<int>(sizeof(b_t))), n);
+        if (ch == 0) cp_async4(slot + A_TILE + B_TILE + row * 4, rstd + r);
+#else
+        (void)b, (void)lb, (void)rstd;
+#endif
     }
 }
 
@@ -207,17 +255,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
     const int p = threadIdx.x - 32;
 
     auto issue = [&](long long s) {
-        unsigned char* slot = ring + (s % STAGES) * STAGE_BYTES;
-        const long long t0 = s * ROWS_PER_STAGE;
-        issue_tile<A_ROW_BYTES, sizeof(a_t)>(slot, a, la, p, t0, rows_per_group, group_step, h, col0, n);
-#if WHAT != 0
-        issue_tile<B_ROW_BYTES, sizeof(b_t)>(slot + A_TILE, b, lb, p, t0, rows_per_group, group_step, h,
-                                             col0, n);
-        for (int row = p; row < ROWS_PER_STAGE; row += PRODUCERS) {
-            const long long t = t0 + row;
-            if (t < rows_per_group) cp_async4(slot + A_TILE + B_TILE + row * 4, rstd + t * group_step + h);
-        }
-#endif
+        issue_stage(ring + (s % STAGES) * STAGE_BYTES, a, b, rstd, la, lb, p, s * ROWS_PER_STAGE, rows_per_group,
+                    group_step, h, col0, n);
     };
 
     for (int s = 0; s < STAGES - 1; ++s) {  // one commit group per stage, empty ones included
@@ -238,12 +277,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
         const b_t* tb = reinterpret_cast<const b_t*>(slot + A_TILE);
         const float* tr = reinterpret_cast<const float*>(slot + A_TILE + B_TILE);
         float* dst = contrib + (s % 2) * CONTRIB_TILE;
-        for (int i = p; i < ROWS_PER_STAGE * COLS; i += PRODUCERS) {
-            const float v = contribution(Elem<A_CODE>::widen(ta[i]), Elem<B_CODE>::widen(tb[i]), tr[i / COLS]);
+        // CONVERT_VEC columns of a row at a time: 16-byte loads of a, b and (row-major) the contributions
+        for (int i = p; i < ROWS_PER_STAGE * (COLS / CONVERT_VEC); i += PRODUCERS) {
+            const int row = i / (COLS / CONVERT_VEC), c0 = (i % (COLS / CONVERT_VEC)) * CONVERT_VEC;
+            float v[CONVERT_VEC], vb[CONVERT_VEC];
+            load_widened<a_t, A_CODE, CONVERT_VEC>(v, ta + row * COLS + c0);
+            load_widened<b_t, B_CODE, CONVERT_VEC>(vb, tb + row * COLS + c0);
+            const float rs = tr[row];
+#pragma unroll
+            for (int j = 0; j < CONVERT_VEC; ++j) v[j] = contribution(v[j], vb[j], rs);
 #if COLUMN_MAJOR
-            dst[(i % COLS) * COLUMN_STRIDE + i / COLS] = v;
+#pragma unroll
+            for (int j = 0; j < CONVERT_VEC; ++j) dst[(c0 + j) * COLUMN_STRIDE + row] = v[j];
 #else
-            dst[i] = v;
+#pragma unroll
+            for (int j = 0; j < CONVERT_VEC; j += 4)
+                *reinterpret_cast<float4*>(dst + row * COLS + c0 + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
 #endif
         }
     };
@@ -332,16 +381,9 @@ static_assert(CHAIN_ROWS % 4 == 0 && COLS <= 32, "four rows a load; one consumer
 // COLS consecutive values of one row (lanes at or past `left` read as +0.0), widened to fp32.
 template <typename T, int CODE>
 __device__ __forceinline__ void load_cols(float* v, const T* p, int left, bool aligned) {
-    constexpr int PER = 16 / sizeof(T);
     if constexpr ((COLS * sizeof(T)) % 16 == 0) {
         if (aligned && left >= COLS) {
-#pragma unroll
-            for (int q = 0; q < COLS / PER; ++q) {
-                const uint4 u = reinterpret_cast<const uint4*>(p)[q];
-                const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-                for (int j = 0; j < PER; ++j) v[q * PER + j] = Elem<CODE>::widen(e[j]);
-            }
+            load_widened<T, CODE, COLS>(v, p);
             return;
         }
     }
