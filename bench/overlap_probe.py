@@ -1,10 +1,12 @@
 """The strict backward with its dW fold beside the dx pass (a side stream) against one after the other.
 
-Both read every row of x and dy; side by side, the rows the first reads are still in L2 when the second
-reads them (L2 holds ~3000 rows of 4096 bf16 x and dy), so DRAM sees x and dy about once. Per shape and
+Both read every row of x and dy and neither needs the other's results, so they may run at once (the hope:
+rows one reads still in L2 when the other reads them; run 8 saw little overlap, bench/NOTES.md). Per shape and
 backend (cuda, triton): kernel-only time (strictnorm.bench's Timer: kernels side by side counted once) of
-the strict backward in both settings, of the dx pass alone (need_dw=False) and of the fold alone; every
-dx and dW checked bitwise between the two settings. OVERLAP_SHAPES=MxN,... replaces the shapes;
+the strict backward in both settings, of the dx pass alone (need_dw=False) and of the fold alone; for cuda
+also beside with the dx pass one block per row group ("rows grid": its persistent grid-stride blocks that
+do not fit beside the fold's would start late with a whole share of rows each); every dx and dW checked
+bitwise between the settings. OVERLAP_SHAPES=MxN,... replaces the shapes;
 OVERLAP_SWEEP=sweep.json (bench/sweep_fold.py's output) runs each shape's fold in the configuration that was
 fastest there for the strict dW (the default where the sweep has no such case). Run on the GPU machine:
     python3 bench/overlap_probe.py [out.json]
@@ -12,13 +14,14 @@ fastest there for the strict dW (the default where the sweep has no such case). 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 
 import torch
 
-from strictnorm.backends.cuda.backend import FoldTuning
+from strictnorm.backends.cuda.backend import BWD_TABLE, FoldTuning, tuning_for
 from strictnorm.backends.layout import row_layout
 from strictnorm.backends.registry import get_backend
 from strictnorm.bench import Timer, copy_ceiling_gbps
@@ -73,8 +76,17 @@ def measure(timer: Timer, m: int, n: int, ceiling: float, g: torch.Generator) ->
                 row["beside" if beside else "serial"] = timer.kernel_us(bwd)
         finally:
             cb.fold_beside_dx = None
+        if name == "cuda":  # the dx pass one block per row group (no grid-stride share left for late blocks)
+            cb.bwd_tuning = dataclasses.replace(tuning_for(BWD_TABLE, n, m), persistent=False)
+            cb.fold_beside_dx = True
+            try:
+                outs["rows_grid"] = bwd()
+                row["beside_rows_grid"] = timer.kernel_us(bwd)
+            finally:
+                cb.bwd_tuning, cb.fold_beside_dx = None, None
         row["same_bits"] = all(torch.equal(p.view(torch.int16), q.view(torch.int16))
-                               for p, q in zip(outs[False], outs[True], strict=True))
+                               for other in outs.values() if other is not outs[False]
+                               for p, q in zip(outs[False], other, strict=True))
         row["dx_only"] = timer.kernel_us(lambda: bwd(False))
         if name == "cuda":
             row["fold_only"] = timer.kernel_us(
@@ -92,11 +104,13 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     rows_out = [row for m, n in _shapes() for row in measure(timer, m, n, ceiling, g)]
     print(f"copy {ceiling:.0f} GB/s; kernel-only us, strict backward (dx + strict dW), bf16 llama")
-    print(f"{'M x N':>14} {'backend':>7} {'floor':>7} {'serial':>8} {'beside':>8} {'dx only':>8} {'fold':>8} bits")
+    print(f"{'M x N':>14} {'backend':>7} {'floor':>7} {'serial':>8} {'beside':>8} {'rows grid':>9} "
+          f"{'dx only':>8} {'fold':>8} bits")
+    nan = float("nan")
     for r in rows_out:
         print(f"{r['m']:>7} x {r['n']:<5} {r['backend']:>7} {r['floor_us']:7.1f} {r['serial']:8.1f} "
-              f"{r['beside']:8.1f} {r['dx_only']:8.1f} {r.get('fold_only', float('nan')):8.1f} "
-              f"{'same' if r['same_bits'] else 'DIFFER'}")
+              f"{r['beside']:8.1f} {r.get('beside_rows_grid', nan):9.1f} {r['dx_only']:8.1f} "
+              f"{r.get('fold_only', nan):8.1f} {'same' if r['same_bits'] else 'DIFFER'}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump({"copy_GBps": ceiling, "rows": rows_out}, f, indent=1)
