@@ -105,10 +105,10 @@ def test_emulated_backward_bitwise(n, tuning, seed, tmp_path):
 def _emulate_fold(defines: dict, shmem: int, dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
                   tmp: Path) -> torch.Tensor:
     rows, n = dy.shape
-    dy.contiguous().view(torch.int16).numpy().tofile(tmp / "a.bin")
-    x.contiguous().view(torch.int16).numpy().tofile(tmp / "b.bin")
+    dy.contiguous().view(torch.uint8).numpy().tofile(tmp / "a.bin")
+    x.contiguous().view(torch.uint8).numpy().tofile(tmp / "b.bin")
     rstd.contiguous().numpy().tofile(tmp / "rstd.bin")
-    macros = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()) if k not in ("A_CODE", "B_CODE"))
+    macros = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
     cmd = ["bash", str(ROOT / "bench/emulate/fold_run.sh"), str(rows), str(n), str(shmem), str(tmp), macros]
     run = subprocess.run(cmd, capture_output=True, text=True)
     assert run.returncode == 0 and "ERROR" not in run.stderr, run.stdout + run.stderr[-3000:]
@@ -140,6 +140,25 @@ def test_emulated_strict_dw_fold_bitwise(tuning, seed, tmp_path):
     fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, tuning=tuning)
     assert fl.defines["CONVERT"] == 1 and fl.defines.get("COLUMN_MAJOR", 0) == int(tuning.column_major)
     want = left_fold_rows(dw_contributions(dy, x, rstd, make_spec(bf16, 1e-6, 0.0, "llama", bf16)))
+    assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
+
+
+@pytest.mark.parametrize("dy_dtype, x_dtype", [(torch.float16, torch.float16), (torch.bfloat16, torch.float32),
+                                              (torch.float32, torch.float32)])
+def test_emulated_strict_dw_fold_other_dtypes(dy_dtype, x_dtype, seed, tmp_path):
+    """The default dW ring for fp16 rows and for fp32 ones (x's rows two 16-byte chunks to dy's one: the stage
+    copies of unequal chunk counts; the 8-column conversion through one or two 16-byte loads a tensor),
+    against the reference's ascending left fold of the contributions, in x's casting."""
+    from strictnorm.reference import dw_contributions, left_fold_rows
+
+    g = torch.Generator().manual_seed(seed)
+    rows, n = 700 + seed % 61, 20
+    dy, x = torch.randn(rows, n, generator=g).to(dy_dtype), torch.randn(rows, n, generator=g).to(x_dtype)
+    x[3::7] = sprinkle_specials(x[3::7], g, "zeros subnormals")
+    rstd = torch.rand(rows, generator=g) + 0.5
+    fl = fold_launch(n, dy_dtype, x_dtype, 1, True, True, num_sms=132)
+    assert fl.defines["CONVERT"] == 1
+    want = left_fold_rows(dw_contributions(dy, x, rstd, make_spec(x_dtype, 1e-6, 0.0, "llama", x_dtype)))
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
 
 

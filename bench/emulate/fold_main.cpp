@@ -1,10 +1,16 @@
 // Runs fold.cu's fold_ring (one CTA at a time, THREADS std::threads each) or, with CHAIN_ROWS, fold_chain (one
 // CTA taking every item in turn, each waiting for its predecessor's hand-over) on the CPU through shim.h, on
 // buffers of exactly a launch's sizes and shared memory of exactly its bytes, so AddressSanitizer reports
-// any access outside them. Usage: fold_emulate ROWS N SHMEM DIR: reads DIR/{a,b}.bin (bf16 rows:
-// dy and the norm's input) and DIR/rstd.bin, writes the fp32 result to DIR/out.bin. WHAT, COLS & co: see
+// any access outside them. Usage: fold_emulate ROWS N SHMEM DIR: reads DIR/{a,b}.bin (rows of A_CODE's and
+// B_CODE's dtype, bf16 by default: dy and the norm's input) and DIR/rstd.bin, writes the fp32 result to DIR/out.bin. WHAT, COLS & co: see
 // fold_run.sh.
 #define STRICTNORM_EMULATED 1
+#ifndef A_CODE
+#define A_CODE 1
+#endif
+#ifndef B_CODE
+#define B_CODE 1
+#endif
 #include "shim.h"
 #include "fold.cu"
 #include <cstdio>

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # fold.cu's fold_ring or fold_chain (-DCHAIN_ROWS) on the CPU with AddressSanitizer (see shim.h, fold_main.cpp).
-# Usage: bash bench/emulate/fold_run.sh ROWS N SHMEM DIR "MACROS"   (bf16 a and b; the macros as the
-#   loader sets them, e.g. "-DWHAT=1 -DSIMPLE_ROWS=1 -DCOLS=8 -DROWS_PER_STAGE=128 -DSTAGES=8 -DTHREADS=256
-#   -DCONVERT=1 -DFULL_STAGE=1"). Needs g++ 12 or newer.
+# Usage: bash bench/emulate/fold_run.sh ROWS N SHMEM DIR "MACROS"   (the macros as the loader sets them, e.g.
+#   "-DA_CODE=1 -DB_CODE=1 -DWHAT=1 -DSIMPLE_ROWS=1 -DCOLS=8 -DROWS_PER_STAGE=128 -DSTAGES=8 -DTHREADS=256
+#   -DCONVERT=1 -DFULL_STAGE=1"; A_CODE and B_CODE default to bf16). Needs g++ 12 or newer.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
@@ -16,5 +16,5 @@ sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);
 [ "$(grep -c "= g_dynamic_smem;" "$work/fold.cu")" = 2 ] || { echo "fold_run.sh: a shared-memory declaration changed" >&2; exit 2; }
 # shellcheck disable=SC2086
 g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
-    -DA_CODE=1 -DB_CODE=1 ${5:-} "$here/fold_main.cpp" -o "$work/fold_emulate"
+    ${5:-} "$here/fold_main.cpp" -o "$work/fold_emulate"
 ASAN_OPTIONS=detect_leaks=0 "$work/fold_emulate" "$1" "$2" "$3" "$4"
