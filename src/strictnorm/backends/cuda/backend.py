@@ -43,11 +43,11 @@ _SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
 _MIN_ARCH = (8, 0)  # cp.async
 _MAX_GRID_X = 2**31 - 1  # the kernels stride over rows, so a capped grid is still complete
 _CHAIN_COLS = 8  # fold_chain's columns an item, unless a FoldTuning says otherwise
-# The strict dW fold runs beside the dx pass (a side stream) from this many rows: long folds are bound by
-# their chain of adds and by latency, not by DRAM, and the dx pass fills the bandwidth they leave. H200, run
-# 8 (bench/results/2026-11-30-h200-run8, calls a and b; kernel-only us, one after the other -> beside):
-# 32768 x 4096 553 -> 490, 16384 x 4096 283 -> 257, 262144 x 128 693 -> 664, 65536 x 128 189 -> 182; where
-# both are bandwidth-bound, beside is slower (2048 x 18432 146 -> 162, 8192 x 8192 221 -> 240).
+# The strict dW fold runs beside the dx pass (a side stream) from this many rows, where it was measured to
+# pay: H200, run 8 (bench/results/2026-11-30-h200-run8, call a; kernel-only us, one after the other ->
+# beside): 32768 x 4096 553 -> 490, 16384 x 4096 283 -> 257, 262144 x 128 693 -> 664, 65536 x 128 189 -> 182;
+# with fewer rows and both kernels bandwidth-bound it was slower (2048 x 18432 146 -> 162, 8192 x 8192
+# 221 -> 240). Each kernel fills the SMs on its own, so they overlap mostly at their tails (bench/NOTES.md).
 _BESIDE_MIN_ROWS = 16384
 
 
