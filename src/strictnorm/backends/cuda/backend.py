@@ -141,7 +141,7 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
     rows_per_stage = tuning.rows_per_stage or (64 if cols == 32 else (256 if what == 0 else 128))
     stage_bytes = rows_per_stage * cols * (a_size + (b_size if what else 0)) + (rows_per_stage * 4 if what else 0)
     contrib_bytes = 2 * (rows_per_stage + (4 if tuning.column_major else 0)) * cols * 4
-    convert = bool(what) and (limit - contrib_bytes) // stage_bytes >= 4
+    convert = bool(what) and cols % 8 == 0 and (limit - contrib_bytes) // stage_bytes >= 4  # CONVERT_VEC columns
     budget = limit - (contrib_bytes if convert else 0)
     stages = min(12, budget // stage_bytes)
     if stages < 2:
