@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # fold.cu's fold_ring or fold_chain (-DCHAIN_ROWS) on the CPU with AddressSanitizer (see shim.h, fold_main.cpp).
-# Usage: bash bench/emulate/fold_run.sh ROWS N SHMEM DIR "MACROS"   (the macros as the loader sets them, e.g.
+# Usage: bash bench/emulate/fold_run.sh ROWS N SHMEM DIR "MACROS" [CTAS]   (the macros as the loader sets them, e.g.
 #   "-DA_CODE=1 -DB_CODE=1 -DWHAT=1 -DSIMPLE_ROWS=1 -DCOLS=8 -DROWS_PER_STAGE=128 -DSTAGES=8 -DTHREADS=256
 #   -DCONVERT=1 -DFULL_STAGE=1"; A_CODE and B_CODE default to bf16). Needs g++ 12 or newer.
 set -euo pipefail
@@ -17,4 +17,4 @@ sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);
 # shellcheck disable=SC2086
 g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
     ${5:-} "$here/fold_main.cpp" -o "$work/fold_emulate"
-ASAN_OPTIONS=detect_leaks=0 "$work/fold_emulate" "$1" "$2" "$3" "$4"
+ASAN_OPTIONS=detect_leaks=0 "$work/fold_emulate" "$1" "$2" "$3" "$4" "${@:6}"  # 6th: fold_chain CTAs (3)

@@ -48,15 +48,13 @@ int main(int argc, char** argv) {
         load("dy.bin", dy, rows * n * 2), load("rstd.bin", rstd, rows * 4);
     }
     const int threads = TPR * RPB;
-    std::barrier<> block(threads);
-    g_block_barrier = &block;
-    for (int i = 0; i < threads / 32; ++i) g_warp_barriers.push_back(new std::barrier<>(32));
+    EmuBlock blk(threads, 0);
     for (long long b = 0; b * RPB < rows; ++b) {  // each row group as a launch of one block
         const long long off = b * RPB * n, live = std::min<long long>(RPB, rows - b * RPB);
         std::vector<std::thread> ts;
         for (int t = 0; t < threads; ++t)
             ts.emplace_back([&, t] {
-                threadIdx.x = t;
+                emu_enter(blk, 0, t);
 #ifdef BACKWARD
                 rms_bwd(reinterpret_cast<const dy_t*>(dy + off), n, 0, 0, reinterpret_cast<const n_t*>(x + off), n, 0, 0,
                         reinterpret_cast<const w_t*>(w), 0, rstd + b * RPB, reinterpret_cast<const n_t*>(res + off), n,

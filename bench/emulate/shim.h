@@ -1,13 +1,16 @@
-// CPU emulation of the CUDA features rms_norm.cu uses (bench/emulate/run.sh): one block at a time, one
-// std::thread per CUDA thread, barriers for __syncthreads and the warp shuffles, fp32 operations as the C++
-// operators (built with -ffp-contract=off), bf16 rounding to nearest even on the bit pattern. Built with
-// AddressSanitizer, it reports any read or write outside the buffers a kernel is given.
+// CPU emulation of the CUDA features rms_norm.cu and fold.cu use (bench/emulate/run.sh, fold_run.sh): one
+// std::thread per CUDA thread, a CTA's barriers, shuffle buffer and dynamic shared memory in an EmuBlock its
+// threads point at (so CTAs may run one after another or all at once), fp32 operations as the C++ operators
+// (built with -ffp-contract=off), bf16 rounding to nearest even on the bit pattern. Built with
+// AddressSanitizer, it reports any read or write outside the buffers a kernel is given. Static __shared__
+// arrays (rms_norm.cu's) are one per process: such kernels run one CTA at a time.
 #pragma once
 #include <barrier>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
 #include <algorithm>
+#include <memory>
 #include <thread>
 #include <vector>
 #define __device__
@@ -17,27 +20,46 @@
 #define __shared__ static
 struct dim3e { unsigned x, y, z; };
 inline thread_local dim3e threadIdx{0, 0, 0};
-inline dim3e blockIdx{0, 0, 0};
+inline thread_local dim3e blockIdx{0, 0, 0};
 inline dim3e gridDim{1, 1, 1};
 inline dim3e blockDim{1, 1, 1};
-inline std::barrier<>* g_block_barrier = nullptr;
-inline std::vector<std::barrier<>*> g_warp_barriers;
-inline float g_warp_buf[32][32];
-inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
+
+// One CTA's emulated state: its barrier, a barrier and a shuffle buffer per warp, its dynamic shared memory.
+struct EmuBlock {
+    std::barrier<> block;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    float warp_buf[32][32];
+    unsigned char* smem;
+    EmuBlock(int threads, long long smem_bytes)
+        : block(threads), smem(static_cast<unsigned char*>(aligned_alloc(16, smem_bytes > 0 ? (smem_bytes + 15) / 16 * 16 : 16))) {
+        for (int i = 0; i < threads / 32; ++i) warps.push_back(std::make_unique<std::barrier<>>(32));
+    }
+    ~EmuBlock() { free(smem); }
+};
+inline thread_local EmuBlock* g_block = nullptr;
+inline thread_local unsigned char* g_dynamic_smem = nullptr;  // g_block->smem (fold_run.sh's sed names it)
+// Sets the calling thread's place: thread t of CTA bx, whose state is blk.
+inline void emu_enter(EmuBlock& blk, unsigned bx, int t) {
+    threadIdx.x = t;
+    blockIdx = {bx, 0, 0};
+    g_block = &blk;
+    g_dynamic_smem = blk.smem;
+}
+inline void __syncthreads() { g_block->block.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int off) {
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    g_warp_buf[w][l] = v;
-    g_warp_barriers[w]->arrive_and_wait();
-    float r = g_warp_buf[w][l ^ off];
-    g_warp_barriers[w]->arrive_and_wait();
+    g_block->warp_buf[w][l] = v;
+    g_block->warps[w]->arrive_and_wait();
+    float r = g_block->warp_buf[w][l ^ off];
+    g_block->warps[w]->arrive_and_wait();
     return r;
 }
 inline float __shfl_sync(unsigned, float v, int src) {
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    g_warp_buf[w][l] = v;
-    g_warp_barriers[w]->arrive_and_wait();
-    float r = g_warp_buf[w][src];
-    g_warp_barriers[w]->arrive_and_wait();
+    g_block->warp_buf[w][l] = v;
+    g_block->warps[w]->arrive_and_wait();
+    float r = g_block->warp_buf[w][src];
+    g_block->warps[w]->arrive_and_wait();
     return r;
 }
 inline float __fadd_rn(float a, float b) { return a + b; }
@@ -61,7 +83,6 @@ inline unsigned short emu_bf16_rn(float v) {
 #define __align__(x) alignas(x)
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
-inline unsigned char* g_dynamic_smem = nullptr;
 inline void cp_async16(void* smem, const void* gmem, int bytes) {
     std::memset(smem, 0, 16);
     if (bytes) std::memcpy(smem, gmem, bytes);
@@ -74,6 +95,7 @@ template <int N> inline void cp_async_wait() {}
 #include <atomic>
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline unsigned long long load_acquire64(const unsigned long long* p) {
+    std::this_thread::yield();  // called in spin loops: let the threads that will hand over run
     return std::atomic_ref<unsigned long long>(*const_cast<unsigned long long*>(p)).load(std::memory_order_acquire);
 }
 inline void store_release64(unsigned long long* p, unsigned long long v) {
