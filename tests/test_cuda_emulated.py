@@ -16,7 +16,15 @@ import pytest
 import torch
 from helpers import bits_equal, sprinkle_specials, zero_dy_case
 
-from strictnorm.backends.cuda.backend import FoldTuning, NormTuning, fold_launch, norm_bwd_launch, norm_launch
+from strictnorm.backends.cuda.backend import (
+    FoldTuning,
+    NormTuning,
+    OnepassTuning,
+    fold_launch,
+    norm_bwd_launch,
+    norm_launch,
+    onepass_launch,
+)
 from strictnorm.backends.torch_ref import TorchBackend
 from strictnorm.contract import make_spec
 
@@ -190,3 +198,49 @@ def test_emulated_fold_chain_bitwise(chain_rows, cols, n, items, what, seed, tmp
     spec = make_spec(bf16, 1e-6, 0.0, "llama", bf16)
     want = left_fold_rows(dw_contributions(dy, x, rstd, spec) if what else dy)
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
+
+
+def _emulate_onepass(defines: dict, dy: torch.Tensor, z: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
+                     offset: float, tmp: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, n = dy.shape
+    for name, t in (("dy", dy), ("z", z), ("w", w)):
+        t.contiguous().view(torch.uint8).numpy().tofile(tmp / f"{name}.bin")
+    rstd.contiguous().numpy().tofile(tmp / "rstd.bin")
+    macros = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
+    cmd = ["bash", str(ROOT / "bench/emulate/onepass_run.sh"), str(rows), str(n), str(tmp), repr(offset), macros]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0 and "ERROR" not in run.stderr, run.stdout + run.stderr[-3000:]
+
+    def read(name, dtype, count):
+        bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+        return torch.from_file(str(tmp / name), size=count, dtype=bits).view(dtype)
+
+    return read("dx.bin", z.dtype, rows * n).view(rows, n), read("dw.bin", w.dtype, n)
+
+
+# (rows, N, dtypes of dy / z / w, mode, tuning): GROUPS below 32 (lanes hold one subtree sum each) and above
+# (several), groups without data (N well below P), partial last blocks, fp16 and fp32 rows, an fp32 weight
+ONEPASS_CASES = [
+    (300, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning(rows=32, depth=2, lag1=1, lag2=2)),
+    (517, 1000, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=64, threads=64)),
+    (203, 2048, (torch.float16, torch.float16, torch.float32), "none", OnepassTuning(rows=32, threads=32)),
+    (150, 320, (torch.bfloat16, torch.float32, torch.bfloat16), "llama", OnepassTuning(w_cols=64, rows=16, threads=64)),
+]
+
+
+@pytest.mark.parametrize("rows, n, dtypes, mode, tuning", ONEPASS_CASES)
+def test_emulated_onepass_strict_backward_bitwise(rows, n, dtypes, mode, tuning, seed, tmp_path):
+    """onepass.cu (every CTA at once, exchanging row sums through global memory) equals the reference's strict
+    backward: dx and dW bit for bit, special values in some rows, a negative offset (gemma: + 1)."""
+    g = torch.Generator().manual_seed(seed)
+    dy_t, z_t, w_t = dtypes
+    dy, z = torch.randn(rows, n, generator=g).to(dy_t), torch.randn(rows, n, generator=g).to(z_t)
+    z[3::11] = sprinkle_specials(z[3::11], g, "zeros subnormals")
+    w = (torch.randn(n, generator=g) * 0.5).to(w_t)
+    offset = 1.0 if mode == "gemma" else -0.25
+    spec = make_spec(z_t, 1e-6, offset, mode, z_t)
+    rstd = torch.rand(rows, generator=g) + 0.5
+    fl = onepass_launch(n, dy_t, z_t, w_t, mode, num_sms=132, smem_optin=227 * 1024, tuning=tuning)
+    want_dx, want_dw = TorchBackend().rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", True, None)
+    got_dx, got_dw = _emulate_onepass(fl.defines, dy, z, w, rstd, spec.offset, tmp_path)
+    assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw)

@@ -101,3 +101,11 @@ inline unsigned long long load_acquire64(const unsigned long long* p) {
 inline void store_release64(unsigned long long* p, unsigned long long v) {
     std::atomic_ref<unsigned long long>(*p).store(v, std::memory_order_release);
 }
+
+// onepass.cu: arrival counters polled with acquire loads, fences, loads that bypass L1.
+inline int load_acquire(const int* p) {
+    std::this_thread::yield();  // called in spin loops
+    return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire);
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <typename T> inline T __ldcg(const T* p) { return *p; }

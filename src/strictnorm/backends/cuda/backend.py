@@ -313,6 +313,61 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
     return NormLaunch(defines, fl.rows_per_block, fl.threads, fl.partial_blocks_per_sm, fl.persistent)
 
 
+@dataclass(frozen=True)
+class OnepassTuning:
+    """Knobs of onepass.cu's strict backward (any values give the same bits). w_cols: columns a CTA (0: the
+    narrowest power of two >= 32 that needs no more CTAs than SMs); rows: rows a block; depth: blocks loaded
+    ahead; lag1, lag2: the blocks between a block's row sums and its combine, and its dx."""
+
+    w_cols: int = 0
+    rows: int = 128
+    depth: int = 4
+    lag1: int = 2
+    lag2: int = 4
+    threads: int = 256
+
+
+@dataclass(frozen=True)
+class OnepassLaunch:
+    defines: dict[str, int]
+    grid: int
+    threads: int
+    shmem: int
+    rows_per_block: int  # the arrival counters: one per block of rows
+    slots: int  # partials and c-value slots
+
+
+def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype: torch.dtype | None, mode: str,
+                   num_sms: int, smem_optin: int, tuning: OnepassTuning | None = None) -> OnepassLaunch | None:
+    """onepass.cu's launch for rows of N columns, or None where it does not apply (N < 32; more than 256
+    columns a CTA needed to stay within the SMs). Blocks of rows shrink (halving, down to a row per warp)
+    until the ring of tiles fits the device's opt-in shared memory."""
+    tuning = tuning or OnepassTuning()
+    p = next_pow2(n)
+    w_cols = tuning.w_cols or 32
+    while not tuning.w_cols and -(-n // w_cols) > num_sms:
+        w_cols *= 2
+    if w_cols > p or w_cols > min(256, tuning.threads) or w_cols % 32:
+        return None
+    slots = tuning.lag2 + 1
+    warps = tuning.threads // 32
+
+    def shmem_of(rows: int) -> int:
+        tile = rows * w_cols * (dy_dtype.itemsize + z_dtype.itemsize) + rows * 4
+        return (tuning.lag2 + tuning.depth + 1) * tile + 4 * w_cols
+
+    rows = tuning.rows
+    while shmem_of(rows) > smem_optin and rows // 2 >= warps and (rows // 2) % warps == 0:
+        rows //= 2
+    if shmem_of(rows) > smem_optin:
+        return None
+    defines = {"DYC": _CODE[dy_dtype], "NC": _CODE[z_dtype], "WC": _CODE[w_dtype or z_dtype], "MODE": _MODES[mode],
+               "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols, "G_DATA": -(-n // w_cols),
+               "ROWS": rows, "DEPTH": tuning.depth, "LAG1": tuning.lag1, "LAG2": tuning.lag2, "SLOTS": slots,
+               "THREADS": tuning.threads}
+    return OnepassLaunch(defines, defines["G_DATA"], tuning.threads, shmem_of(rows), rows, slots)
+
+
 def _aligned16(*tensors_and_layouts) -> bool:
     """Every row segment starts 16-byte aligned: pointers and row strides (in bytes) divisible by 16."""
     for t, strides in tensors_and_layouts:

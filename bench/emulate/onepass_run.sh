@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# onepass.cu's strict_bwd_onepass on the CPU with AddressSanitizer, every CTA at once (see shim.h,
+# onepass_main.cpp). Usage: bash bench/emulate/onepass_run.sh ROWS N DIR OFFSET "MACROS" (the macros as the
+# loader sets them). Needs g++ 12 or newer.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
+work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+sed -e 's#extern __shared__ __align__(16) unsigned char onepass_smem\[\];#unsigned char* onepass_smem = g_dynamic_smem;#' \
+    "$src/onepass.cu" > "$work/onepass.cu"
+sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);#' \
+    -e 's#asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));#{ _Float16 hv; std::memcpy(\&hv, \&v, 2); f = (float)hv; }#' \
+    -e 's#asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));#{ _Float16 hv = (_Float16)v; std::memcpy(\&h, \&hv, 2); }#' \
+    "$src/common.cuh" > "$work/common.cuh"
+[ "$(grep -c "= g_dynamic_smem;" "$work/onepass.cu")" = 1 ] || { echo "onepass_run.sh: the shared-memory declaration changed" >&2; exit 2; }
+# shellcheck disable=SC2086
+g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
+    ${5:-} "$here/onepass_main.cpp" -o "$work/onepass_emulate"
+ASAN_OPTIONS=detect_leaks=0 "$work/onepass_emulate" "$1" "$2" "$3" "$4"

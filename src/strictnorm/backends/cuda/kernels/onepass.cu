@@ -1,0 +1,258 @@
+// strictnorm: the RMSNorm strict backward in one pass over x and dy (dx and the strict dW together).
+//
+// The two-pass strict backward reads x and dy twice (the dx pass, then the dW fold). Here a persistent
+// grid of co-resident CTAs (cooperative launch) owns column groups of W_COLS columns each: a power of two
+// dividing P = next_pow2(N), so a group's lanes are an aligned subtree of canon_sum's tree. Every CTA walks
+// all rows in blocks of ROWS rows, in order. Per block i, iteration i of every CTA:
+//   B. its columns of block i (landed in a ring of tiles): each row's subtree sum of p = xh * g over the
+//      group (in-thread pairwise over a lane's CPL columns, then xor shuffles: the pairwise tree),
+//      published to partials[i % SLOTS][row][group]; and each of its columns' dW contributions folded into
+//      that column's running sum, rows in order (one thread a column: the strict left fold). Then the
+//      block's arrival count arrive1[i] goes up (after a fence).
+//   C. combine block i - LAG1 once every group has arrived: CTA g takes rows g, g + G_DATA, ...: the row's
+//      GROUPS subtree sums (groups without data: +0.0 leaves) in the tree's order, c = sum / N, published to
+//      cvals[(i - LAG1) % SLOTS][row]; arrive2[i - LAG1] goes up.
+//   D. dx of block i - LAG2 once arrive2 is complete: dx = rd((g - xh * c) * rstd) for its columns, from the
+//      tile still in the ring.
+//   A. cp.async of block i + DEPTH into the ring.
+// Every wait is on an event of an earlier iteration (LAG2 > LAG1 > 0), so co-resident CTAs cannot deadlock.
+// Slots are reused without further counters (SLOTS > LAG2): block i + SLOTS's partials are written at
+// iteration i + SLOTS, after that CTA waited arrive2 of block i + SLOTS - 1 - LAG2 >= i (every CTA has
+// combined block i); block i + SLOTS's c values are written after arrive1[i + SLOTS], which every CTA
+// signals after its dx of block i.
+//
+// Same bits as the reference: the row sums are canon_sum's, c = sum / N, dx and the contributions are
+// rms_norm.cu's and fold.cu's expressions, and each column's fold adds the rows in ascending order.
+//
+// Macros: DYC, NC, WC (dtype codes of dy, the norm input z, the weight), MODE (0 llama, 1 gemma, 2 none),
+// HAS_W, W_COLS (columns a CTA: 32 * CPL, CPL in 1..8), GROUPS (P / W_COLS), G_DATA (groups holding
+// columns: ceil(N / W_COLS)), ROWS (rows a block, a multiple of the warps), DEPTH, LAG1, LAG2, SLOTS,
+// THREADS (256). Rows of dy, z and dx are 16-byte aligned with row strides ds, zs, xs (elements). Dynamic
+// shared memory: TILES * TILE_BYTES + 4 * W_COLS (onepass_smem_bytes in the loader).
+#include "common.cuh"
+
+typedef Elem<DYC>::T dy_t;
+typedef Elem<NC>::T n_t;
+typedef Elem<WC>::T w_t;
+
+constexpr int WARPS = THREADS / 32;
+constexpr int CPL = W_COLS / 32;  // columns a lane holds in the row sums
+constexpr int TILES = LAG2 + DEPTH + 1;  // ring slots: blocks i - LAG2 ... i + DEPTH
+constexpr int DY_ROW = W_COLS * sizeof(dy_t), Z_ROW = W_COLS * sizeof(n_t);
+constexpr int DY_TILE = ROWS * DY_ROW, Z_TILE = ROWS * Z_ROW;
+constexpr int TILE_BYTES = DY_TILE + Z_TILE + ROWS * 4;
+constexpr int LEAVES = GROUPS >= 32 ? GROUPS / 32 : 1;  // subtree sums a lane combines
+static_assert(W_COLS % 32 == 0 && CPL <= 8 && W_COLS <= THREADS, "one lane per CPL columns, one thread a column");
+static_assert(ROWS % WARPS == 0 && DY_ROW % 16 == 0 && Z_ROW % 16 == 0, "block shape");
+static_assert(LAG1 >= 1 && LAG2 > LAG1 && SLOTS > LAG2 && DEPTH >= 1, "pipeline");
+
+#ifndef STRICTNORM_EMULATED
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+#endif
+
+__device__ __forceinline__ float normalized(float x, float rstd) {  // as rms_norm.cu's
+#if MODE == 1
+    return __fmul_rn(x, rstd);
+#elif MODE == 0
+    return round_f32<NC>(__fmul_rn(x, rstd));
+#else
+    return round_f32<NC>(__fmul_rn(x, round_f32<NC>(rstd)));
+#endif
+}
+
+__device__ __forceinline__ float gscale(float d, float wf) {
+#if HAS_W
+    return __fmul_rn(d, wf);
+#else
+    (void)wf;
+    return d;
+#endif
+}
+
+// One 16-byte chunk of a row segment from column c on (zero-filled past column n).
+template <typename T>
+__device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* row, int c, int n) {
+    constexpr int PER = 16 / sizeof(T);
+    const int valid = n - c;
+    const int bytes = valid >= PER ? 16 : (valid > 0 ? valid * static_cast<int>(sizeof(T)) : 0);
+    cp_async16(dst, bytes ? row + c : row, bytes);
+}
+
+// Every thread's writes fenced, then one thread counts the CTA in once all have passed the barrier.
+__device__ __forceinline__ void arrive(int* counter) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(counter, 1);
+}
+
+__device__ __forceinline__ void wait_all(const int* counter) {
+    if (threadIdx.x == 0)
+        while (load_acquire(counter) < G_DATA) {
+        }
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
+    const dy_t* __restrict__ dy, long long ds, const n_t* __restrict__ z, long long zs, const w_t* __restrict__ w,
+    const float* __restrict__ rstd, n_t* __restrict__ dx, long long xs, w_t* __restrict__ dw,
+    float* __restrict__ partials, float* __restrict__ cvals, int* __restrict__ arrive1, int* __restrict__ arrive2,
+    long long rows, int n, float offset) {
+    extern __shared__ __align__(16) unsigned char onepass_smem[];
+    const int grp = blockIdx.x, col0 = grp * W_COLS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long blocks = (rows + ROWS - 1) / ROWS;
+    auto tile = [&](long long b) { return onepass_smem + (b % TILES) * TILE_BYTES; };
+    auto issue = [&](long long b) {
+        unsigned char* t = tile(b);
+        constexpr int DYC_CH = DY_ROW / 16, ZC_CH = Z_ROW / 16, CH = DYC_CH > ZC_CH ? DYC_CH : ZC_CH;
+        for (int i = threadIdx.x; i < ROWS * CH; i += THREADS) {
+            const int r = i / CH, ch = i % CH;
+            const long long row = b * ROWS + r;
+            if (row >= rows) break;
+            if (ch < DYC_CH) copy_chunk(t + r * DY_ROW + ch * 16, dy + row * ds, col0 + ch * (16 / int(sizeof(dy_t))), n);
+            if (ch < ZC_CH)
+                copy_chunk(t + DY_TILE + r * Z_ROW + ch * 16, z + row * zs, col0 + ch * (16 / int(sizeof(n_t))), n);
+            if (ch == 0) cp_async4(t + DY_TILE + Z_TILE + r * 4, rstd + row);
+        }
+    };
+    // this lane's CPL columns of the effective weight (row sums), and this thread's column (fold, dx)
+    float wl[CPL];
+#pragma unroll
+    for (int j = 0; j < CPL; ++j) {
+        const int col = col0 + lane * CPL + j;
+        wl[j] = 1.0f;
+#if HAS_W
+        if (col < n) {
+            wl[j] = __fadd_rn(Elem<WC>::widen(w[col]), offset);
+#if MODE == 2
+            wl[j] = round_f32<NC>(wl[j]);
+#endif
+        }
+#endif
+    }
+    float* wf = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);  // the group's effective weight
+    for (int c = threadIdx.x; c < W_COLS; c += THREADS) {
+        float v = 1.0f;
+#if HAS_W
+        if (col0 + c < n) {
+            v = __fadd_rn(Elem<WC>::widen(w[col0 + c]), offset);
+#if MODE == 2
+            v = round_f32<NC>(v);
+#endif
+        }
+#endif
+        wf[c] = v;
+    }
+    const int my_col = col0 + static_cast<int>(threadIdx.x);
+    float acc = 0.0f;  // the strict dW fold of column my_col (threads below W_COLS)
+
+    for (int d = 0; d < DEPTH; ++d) {
+        if (d < blocks) issue(d);
+        cp_async_commit();
+    }
+    for (long long i = 0; i < blocks + LAG2; ++i) {
+        if (i < blocks) {  // B: block i's row subtree sums and dW contributions
+            cp_async_wait<DEPTH - 1>();
+            __syncthreads();
+            const unsigned char* t = tile(i);
+            const dy_t* tdy = reinterpret_cast<const dy_t*>(t);
+            const n_t* tz = reinterpret_cast<const n_t*>(t + DY_TILE);
+            const float* tr = reinterpret_cast<const float*>(t + DY_TILE + Z_TILE);
+            const int live = static_cast<int>(rows - i * ROWS < ROWS ? rows - i * ROWS : ROWS);
+            float* part = partials + (i % SLOTS) * ROWS * GROUPS;
+            for (int r = warp; r < live; r += WARPS) {
+                const float rs = tr[r];
+                float p[CPL];
+#pragma unroll
+                for (int j = 0; j < CPL; ++j) {
+                    const int c = lane * CPL + j;
+                    const float xh = __fmul_rn(Elem<NC>::widen(tz[r * W_COLS + c]), rs);
+                    const float v = __fmul_rn(xh, gscale(Elem<DYC>::widen(tdy[r * W_COLS + c]), wl[j]));
+                    p[j] = col0 + c < n ? v : 0.0f;  // padded lanes: +0.0, as canon_sum pads
+                }
+#pragma unroll
+                for (int width = 1; width < CPL; width *= 2)
+#pragma unroll
+                    for (int j = 0; j < CPL; j += 2 * width) p[j] = __fadd_rn(p[j], p[j + width]);
+                float s = p[0];
+#pragma unroll
+                for (int off = 1; off < 32; off *= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+                if (lane == 0) part[r * GROUPS + grp] = s;
+            }
+            if (threadIdx.x < W_COLS) {
+                for (int r = 0; r < live; ++r) {
+                    const float zf = Elem<NC>::widen(tz[r * W_COLS + threadIdx.x]);
+                    acc = __fadd_rn(acc, __fmul_rn(Elem<DYC>::widen(tdy[r * W_COLS + threadIdx.x]),
+                                                   normalized(zf, tr[r])));
+                }
+            }
+            arrive(arrive1 + i);
+        }
+        const long long j1 = i - LAG1;
+        if (j1 >= 0 && j1 < blocks) {  // C: combine this CTA's rows of block j1
+            wait_all(arrive1 + j1);
+            const int live = static_cast<int>(rows - j1 * ROWS < ROWS ? rows - j1 * ROWS : ROWS);
+            const float* part = partials + (j1 % SLOTS) * ROWS * GROUPS;
+            float* cv = cvals + (j1 % SLOTS) * ROWS;
+            for (int k = 0, r = grp; r < live; ++k, r += G_DATA) {
+                if (k % WARPS != warp) continue;
+                float leaf[LEAVES];
+#pragma unroll
+                for (int q = 0; q < LEAVES; ++q) {
+                    const int gq = GROUPS >= 32 ? lane * LEAVES + q : lane;
+                    // written by other CTAs: read through L2 (__ldcg), never a stale L1 line of a reused slot
+                    leaf[q] = gq < G_DATA ? __ldcg(part + r * GROUPS + gq) : 0.0f;  // groups without data: +0.0
+                }
+#pragma unroll
+                for (int width = 1; width < LEAVES; width *= 2)
+#pragma unroll
+                    for (int q = 0; q < LEAVES; q += 2 * width) leaf[q] = __fadd_rn(leaf[q], leaf[q + width]);
+                float s = leaf[0];
+#pragma unroll
+                for (int off = 1; off < 32; off *= 2)
+                    if (off < (GROUPS >= 32 ? 32 : GROUPS)) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+                if (lane == 0) cv[r] = __fdiv_rn(s, static_cast<float>(n));
+            }
+            arrive(arrive2 + j1);
+        }
+        const long long j2 = i - LAG2;
+        if (j2 >= 0) {  // D: dx of block j2
+            wait_all(arrive2 + j2);
+            const unsigned char* t = tile(j2);
+            const dy_t* tdy = reinterpret_cast<const dy_t*>(t);
+            const n_t* tz = reinterpret_cast<const n_t*>(t + DY_TILE);
+            const float* tr = reinterpret_cast<const float*>(t + DY_TILE + Z_TILE);
+            const int live = static_cast<int>(rows - j2 * ROWS < ROWS ? rows - j2 * ROWS : ROWS);
+            const float* cv = cvals + (j2 % SLOTS) * ROWS;
+            for (int e = threadIdx.x; e < live * W_COLS; e += THREADS) {  // consecutive threads, consecutive columns
+                const int r = e / W_COLS, c = e % W_COLS;
+                if (col0 + c >= n) continue;
+                const float rs = tr[r];
+                const float xh = __fmul_rn(Elem<NC>::widen(tz[r * W_COLS + c]), rs);
+                const float g = gscale(Elem<DYC>::widen(tdy[r * W_COLS + c]), wf[c]);
+                const float o = __fmul_rn(__fsub_rn(g, __fmul_rn(xh, __ldcg(cv + r))), rs);
+                dx[(j2 * ROWS + r) * xs + col0 + c] = Elem<NC>::narrow(o);
+            }
+        }
+        __syncthreads();  // the ring slot refilled below held block i + DEPTH - TILES = i - LAG2 - 1
+        if (i + DEPTH < blocks) issue(i + DEPTH);
+        cp_async_commit();
+    }
+    if (threadIdx.x < W_COLS && my_col < n) dw[my_col] = Elem<WC>::narrow(acc);
+}
