@@ -5,8 +5,9 @@ rows one reads still in L2 when the other reads them; run 8 saw little overlap, 
 backend (cuda, triton): kernel-only time (strictnorm.bench's Timer: kernels side by side counted once) of
 the strict backward in both settings, of the dx pass alone (need_dw=False) and of the fold alone; for cuda
 also beside with the dx pass one block per row group ("rows grid": its persistent grid-stride blocks that
-do not fit beside the fold's would start late with a whole share of rows each); every dx and dW checked
-bitwise between the settings. OVERLAP_SHAPES=MxN,... replaces the shapes;
+do not fit beside the fold's would start late with a whole share of rows each) and the one-pass strict
+backward (kernels/onepass.cu, CudaBackend.onepass_strict); every dx and dW checked bitwise between the
+settings. OVERLAP_SHAPES=MxN,... replaces the shapes;
 OVERLAP_SWEEP=sweep.json (bench/sweep_fold.py's output) runs each shape's fold in the configuration that was
 fastest there for the strict dW (the default where the sweep has no such case). Run on the GPU machine:
     python3 bench/overlap_probe.py [out.json]
@@ -76,6 +77,14 @@ def measure(timer: Timer, m: int, n: int, ceiling: float, g: torch.Generator) ->
                 row["beside" if beside else "serial"] = timer.kernel_us(bwd)
         finally:
             cb.fold_beside_dx = None
+        if name == "cuda":  # the one-pass strict backward (kernels/onepass.cu), where it applies
+            cb.onepass_strict = True
+            try:
+                outs["onepass"] = bwd()
+                if any(p.onepass is not None for p in cb._bwd_plans.values()):
+                    row["onepass"] = timer.kernel_us(bwd)
+            finally:
+                cb.onepass_strict = False
         if name == "cuda":  # the dx pass one block per row group (no grid-stride share left for late blocks)
             cb.bwd_tuning = dataclasses.replace(tuning_for(BWD_TABLE, n, m), persistent=False)
             cb.fold_beside_dx = True
@@ -105,12 +114,12 @@ def main() -> None:
     rows_out = [row for m, n in _shapes() for row in measure(timer, m, n, ceiling, g)]
     print(f"copy {ceiling:.0f} GB/s; kernel-only us, strict backward (dx + strict dW), bf16 llama")
     print(f"{'M x N':>14} {'backend':>7} {'floor':>7} {'serial':>8} {'beside':>8} {'rows grid':>9} "
-          f"{'dx only':>8} {'fold':>8} bits")
+          f"{'one pass':>8} {'dx only':>8} {'fold':>8} bits")
     nan = float("nan")
     for r in rows_out:
         print(f"{r['m']:>7} x {r['n']:<5} {r['backend']:>7} {r['floor_us']:7.1f} {r['serial']:8.1f} "
-              f"{r['beside']:8.1f} {r.get('beside_rows_grid', nan):9.1f} {r['dx_only']:8.1f} "
-              f"{r.get('fold_only', nan):8.1f} {'same' if r['same_bits'] else 'DIFFER'}")
+              f"{r['beside']:8.1f} {r.get('beside_rows_grid', nan):9.1f} {r.get('onepass', nan):8.1f} "
+              f"{r['dx_only']:8.1f} {r.get('fold_only', nan):8.1f} {'same' if r['same_bits'] else 'DIFFER'}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump({"copy_GBps": ceiling, "rows": rows_out}, f, indent=1)

@@ -50,6 +50,23 @@ def test_every_fold_configuration_compiles(arch, tmp_path, monkeypatch):
     assert len(seen) > 50
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_onepass_configurations_compile(arch, tmp_path, monkeypatch):
+    """onepass.cu at the lengths whose column groups differ (32, 64 and 256 columns a CTA, GROUPS below and
+    above 32), every mode and row dtype, without a weight; within the opt-in shared memory of an H200."""
+    from strictnorm.backends.cuda.backend import onepass_launch
+
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    cases = [(n, dt, mode, w) for n in (100, 4096, 8192, 18432) for dt in DTYPES for mode in ("llama", "gemma", "none")
+             for w in (dt, None) if (mode == "llama" or dt == torch.bfloat16) and (w is not None or n == 4096)]
+    for n, dt, mode, w in cases:
+        fl = onepass_launch(n, dt, dt, w, mode, num_sms=132, smem_optin=227 * 1024)
+        assert fl is not None and fl.grid <= 132 and fl.shmem <= 227 * 1024, (n, dt)
+        cubin = nvrtc.compile_cubin("onepass.cu", arch, fl.defines, use_cache=False)
+        assert cubin[:4] == b"\x7fELF", fl.defines
+    assert onepass_launch(65536, torch.bfloat16, torch.bfloat16, None, "llama", 132, 227 * 1024) is None
+
+
 def test_disk_cache_is_keyed_by_macros(tmp_path, monkeypatch):
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     d1 = {"A_CODE": 0, "B_CODE": 0, "WHAT": 0, "SIMPLE_ROWS": 1}

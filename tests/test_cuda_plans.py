@@ -25,8 +25,12 @@ class _RecordingKernel:
         self.kernel = self
         self.occupancy = _Occupancy()
 
-    def launch(self, stream, grid, block, shmem, *args) -> None:
+    def launch(self, stream, grid, block, shmem, *args, cooperative: bool = False) -> None:
         self.log.append((self.name, grid, block, shmem, args, stream))
+        self.cooperative = cooperative
+
+    def allow_dynamic_shared(self, nbytes: int) -> None:
+        self.shared = nbytes
 
 
 class _RecordingCache:
@@ -136,6 +140,27 @@ def test_strict_fold_forks_beside_the_dx_kernel(recording, monkeypatch):
     cb.fold_beside_dx = None
     assert [cb.fold_beside(rows, None) for rows in (16383, 16384)] == [False, True]
     assert not cb.fold_beside(1 << 20, dy, dy)
+
+
+def test_onepass_strict_backward_is_one_cooperative_launch(recording):
+    """onepass_strict: a strict backward of aligned rows is one cooperative launch of strict_bwd_onepass (grid:
+    the column groups with data) reading dy and z and writing dx in place of the dx kernel and the fold;
+    arrival counters zeroed. Fast dW, per-head weights and residual gradients keep the two-pass path."""
+    cb, log = recording
+    cb.onepass_strict = True
+    x, dy, w = torch.randn(300, 1000).bfloat16(), torch.randn(300, 1000).bfloat16(), torch.randn(1000).bfloat16()
+    rstd = torch.rand(300) + 0.5
+    dx, dw = cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, None)
+    ((name, grid, block, shmem, args, _),) = log
+    assert name == "strict_bwd_onepass" and grid == (32, 1, 1) and block == 256
+    assert args[0] == dy.data_ptr() and args[2] == x.data_ptr() and args[6] == dx.data_ptr()
+    assert args[8] == dw.data_ptr() and args[-3:] == (300, 1000, 0.0) and dw.shape == w.shape
+    log.clear()
+    cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "fast", True, None)
+    assert log[0][0] == "rms_bwd"
+    log.clear()
+    cb.rms_norm_bwd(dy, x, w, rstd, dy.clone(), _spec(), "strict", True, None)  # a residual gradient
+    assert [e[0] for e in log] == ["fold_ring", "rms_bwd"]
 
 
 def test_plan_cache_is_bounded(recording, monkeypatch):

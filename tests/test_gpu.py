@@ -157,6 +157,31 @@ def test_strict_fold_beside_the_dx_pass(backend, seed):
         assert bits_equal(got[beside][0], want[0]) and bits_equal(got[beside][1], want[1])
 
 
+@pytest.mark.parametrize("m, n, dtype, wdtype, mode", [
+    (32773, 4096, torch.bfloat16, torch.bfloat16, "llama"), (4099, 1000, torch.bfloat16, torch.bfloat16, "gemma"),
+    (2048, 18432, torch.bfloat16, torch.bfloat16, "llama"), (1000, 8192, torch.float16, torch.float32, "none"),
+    (3001, 5120, torch.float32, torch.float32, "llama"), (777, 64, torch.bfloat16, torch.bfloat16, "gemma")])
+def test_cuda_onepass_strict_backward_bitwise(m, n, dtype, wdtype, mode, seed):
+    """onepass.cu (CudaBackend.onepass_strict: column-group CTAs exchanging row sums, dW folded in row order):
+    dx and the strict dW equal the reference's, in a cooperative launch; run twice (the arrival counters are
+    fresh per launch)."""
+    from strictnorm.contract import make_spec
+
+    cb, tr = get_backend("cuda"), get_backend("torch")
+    x, w, dy = _data(m, n, dtype, wdtype, seed)
+    spec = make_spec(dtype, 1e-6, 1.0 if mode == "gemma" else -0.25, mode, dtype)
+    rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
+    want = tr.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
+    cb.onepass_strict = True
+    try:
+        for _ in range(2):
+            got = cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
+            assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+        assert any(p.onepass is not None for p in cb._bwd_plans.values())
+    finally:
+        cb.onepass_strict = False
+
+
 def _loop(rows):
     acc = torch.zeros(rows.shape[1:], device=rows.device)
     for r in rows:

@@ -441,6 +441,14 @@ class _BwdPlan:
     tail: tuple  # rows, n, r1, g, offset, aligned
     partial_rows: int  # fp32 partial rows the kernel writes (0: no fast-dW partials)
     partial_sum: tuple[_FoldPlan, ...]  # folds that sum the partial rows in a fixed order
+    onepass: _OnepassPlan | None = None  # the whole strict backward in onepass.cu instead (opt-in)
+
+
+@dataclass(frozen=True)
+class _OnepassPlan:
+    kernel: object
+    launch: OnepassLaunch
+    blocks: int  # blocks of rows: one arrival counter each (two kinds)
 
 
 class CudaBackend:
@@ -462,6 +470,9 @@ class CudaBackend:
         # it pays (long folds), True always, False never (one after the other; same bits either way)
         self.fold_beside_dx: bool | None = None
         self._side_streams: dict[int, torch.cuda.Stream] = {}
+        # the strict backward in one pass (kernels/onepass.cu) where it applies; opt-in until measured on a GPU
+        self.onepass_strict = False
+        self.onepass_tuning: OnepassTuning | None = None
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
         return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
@@ -637,7 +648,7 @@ class CudaBackend:
         """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD). Planned once per
         input signature, like the forward."""
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
-               self.bwd_tuning, self.fold_tuning)
+               self.bwd_tuning, self.fold_tuning, self.onepass_strict, self.onepass_tuning)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -647,6 +658,11 @@ class CudaBackend:
             return dx, (torch.zeros(weight.shape, dtype=weight.dtype, device=z.device) if need_dw else None)
         dyk, zk, w, rstd, dresk, dxk = plan.views.inputs(dy, z, weight, rstd, dres, dx)
         lays = plan.views
+        if plan.onepass is not None:
+            dw = self._run_onepass(plan, dyk, zk, w, rstd, dxk, weight)
+            if dxk is not dx:
+                dx.copy_(dxk)
+            return dx, dw
         dw, join = None, no_join
         if plan.strict is not None:  # strict (or per-head): beside the dx pass, or first where dx overwrites dy
             dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(plan.rows, dx, dy, z, rstd))
@@ -698,8 +714,51 @@ class CudaBackend:
                              (v.dx_kernel, v.xlay.args()), *(((v.weight, (wsg,)),) if v.weight is not None else ()))
         part_rows = grid * fl.rows_per_block if partials else 0
         tail = (rows, np.int32(n), v.lay.r1, v.lay.g, np.float32(spec.offset), np.int32(aligned))
-        return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, tail, part_rows,
-                        self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
+        onepass = self._onepass_plan(dev, v, spec, dw_mode, need_dw, dres is not None)
+        return _BwdPlan(views, rows, None if onepass else strict, kernel, grid, fl.threads, shmem, wsg, tail,
+                        part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else (), onepass)
+
+    def _onepass_plan(self, dev: int, v, spec: NormSpec, dw_mode: str, need_dw: bool, has_dres: bool
+                      ) -> _OnepassPlan | None:
+        """onepass.cu for this backward where it applies: opted in, dw="strict" needed, a shared weight, no
+        residual gradient, rows at one stride and 16-byte aligned, and the grid co-resident."""
+        if not (self.onepass_strict and need_dw and dw_mode == "strict" and not v.per_head and not has_dres):
+            return None
+        if not all(_simple_rows(lay) for lay in (v.dlay, v.lay, v.xlay)):
+            return None
+        if not _aligned16((v.dy, (v.dlay.s0,)), (v.z, (v.lay.s0,)), (v.dx_kernel, (v.xlay.s0,))):
+            return None
+        props = torch.cuda.get_device_properties(dev)
+        fl = onepass_launch(v.lay.n, v.dy.dtype, v.z.dtype, v.weight.dtype if v.weight is not None else None,
+                            spec.mode, props.multi_processor_count, props.shared_memory_per_block_optin,
+                            self.onepass_tuning)
+        if fl is None:
+            return None
+        kernel = self._kernels().get(dev, "onepass.cu", "strict_bwd_onepass", fl.defines)
+        kernel.allow_dynamic_shared(fl.shmem)
+        resident = kernel.kernel.occupancy.max_active_blocks_per_multiprocessor(fl.threads, fl.shmem)
+        if resident * props.multi_processor_count < fl.grid:
+            return None
+        return _OnepassPlan(kernel, fl, -(-v.lay.rows // fl.rows_per_block))
+
+    def _run_onepass(self, plan: _BwdPlan, dy: Tensor, z: Tensor, w: Tensor | None, rstd: Tensor, dx: Tensor,
+                     weight: Tensor) -> Tensor:
+        op = plan.onepass
+        fl = op.launch
+        dev = z.device
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
+        rows_per_block, groups = fl.rows_per_block, fl.defines["GROUPS"]
+        partials = torch.empty(fl.slots * rows_per_block * groups, dtype=torch.float32, device=dev)
+        cvals = torch.empty(fl.slots * rows_per_block, dtype=torch.float32, device=dev)
+        arrivals = torch.zeros(2 * op.blocks, dtype=torch.int32, device=dev)  # arrive1, then arrive2
+        rows, n, offset = plan.tail[0], plan.tail[1], plan.tail[4]
+        lays = plan.views
+        op.kernel.launch(current_stream(_device_index(z)), (fl.grid, 1, 1), fl.threads, fl.shmem,
+                         dy.data_ptr(), lays.dlay.s0, z.data_ptr(), lays.lay.s0, (w if w is not None else z).data_ptr(),
+                         rstd.data_ptr(), dx.data_ptr(), lays.xlay.s0, dw.data_ptr(), partials.data_ptr(),
+                         cvals.data_ptr(), arrivals.data_ptr(), arrivals.data_ptr() + 4 * op.blocks, rows, n, offset,
+                         cooperative=True)
+        return dw
 
     def strict_dw(self, dy: Tensor, dlay: RowLayout, z: Tensor, zlay: RowLayout, rstd: Tensor, mode: str,
                   weight: Tensor, beside: bool = False) -> tuple[Tensor, Callable[[], None]]:

@@ -163,15 +163,24 @@ class LoadedKernel:
         if err != driver.CUresult.CUDA_SUCCESS:
             raise CudaLaunchError(f"{nbytes} bytes of dynamic shared memory refused by the device: {err!r}")
 
-    def launch(self, stream: int, grid: tuple[int, int, int], block: int, shmem: int, *args) -> None:
+    def launch(self, stream: int, grid: tuple[int, int, int], block: int, shmem: int, *args,
+               cooperative: bool = False) -> None:
+        """cooperative: every block co-resident (cuLaunchCooperativeKernel; the launch fails where the grid does
+        not fit at once), for kernels whose blocks wait for each other."""
+        driver = self._driver
         with self._lock:
             if self._struct is None:
                 self._build_block(args)
             self._struct.pack_into(self._block, 0, *args)
-            (err,) = self._driver.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem,
-                                                 stream, self._params, 0)
-        if err != self._driver.CUresult.CUDA_SUCCESS:
-            raise CudaLaunchError(f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, shared {shmem} B)")
+            if cooperative:
+                (err,) = driver.cuLaunchCooperativeKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem,
+                                                          stream, self._params)
+            else:
+                (err,) = driver.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem, stream,
+                                               self._params, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            what = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
+            raise CudaLaunchError(f"{what} failed: {err!r} (grid {grid}, block {block}, shared {shmem} B)")
 
 
 def _checked(result: tuple, what: str):
