@@ -6,9 +6,9 @@
 // all rows in blocks of ROWS rows, in order. Per block i, iteration i of every CTA:
 //   B. its columns of block i (landed in a ring of tiles): each row's subtree sum of p = xh * g over the
 //      group (in-thread pairwise over a lane's CPL columns, then xor shuffles: the pairwise tree),
-//      published to partials[i % SLOTS][row][group]; and each of its columns' dW contributions folded into
-//      that column's running sum, rows in order (one thread a column: the strict left fold). Then the
-//      block's arrival count arrive1[i] goes up (after a fence).
+//      published to partials[i % SLOTS][row][group]; and, in other warps meanwhile, each of its columns' dW
+//      contributions folded into that column's running sum, rows in order (one thread a column: the strict
+//      left fold). Then the block's arrival count arrive1[i] goes up (after a fence).
 //   C. combine block i - LAG1 once every group has arrived: CTA g takes rows g, g + G_DATA, ...: the row's
 //      GROUPS subtree sums (groups without data: +0.0 leaves) in the tree's order, c = sum / N, published to
 //      cvals[(i - LAG1) % SLOTS][row]; arrive2[i - LAG1] goes up.
@@ -42,6 +42,12 @@ constexpr int DY_ROW = W_COLS * sizeof(dy_t), Z_ROW = W_COLS * sizeof(n_t);
 constexpr int DY_TILE = ROWS * DY_ROW, Z_TILE = ROWS * Z_ROW;
 constexpr int TILE_BYTES = DY_TILE + Z_TILE + ROWS * 4;
 constexpr int LEAVES = GROUPS >= 32 ? GROUPS / 32 : 1;  // subtree sums a lane combines
+// Phase B: warps below FOLD_WARPS fold the dW columns (one thread a column) while the others compute the row
+// sums, unless the fold takes every warp (then all do both, one after the other).
+constexpr int FOLD_WARPS = W_COLS / 32;
+constexpr int SUM_WARP0 = FOLD_WARPS < WARPS ? FOLD_WARPS : 0;
+constexpr int SUM_WARPS = WARPS - SUM_WARP0;
+constexpr int FOLD_BATCH = 8;  // rows whose contributions are computed before their adds (off the chain)
 static_assert(W_COLS % 32 == 0 && CPL <= 8 && W_COLS <= THREADS, "one lane per CPL columns, one thread a column");
 static_assert(ROWS % WARPS == 0 && DY_ROW % 16 == 0 && Z_ROW % 16 == 0, "block shape");
 static_assert(LAG1 >= 1 && LAG2 > LAG1 && SLOTS > LAG2 && DEPTH >= 1, "pipeline");
@@ -176,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             const float* tr = reinterpret_cast<const float*>(t + DY_TILE + Z_TILE);
             const int live = static_cast<int>(rows - i * ROWS < ROWS ? rows - i * ROWS : ROWS);
             float* part = partials + (i % SLOTS) * ROWS * GROUPS;
-            for (int r = warp; r < live; r += WARPS) {
+            for (int r = warp - SUM_WARP0; warp >= SUM_WARP0 && r < live; r += SUM_WARPS) {
                 const float rs = tr[r];
                 float p[CPL];
 #pragma unroll
@@ -196,11 +202,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                 if (lane == 0) part[r * GROUPS + grp] = s;
             }
             if (threadIdx.x < W_COLS) {
-                for (int r = 0; r < live; ++r) {
-                    const float zf = Elem<NC>::widen(tz[r * W_COLS + threadIdx.x]);
-                    acc = __fadd_rn(acc, __fmul_rn(Elem<DYC>::widen(tdy[r * W_COLS + threadIdx.x]),
-                                                   normalized(zf, tr[r])));
+                const int c = threadIdx.x;
+                auto contribution = [&](int r) {
+                    return __fmul_rn(Elem<DYC>::widen(tdy[r * W_COLS + c]),
+                                     normalized(Elem<NC>::widen(tz[r * W_COLS + c]), tr[r]));
+                };
+                int r = 0;
+                for (; r + FOLD_BATCH <= live; r += FOLD_BATCH) {
+                    float v[FOLD_BATCH];
+#pragma unroll
+                    for (int q = 0; q < FOLD_BATCH; ++q) v[q] = contribution(r + q);
+#pragma unroll
+                    for (int q = 0; q < FOLD_BATCH; ++q) acc = __fadd_rn(acc, v[q]);  // rows in order
                 }
+                for (; r < live; ++r) acc = __fadd_rn(acc, contribution(r));
             }
             arrive(arrive1 + i);
         }
