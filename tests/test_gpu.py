@@ -182,6 +182,33 @@ def test_cuda_onepass_strict_backward_bitwise(m, n, dtype, wdtype, mode, seed):
         cb.onepass_strict = False
 
 
+def test_cuda_onepass_in_a_cuda_graph(seed):
+    """The one-pass strict backward (a cooperative launch, fresh arrival counters each call) captured in a CUDA
+    graph and replayed with new dy, z and rstd: the reference's bits each time."""
+    from strictnorm.contract import make_spec
+
+    cb, tr = get_backend("cuda"), get_backend("torch")
+    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    x, w, dy = _data(8195, 4096, torch.bfloat16, torch.bfloat16, seed)
+    rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
+    cb.onepass_strict = True
+    try:
+        cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)  # plan and compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
+        for k in range(3):
+            nx, nw, ndy = _data(8195, 4096, torch.bfloat16, torch.bfloat16, seed + 1 + k)
+            x.copy_(nx), dy.copy_(ndy)
+            rstd.copy_(tr.rms_norm_fwd(x, w, None, spec)[1])
+            graph.replay()
+            want = tr.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
+            assert bits_equal(out[0], want[0]) and bits_equal(out[1], want[1]), f"replay {k}"
+    finally:
+        cb.onepass_strict = False
+
+
 def _loop(rows):
     acc = torch.zeros(rows.shape[1:], device=rows.device)
     for r in rows:
