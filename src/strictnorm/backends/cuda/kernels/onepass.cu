@@ -100,17 +100,25 @@ __device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* row, int
     cp_async16(dst, bytes ? row + c : row, bytes);
 }
 
-// Every thread's writes fenced, then one thread counts the CTA in once all have passed the barrier.
+// Every thread's writes fenced, then one thread, fencing again (a release for the whole block, as a grid
+// barrier does), counts the CTA in once all have passed the barrier.
 __device__ __forceinline__ void arrive(int* counter) {
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(counter, 1);
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counter, 1);
+    }
 }
 
+// One thread polls (acquire) until every CTA has arrived, fences, and releases the block at the barrier; the
+// data behind the counter is then read through L2 (__ldcg).
 __device__ __forceinline__ void wait_all(const int* counter) {
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         while (load_acquire(counter) < G_DATA) {
         }
+        __threadfence();
+    }
     __syncthreads();
 }
 
