@@ -225,6 +225,8 @@ ONEPASS_CASES = [
     (517, 1000, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=64, threads=64)),
     (203, 2048, (torch.float16, torch.float16, torch.float32), "none", OnepassTuning(rows=32, threads=32)),
     (150, 320, (torch.bfloat16, torch.float32, torch.bfloat16), "llama", OnepassTuning(w_cols=64, rows=16, threads=64)),
+    (5, 1100, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=32, threads=32)),  # 35 of 64 groups, one block
+    (1, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning()),  # a single row
 ]
 
 
