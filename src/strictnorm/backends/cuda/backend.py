@@ -354,7 +354,7 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
 
     def shmem_of(rows: int) -> int:
         tile = rows * w_cols * (dy_dtype.itemsize + z_dtype.itemsize) + rows * 4
-        return (tuning.lag2 + tuning.depth + 1) * tile + 4 * w_cols
+        return (tuning.lag2 + tuning.depth + 1) * tile + 4 * (w_cols + rows)  # + the weight and c values
 
     rows = tuning.rows
     while shmem_of(rows) > smem_optin and rows // 2 >= warps and (rows // 2) % warps == 0:

@@ -28,7 +28,7 @@
 // HAS_W, W_COLS (columns a CTA: 32 * CPL, CPL in 1..8), GROUPS (P / W_COLS), G_DATA (groups holding
 // columns: ceil(N / W_COLS)), ROWS (rows a block, a multiple of the warps), DEPTH, LAG1, LAG2, SLOTS,
 // THREADS (256). Rows of dy, z and dx are 16-byte aligned with row strides ds, zs, xs (elements). Dynamic
-// shared memory: TILES * TILE_BYTES + 4 * W_COLS (onepass_smem_bytes in the loader).
+// shared memory: TILES * TILE_BYTES + 4 * (W_COLS + ROWS) (backend.onepass_launch).
 #include "common.cuh"
 
 typedef Elem<DYC>::T dy_t;
@@ -161,6 +161,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
 #endif
     }
     float* wf = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);  // the group's effective weight
+    float* cs = wf + W_COLS;  // the c values of the block in phase D, staged once from global memory
     for (int c = threadIdx.x; c < W_COLS; c += THREADS) {
         float v = 1.0f;
 #if HAS_W
@@ -263,14 +264,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             const float* tr = reinterpret_cast<const float*>(t + DY_TILE + Z_TILE);
             const int live = static_cast<int>(rows - j2 * ROWS < ROWS ? rows - j2 * ROWS : ROWS);
             const float* cv = cvals + (j2 % SLOTS) * ROWS;
-            for (int e = threadIdx.x; e < live * W_COLS; e += THREADS) {  // consecutive threads, consecutive columns
-                const int r = e / W_COLS, c = e % W_COLS;
-                if (col0 + c >= n) continue;
-                const float rs = tr[r];
-                const float xh = __fmul_rn(Elem<NC>::widen(tz[r * W_COLS + c]), rs);
-                const float g = gscale(Elem<DYC>::widen(tdy[r * W_COLS + c]), wf[c]);
-                const float o = __fmul_rn(__fsub_rn(g, __fmul_rn(xh, __ldcg(cv + r))), rs);
-                dx[(j2 * ROWS + r) * xs + col0 + c] = Elem<NC>::narrow(o);
+            for (int r = threadIdx.x; r < live; r += THREADS) cs[r] = __ldcg(cv + r);  // one L2 trip, not one a column
+            __syncthreads();
+            // chunks of DX_VEC columns (16 bytes of dx); consecutive threads, consecutive chunks of a row
+            constexpr int DX_VEC = 16 / sizeof(n_t), CHUNKS = W_COLS / DX_VEC;
+            for (int e = threadIdx.x; e < live * CHUNKS; e += THREADS) {
+                const int r = e / CHUNKS, c0 = (e % CHUNKS) * DX_VEC;
+                const float rs = tr[r], c = cs[r];
+                __align__(16) n_t out[DX_VEC];
+#pragma unroll
+                for (int q = 0; q < DX_VEC; ++q) {
+                    const float xh = __fmul_rn(Elem<NC>::widen(tz[r * W_COLS + c0 + q]), rs);
+                    const float g = gscale(Elem<DYC>::widen(tdy[r * W_COLS + c0 + q]), wf[c0 + q]);
+                    out[q] = Elem<NC>::narrow(__fmul_rn(__fsub_rn(g, __fmul_rn(xh, c)), rs));
+                }
+                n_t* dst = dx + (j2 * ROWS + r) * xs + col0 + c0;
+                if (col0 + c0 + DX_VEC <= n) {
+                    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out);
+                } else {
+                    for (int q = 0; q < DX_VEC && col0 + c0 + q < n; ++q) dst[q] = out[q];
+                }
             }
         }
         __syncthreads();  // the ring slot refilled below held block i + DEPTH - TILES = i - LAG2 - 1
