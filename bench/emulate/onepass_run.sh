@@ -14,5 +14,5 @@ sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);
 [ "$(grep -c "= g_dynamic_smem;" "$work/onepass.cu")" = 1 ] || { echo "onepass_run.sh: the shared-memory declaration changed" >&2; exit 2; }
 # shellcheck disable=SC2086
 g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
-    ${5:-} "$here/onepass_main.cpp" -o "$work/onepass_emulate"
+    -DWAIT_LIMIT_NS=600000000000ull ${5:-} "$here/onepass_main.cpp" -o "$work/onepass_emulate"
 ASAN_OPTIONS=detect_leaks=0 "$work/onepass_emulate" "$1" "$2" "$3" "$4"

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <cstdint>
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -108,4 +110,8 @@ inline int load_acquire(const int* p) {
     return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire);
 }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned long long global_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+[[noreturn]] inline void __trap() { std::abort(); }
 template <typename T> inline T __ldcg(const T* p) { return *p; }

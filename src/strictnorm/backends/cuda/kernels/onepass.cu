@@ -70,6 +70,16 @@ __device__ __forceinline__ int load_acquire(const int* p) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
+// A wait this long means CTAs that never arrive (a bug, or a grid not co-resident): trap (a launch error)
+// rather than hang the device. (The CPU emulation, far slower, sets its own.)
+#ifndef WAIT_LIMIT_NS
+#define WAIT_LIMIT_NS 2000000000ull
 #endif
 
 __device__ __forceinline__ float normalized(float x, float rstd) {  // as rms_norm.cu's
@@ -115,8 +125,9 @@ __device__ __forceinline__ void arrive(int* counter) {
 // data behind the counter is then read through L2 (__ldcg).
 __device__ __forceinline__ void wait_all(const int* counter) {
     if (threadIdx.x == 0) {
-        while (load_acquire(counter) < G_DATA) {
-        }
+        const unsigned long long start = global_ns();
+        while (load_acquire(counter) < G_DATA)
+            if (global_ns() - start > WAIT_LIMIT_NS) __trap();
         __threadfence();
     }
     __syncthreads();
