@@ -9,10 +9,8 @@ work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 sed -e 's#extern __shared__ __align__(16) unsigned char ring\[\];#unsigned char* ring = g_dynamic_smem;#' \
     -e 's#extern __shared__ __align__(16) unsigned char chain_smem\[\];#unsigned char* chain_smem = g_dynamic_smem;#' \
     "$src/fold.cu" > "$work/fold.cu"
-sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);#' \
-    -e 's#asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));#{ _Float16 hv; std::memcpy(\&hv, \&v, 2); f = (float)hv; }#' \
-    -e 's#asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));#{ _Float16 hv = (_Float16)v; std::memcpy(\&h, \&hv, 2); }#' \
-    "$src/common.cuh" > "$work/common.cuh"
+source "$here/sources.sh"
+emulated_headers "$src" "$work"
 [ "$(grep -c "= g_dynamic_smem;" "$work/fold.cu")" = 2 ] || { echo "fold_run.sh: a shared-memory declaration changed" >&2; exit 2; }
 # shellcheck disable=SC2086
 g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \

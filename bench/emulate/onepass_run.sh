@@ -7,10 +7,8 @@ here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cu
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 sed -e 's#extern __shared__ __align__(16) unsigned char onepass_smem\[\];#unsigned char* onepass_smem = g_dynamic_smem;#' \
     "$src/onepass.cu" > "$work/onepass.cu"
-sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);#' \
-    -e 's#asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));#{ _Float16 hv; std::memcpy(\&hv, \&v, 2); f = (float)hv; }#' \
-    -e 's#asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));#{ _Float16 hv = (_Float16)v; std::memcpy(\&h, \&hv, 2); }#' \
-    "$src/common.cuh" > "$work/common.cuh"
+source "$here/sources.sh"
+emulated_headers "$src" "$work"
 [ "$(grep -c "= g_dynamic_smem;" "$work/onepass.cu")" = 1 ] || { echo "onepass_run.sh: the shared-memory declaration changed" >&2; exit 2; }
 # shellcheck disable=SC2086
 g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \

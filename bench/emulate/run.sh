@@ -8,10 +8,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 cp "$src/rms_norm.cu" "$work/"
-sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);#' \
-    -e 's#asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));#{ _Float16 hv; std::memcpy(\&hv, \&v, 2); f = (float)hv; }#' \
-    -e 's#asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));#{ _Float16 hv = (_Float16)v; std::memcpy(\&h, \&hv, 2); }#' \
-    "$src/common.cuh" > "$work/common.cuh"
+source "$here/sources.sh"
+emulated_headers "$src" "$work"
 base="-DXC=1 -DRC=1 -DNC=1 -DWC=1 -DYC=1 -DDYC=1 -DHAS_W=1 -DPER_HEAD=0 -DDW_SMEM=0"
 [[ "${3:-}" == *HAS_RES* ]] || base="$base -DHAS_RES=0"
 # shellcheck disable=SC2086

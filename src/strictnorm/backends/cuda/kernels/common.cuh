@@ -45,6 +45,14 @@ template <int CODE> __device__ __forceinline__ float round_f32(float v) {
     return Elem<CODE>::widen(Elem<CODE>::narrow(v));
 }
 
+// The normalized value as y's scaling step used it (the contract's casting modes: 0 llama, 1 gemma, 2 none),
+// for a norm input of dtype code CODE: the backward's dW contributions are f32(dy) times this.
+template <int CASTING, int CODE> __device__ __forceinline__ float normalized_as_used(float x, float rstd) {
+    if constexpr (CASTING == 1) return __fmul_rn(x, rstd);
+    else if constexpr (CASTING == 0) return round_f32<CODE>(__fmul_rn(x, rstd));
+    else return round_f32<CODE>(__fmul_rn(x, round_f32<CODE>(rstd)));
+}
+
 // Logical row r of a view with leading dims (R0, R1, G) and strides (s0, s1, sg); see ../../layout.py.
 struct Layout {
     long long s0, s1, sg, r1, g;

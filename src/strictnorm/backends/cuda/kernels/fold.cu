@@ -20,6 +20,7 @@
 // Group h (program y) folds logical rows t * group_step + h, t = 0, 1, ... (per-head weights).
 
 #include "common.cuh"
+#include "async.cuh"
 
 #ifndef OUT_CODE
 #define OUT_CODE 0
@@ -31,13 +32,10 @@ typedef Elem<OUT_CODE>::T out_t;
 
 // The dW contribution of one element: f32(dy) times the normalized value as y's scaling step used it.
 __device__ __forceinline__ float contribution(float dy, float x, float rstd) {
-#if WHAT == 1
-    return __fmul_rn(dy, round_f32<B_CODE>(__fmul_rn(x, rstd)));
-#elif WHAT == 2
-    return __fmul_rn(dy, __fmul_rn(x, rstd));
-#elif WHAT == 3
-    return __fmul_rn(dy, round_f32<B_CODE>(__fmul_rn(x, round_f32<B_CODE>(rstd))));
+#if WHAT != 0
+    return __fmul_rn(dy, normalized_as_used<WHAT - 1, B_CODE>(x, rstd));
 #else
+    (void)x, (void)rstd;
     return dy;
 #endif
 }
@@ -148,20 +146,6 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
 // warps are producers issuing 16-byte cp.async copies. Needs 16-byte aligned row segments: the
 // loader checks pointers and strides and uses fold_simple otherwise (same bits).
 
-#ifndef STRICTNORM_EMULATED  // the CPU emulation (bench/emulate/shim.h) supplies these four
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-#endif
 
 #ifndef FULL_STAGE
 #define FULL_STAGE 0
@@ -203,15 +187,6 @@ static_assert(!CONVERT || (WHAT != 0 && STAGES >= 3), "CONVERT folds dW contribu
 // columns a producer converts at once: 16 bytes of a 16-bit dtype (whole chunks of fp32 too)
 constexpr int CONVERT_VEC = 8;
 static_assert(!CONVERT || COLS % CONVERT_VEC == 0, "CONVERT: whole groups of CONVERT_VEC columns");
-
-// One 16-byte chunk of a row segment starting at column c (fewer bytes, zero-filled, past column n).
-template <typename T>
-__device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* row, int c, int n) {
-    constexpr int PER_CHUNK = 16 / sizeof(T);
-    const int valid = n - c;
-    const int bytes = valid >= PER_CHUNK ? 16 : (valid > 0 ? valid * static_cast<int>(sizeof(T)) : 0);
-    cp_async16(dst, bytes ? row + c : row, bytes);
-}
 
 constexpr int A_CHUNKS = A_ROW_BYTES / 16;
 constexpr int B_CHUNKS = B_ROW_BYTES / 16;
@@ -363,16 +338,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
 // then from int 2 on, per item and column, one 64-bit hand-over word: the running sum's bits below a ready
 // mark, stored with release and polled with acquire by the successor's lane, so one round trip through L2
 // carries both. One group (no per-head weights).
-#ifndef STRICTNORM_EMULATED
-__device__ __forceinline__ unsigned long long load_acquire64(const unsigned long long* p) {
-    unsigned long long v;
-    asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void store_release64(unsigned long long* p, unsigned long long v) {
-    asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-#endif
 constexpr unsigned long long HANDED = 1ull << 32;  // the ready mark above a hand-over word's sum
 
 constexpr int CHAIN_STRIDE = CHAIN_ROWS + 4;  // padded: the producers' stores fall in different banks

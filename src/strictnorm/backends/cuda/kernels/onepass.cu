@@ -30,6 +30,7 @@
 // THREADS (256). Rows of dy, z and dx are 16-byte aligned with row strides ds, zs, xs (elements). Dynamic
 // shared memory: TILES * TILE_BYTES + 4 * (W_COLS + ROWS) (backend.onepass_launch).
 #include "common.cuh"
+#include "async.cuh"
 
 typedef Elem<DYC>::T dy_t;
 typedef Elem<NC>::T n_t;
@@ -52,45 +53,11 @@ static_assert(W_COLS % 32 == 0 && CPL <= 8 && W_COLS <= THREADS, "one lane per C
 static_assert(ROWS % WARPS == 0 && DY_ROW % 16 == 0 && Z_ROW % 16 == 0, "block shape");
 static_assert(LAG1 >= 1 && LAG2 > LAG1 && SLOTS > LAG2 && DEPTH >= 1, "pipeline");
 
-#ifndef STRICTNORM_EMULATED
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ int load_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-#endif
 // A wait this long means CTAs that never arrive (a bug, or a grid not co-resident): trap (a launch error)
 // rather than hang the device. (The CPU emulation, far slower, sets its own.)
 #ifndef WAIT_LIMIT_NS
 #define WAIT_LIMIT_NS 2000000000ull
 #endif
-
-__device__ __forceinline__ float normalized(float x, float rstd) {  // as rms_norm.cu's
-#if MODE == 1
-    return __fmul_rn(x, rstd);
-#elif MODE == 0
-    return round_f32<NC>(__fmul_rn(x, rstd));
-#else
-    return round_f32<NC>(__fmul_rn(x, round_f32<NC>(rstd)));
-#endif
-}
 
 __device__ __forceinline__ float gscale(float d, float wf) {
 #if HAS_W
@@ -99,15 +66,6 @@ __device__ __forceinline__ float gscale(float d, float wf) {
     (void)wf;
     return d;
 #endif
-}
-
-// One 16-byte chunk of a row segment from column c on (zero-filled past column n).
-template <typename T>
-__device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* row, int c, int n) {
-    constexpr int PER = 16 / sizeof(T);
-    const int valid = n - c;
-    const int bytes = valid >= PER ? 16 : (valid > 0 ? valid * static_cast<int>(sizeof(T)) : 0);
-    cp_async16(dst, bytes ? row + c : row, bytes);
 }
 
 // Every thread's writes fenced, then one thread, fencing again (a release for the whole block, as a grid
@@ -143,6 +101,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long blocks = (rows + ROWS - 1) / ROWS;
     auto tile = [&](long long b) { return onepass_smem + (b % TILES) * TILE_BYTES; };
+    struct TileView {  // block b's tile in the ring: its rows of dy and z (W_COLS columns each), their rstd
+        const dy_t* dy;
+        const n_t* z;
+        const float* rstd;
+    };
+    auto view = [&](long long b) {
+        const unsigned char* t = tile(b);
+        return TileView{reinterpret_cast<const dy_t*>(t), reinterpret_cast<const n_t*>(t + DY_TILE),
+                        reinterpret_cast<const float*>(t + DY_TILE + Z_TILE)};
+    };
+    auto live_rows = [&](long long b) { return static_cast<int>(rows - b * ROWS < ROWS ? rows - b * ROWS : ROWS); };
     auto issue = [&](long long b) {
         unsigned char* t = tile(b);
         constexpr int DYC_CH = DY_ROW / 16, ZC_CH = Z_ROW / 16, CH = DYC_CH > ZC_CH ? DYC_CH : ZC_CH;
@@ -156,22 +125,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             if (ch == 0) cp_async4(t + DY_TILE + Z_TILE + r * 4, rstd + row);
         }
     };
-    // this lane's CPL columns of the effective weight (row sums), and this thread's column (fold, dx)
-    float wl[CPL];
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-        const int col = col0 + lane * CPL + j;
-        wl[j] = 1.0f;
-#if HAS_W
-        if (col < n) {
-            wl[j] = __fadd_rn(Elem<WC>::widen(w[col]), offset);
-#if MODE == 2
-            wl[j] = round_f32<NC>(wl[j]);
-#endif
-        }
-#endif
-    }
-    float* wf = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);  // the group's effective weight
+    // the group's effective weight (read by the row sums and dx; written before the first block's barrier)
+    float* wf = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);
     float* cs = wf + W_COLS;  // the c values of the block in phase D, staged once from global memory
     for (int c = threadIdx.x; c < W_COLS; c += THREADS) {
         float v = 1.0f;
@@ -196,11 +151,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         if (i < blocks) {  // B: block i's row subtree sums and dW contributions
             cp_async_wait<DEPTH - 1>();
             __syncthreads();
-            const unsigned char* t = tile(i);
-            const dy_t* tdy = reinterpret_cast<const dy_t*>(t);
-            const n_t* tz = reinterpret_cast<const n_t*>(t + DY_TILE);
-            const float* tr = reinterpret_cast<const float*>(t + DY_TILE + Z_TILE);
-            const int live = static_cast<int>(rows - i * ROWS < ROWS ? rows - i * ROWS : ROWS);
+            const TileView tv = view(i);
+            const dy_t* tdy = tv.dy;
+            const n_t* tz = tv.z;
+            const float* tr = tv.rstd;
+            const int live = live_rows(i);
             float* part = partials + (i % SLOTS) * ROWS * GROUPS;
             for (int r = warp - SUM_WARP0; warp >= SUM_WARP0 && r < live; r += SUM_WARPS) {
                 const float rs = tr[r];
@@ -209,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                 for (int j = 0; j < CPL; ++j) {
                     const int c = lane * CPL + j;
                     const float xh = __fmul_rn(Elem<NC>::widen(tz[r * W_COLS + c]), rs);
-                    const float v = __fmul_rn(xh, gscale(Elem<DYC>::widen(tdy[r * W_COLS + c]), wl[j]));
+                    const float v = __fmul_rn(xh, gscale(Elem<DYC>::widen(tdy[r * W_COLS + c]), wf[c]));
                     p[j] = col0 + c < n ? v : 0.0f;  // padded lanes: +0.0, as canon_sum pads
                 }
 #pragma unroll
@@ -225,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                 const int c = threadIdx.x;
                 auto contribution = [&](int r) {
                     return __fmul_rn(Elem<DYC>::widen(tdy[r * W_COLS + c]),
-                                     normalized(Elem<NC>::widen(tz[r * W_COLS + c]), tr[r]));
+                                     normalized_as_used<MODE, NC>(Elem<NC>::widen(tz[r * W_COLS + c]), tr[r]));
                 };
                 int r = 0;
                 for (; r + FOLD_BATCH <= live; r += FOLD_BATCH) {
@@ -242,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         const long long j1 = i - LAG1;
         if (j1 >= 0 && j1 < blocks) {  // C: combine this CTA's rows of block j1
             wait_all(arrive1 + j1);
-            const int live = static_cast<int>(rows - j1 * ROWS < ROWS ? rows - j1 * ROWS : ROWS);
+            const int live = live_rows(j1);
             const float* part = partials + (j1 % SLOTS) * ROWS * GROUPS;
             float* cv = cvals + (j1 % SLOTS) * ROWS;
             for (int k = 0, r = grp; r < live; ++k, r += G_DATA) {
@@ -269,11 +224,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         const long long j2 = i - LAG2;
         if (j2 >= 0) {  // D: dx of block j2
             wait_all(arrive2 + j2);
-            const unsigned char* t = tile(j2);
-            const dy_t* tdy = reinterpret_cast<const dy_t*>(t);
-            const n_t* tz = reinterpret_cast<const n_t*>(t + DY_TILE);
-            const float* tr = reinterpret_cast<const float*>(t + DY_TILE + Z_TILE);
-            const int live = static_cast<int>(rows - j2 * ROWS < ROWS ? rows - j2 * ROWS : ROWS);
+            const TileView tv = view(j2);
+            const dy_t* tdy = tv.dy;
+            const n_t* tz = tv.z;
+            const float* tr = tv.rstd;
+            const int live = live_rows(j2);
             const float* cv = cvals + (j2 % SLOTS) * ROWS;
             for (int r = threadIdx.x; r < live; r += THREADS) cs[r] = __ldcg(cv + r);  // one L2 trip, not one a column
             __syncthreads();

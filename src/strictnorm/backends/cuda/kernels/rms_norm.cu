@@ -216,15 +216,7 @@ __device__ __forceinline__ float row_sum(float (&part)[K], float (*scratch)[RPB]
 }
 
 // The normalized value as y's scaling step uses it (contract, forward step 3).
-__device__ __forceinline__ float normalized(float x, float rstd) {
-#if MODE == 1
-    return __fmul_rn(x, rstd);
-#elif MODE == 0
-    return round_f32<NC>(__fmul_rn(x, rstd));
-#else
-    return round_f32<NC>(__fmul_rn(x, round_f32<NC>(rstd)));
-#endif
-}
+__device__ __forceinline__ float normalized(float x, float rstd) { return normalized_as_used<MODE, NC>(x, rstd); }
 
 // wf = f32(w) + offset (in fp32), rounded to z's dtype in mode none, in place over a widened piece.
 __device__ __forceinline__ void effective_weight(float* wp, float offset) {

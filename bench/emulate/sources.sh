@@ -1,0 +1,11 @@
+# Sourced by the emulation scripts: emulated_headers SRC WORK puts the kernels' headers from SRC into WORK,
+# common.cuh with its inline-PTX conversions replaced by C++ ones (bf16 rounding on the bit pattern,
+# _Float16 for fp16) that shim.h and the host compiler understand.
+emulated_headers() {
+    local src=$1 work=$2 h
+    for h in "$src"/*.cuh; do cp "$h" "$work/"; done
+    sed -e 's#asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));#h = emu_bf16_rn(v);#' \
+        -e 's#asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));#{ _Float16 hv; std::memcpy(\&hv, \&v, 2); f = (float)hv; }#' \
+        -e 's#asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));#{ _Float16 hv = (_Float16)v; std::memcpy(\&h, \&hv, 2); }#' \
+        "$src/common.cuh" > "$work/common.cuh"
+}

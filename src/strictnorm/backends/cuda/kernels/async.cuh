@@ -1,0 +1,45 @@
+// strictnorm: asynchronous copies into shared memory and the acquire/release accesses that kernels use to
+// wait for each other (fold.cu, onepass.cu). The CPU emulation (bench/emulate/shim.h) supplies the primitives.
+#pragma once
+
+#ifndef STRICTNORM_EMULATED
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ unsigned long long load_acquire64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release64(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
+
+// One 16-byte chunk of a row segment from column c on: fewer bytes, zero-filled, past column n.
+template <typename T>
+__device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* row, int c, int n) {
+    constexpr int PER = 16 / sizeof(T);
+    const int valid = n - c;
+    const int bytes = valid >= PER ? 16 : (valid > 0 ? valid * static_cast<int>(sizeof(T)) : 0);
+    cp_async16(dst, bytes ? row + c : row, bytes);
+}
