@@ -333,8 +333,6 @@ class OnepassLaunch:
     grid: int
     threads: int
     shmem: int
-    rows_per_block: int  # the arrival counters: one per block of rows
-    slots: int  # partials and c-value slots
 
 
 def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype: torch.dtype | None, mode: str,
@@ -365,7 +363,7 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
                "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols, "G_DATA": -(-n // w_cols),
                "ROWS": rows, "DEPTH": tuning.depth, "LAG1": tuning.lag1, "LAG2": tuning.lag2, "SLOTS": slots,
                "THREADS": tuning.threads}
-    return OnepassLaunch(defines, defines["G_DATA"], tuning.threads, shmem_of(rows), rows, slots)
+    return OnepassLaunch(defines, defines["G_DATA"], tuning.threads, shmem_of(rows))
 
 
 def _aligned16(*tensors_and_layouts) -> bool:
@@ -438,7 +436,7 @@ class _BwdPlan:
     threads: int
     shmem: int
     wsg: int
-    tail: tuple  # rows, n, r1, g, offset, aligned
+    tail: tuple  # rows, n, r1, g, offset, aligned (the one-pass plan: without aligned)
     partial_rows: int  # fp32 partial rows the kernel writes (0: no fast-dW partials)
     partial_sum: tuple[_FoldPlan, ...]  # folds that sum the partial rows in a fixed order
     onepass: _OnepassPlan | None = None  # the whole strict backward in onepass.cu instead (opt-in)
@@ -699,6 +697,10 @@ class CudaBackend:
         if rows == 0:
             return _BwdPlan(views, 0, None, None, 0, 0, 0, 0, (), 0, ())
         dev = _device_index(z)
+        tail = (rows, np.int32(n), v.lay.r1, v.lay.g, np.float32(spec.offset))
+        onepass = self._onepass_plan(dev, v, spec, dw_mode, need_dw, dres is not None)
+        if onepass is not None:  # the whole backward in one kernel: no fold or dx kernel to plan
+            return _BwdPlan(views, rows, None, None, 0, 0, 0, 0, tail, 0, (), onepass)
         strict = None
         if need_dw and not partials:
             groups = weight.shape[0] if weight.dim() == 2 else 1
@@ -713,10 +715,8 @@ class CudaBackend:
         aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
                              (v.dx_kernel, v.xlay.args()), *(((v.weight, (wsg,)),) if v.weight is not None else ()))
         part_rows = grid * fl.rows_per_block if partials else 0
-        tail = (rows, np.int32(n), v.lay.r1, v.lay.g, np.float32(spec.offset), np.int32(aligned))
-        onepass = self._onepass_plan(dev, v, spec, dw_mode, need_dw, dres is not None)
-        return _BwdPlan(views, rows, None if onepass else strict, kernel, grid, fl.threads, shmem, wsg, tail,
-                        part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else (), onepass)
+        return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, (*tail, np.int32(aligned)),
+                        part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
 
     def _onepass_plan(self, dev: int, v, spec: NormSpec, dw_mode: str, need_dw: bool, has_dres: bool
                       ) -> _OnepassPlan | None:
@@ -739,7 +739,7 @@ class CudaBackend:
         resident = kernel.kernel.occupancy.max_active_blocks_per_multiprocessor(fl.threads, fl.shmem)
         if resident * props.multi_processor_count < fl.grid:
             return None
-        return _OnepassPlan(kernel, fl, -(-v.lay.rows // fl.rows_per_block))
+        return _OnepassPlan(kernel, fl, -(-v.lay.rows // fl.defines["ROWS"]))
 
     def _run_onepass(self, plan: _BwdPlan, dy: Tensor, z: Tensor, w: Tensor | None, rstd: Tensor, dx: Tensor,
                      weight: Tensor) -> Tensor:
@@ -747,9 +747,9 @@ class CudaBackend:
         fl = op.launch
         dev = z.device
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
-        rows_per_block, groups = fl.rows_per_block, fl.defines["GROUPS"]
-        partials = torch.empty(fl.slots * rows_per_block * groups, dtype=torch.float32, device=dev)
-        cvals = torch.empty(fl.slots * rows_per_block, dtype=torch.float32, device=dev)
+        slot_rows = fl.defines["SLOTS"] * fl.defines["ROWS"]  # SLOTS blocks of rows in flight
+        partials = torch.empty(slot_rows * fl.defines["GROUPS"], dtype=torch.float32, device=dev)
+        cvals = torch.empty(slot_rows, dtype=torch.float32, device=dev)
         arrivals = torch.zeros(2 * op.blocks, dtype=torch.int32, device=dev)  # arrive1, then arrive2
         rows, n, offset = plan.tail[0], plan.tail[1], plan.tail[4]
         lays = plan.views
