@@ -51,6 +51,20 @@ def best_tuning(m: int, n: int) -> FoldTuning | None:
                                                           if k in best})
 
 
+def variant(timer: Timer, bwd, outs: dict, key: str, **settings) -> float:
+    """Kernel-only us of bwd with these CudaBackend attributes set (restored after); its outputs in outs[key]."""
+    cb = get_backend("cuda")
+    saved = {k: getattr(cb, k) for k in settings}
+    for k, v in settings.items():
+        setattr(cb, k, v)
+    try:
+        outs[key] = bwd()
+        return timer.kernel_us(bwd)
+    finally:
+        for k, v in saved.items():
+            setattr(cb, k, v)
+
+
 def measure(timer: Timer, m: int, n: int, ceiling: float, g: torch.Generator) -> list[dict]:
     dev = torch.device("cuda")
     cb = get_backend("cuda")
@@ -70,32 +84,19 @@ def measure(timer: Timer, m: int, n: int, ceiling: float, g: torch.Generator) ->
         cb.fold_tuning = best_tuning(m, n)
         row["fold_tuning"] = str(cb.fold_tuning)
         outs = {}
-        try:
-            for beside in (False, True):
-                cb.fold_beside_dx = beside
-                outs[beside] = bwd()
-                row["beside" if beside else "serial"] = timer.kernel_us(bwd)
-        finally:
-            cb.fold_beside_dx = None
-        if name == "cuda":  # the one-pass strict backward (kernels/onepass.cu), where it applies
-            cb.onepass_strict = True
-            try:
-                outs["onepass"] = bwd()
-                if any(p.onepass is not None for p in cb._bwd_plans.values()):
-                    row["onepass"] = timer.kernel_us(bwd)
-            finally:
-                cb.onepass_strict = False
-        if name == "cuda":  # the dx pass one block per row group (no grid-stride share left for late blocks)
-            cb.bwd_tuning = dataclasses.replace(tuning_for(BWD_TABLE, n, m), persistent=False)
-            cb.fold_beside_dx = True
-            try:
-                outs["rows_grid"] = bwd()
-                row["beside_rows_grid"] = timer.kernel_us(bwd)
-            finally:
-                cb.bwd_tuning, cb.fold_beside_dx = None, None
+        row["serial"] = variant(timer, bwd, outs, "serial", fold_beside_dx=False)
+        row["beside"] = variant(timer, bwd, outs, "beside", fold_beside_dx=True)
+        if name == "cuda":
+            # the one-pass strict backward (kernels/onepass.cu), where it applies
+            row["onepass"] = variant(timer, bwd, outs, "onepass", onepass_strict=True)
+            if not any(p.onepass is not None for p in cb._bwd_plans.values()):
+                del row["onepass"]
+            # the dx pass one block per row group (no grid-stride share left for late blocks)
+            row["beside_rows_grid"] = variant(timer, bwd, outs, "rows_grid", fold_beside_dx=True,
+                                              bwd_tuning=dataclasses.replace(tuning_for(BWD_TABLE, n, m),
+                                                                             persistent=False))
         row["same_bits"] = all(torch.equal(p.view(torch.int16), q.view(torch.int16))
-                               for other in outs.values() if other is not outs[False]
-                               for p, q in zip(outs[False], other, strict=True))
+                               for other in outs.values() for p, q in zip(outs["serial"], other, strict=True))
         row["dx_only"] = timer.kernel_us(lambda: bwd(False))
         if name == "cuda":
             row["fold_only"] = timer.kernel_us(
