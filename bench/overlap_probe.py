@@ -87,7 +87,8 @@ def measure(timer: Timer, m: int, n: int, ceiling: float, g: torch.Generator) ->
         row["serial"] = variant(timer, bwd, outs, "serial", fold_beside_dx=False)
         row["beside"] = variant(timer, bwd, outs, "beside", fold_beside_dx=True)
         if name == "cuda":
-            # the one-pass strict backward (kernels/onepass.cu), where it applies
+            # the one-pass strict backward (kernels/onepass.cu), where it applies (this shape's plans only)
+            cb._bwd_plans.clear()
             row["onepass"] = variant(timer, bwd, outs, "onepass", onepass_strict=True)
             if not any(p.onepass is not None for p in cb._bwd_plans.values()):
                 del row["onepass"]
