@@ -13,15 +13,12 @@
 #define B_CODE 1
 #endif
 #include "shim.h"
+#include "host.h"
 #include "fold.cu"
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
-template <typename T>
-static T* buffer(long long count) {
-    return static_cast<T*>(aligned_alloc(16, ((count * sizeof(T) + 15) / 16) * 16));
-}
 
 int main(int argc, char** argv) {
     if (argc < 5) { fprintf(stderr, "usage: fold_emulate ROWS N SHMEM DIR\n"); return 2; }
@@ -33,11 +30,7 @@ int main(int argc, char** argv) {
     auto* b = buffer<b_t>(rows * n);
     auto* rstd = buffer<float>(rows);
     auto* out = buffer<out_t>(n);
-    auto load = [&](const char* name, void* p, long long bytes) {
-        FILE* f = fopen((dir + "/" + name).c_str(), "rb");
-        if (!f || fread(p, 1, bytes, f) != static_cast<size_t>(bytes)) { fprintf(stderr, "cannot read %s\n", name); exit(2); }
-        fclose(f);
-    };
+    auto load = [&](const char* name, void* p, long long bytes) { load_file(dir + "/" + name, p, bytes); };
     load("a.bin", a, rows * n * sizeof(a_t)), load("b.bin", b, rows * n * sizeof(b_t)), load("rstd.bin", rstd, rows * 4);
 #ifdef CHAIN_ROWS
     const long long items = (rows + CHAIN_ROWS - 1) / CHAIN_ROWS * ((n + COLS - 1) / COLS);
@@ -71,9 +64,7 @@ int main(int argc, char** argv) {
         for (auto& th : ts) th.join();
     }
 #endif
-    FILE* f = fopen((dir + "/out.bin").c_str(), "wb");
-    fwrite(out, sizeof(out_t), n, f);
-    fclose(f);
+    save_file(dir + "/out.bin", out, n * sizeof(out_t));
     printf("folded %lld x %d\n", rows, n);
     return 0;
 }

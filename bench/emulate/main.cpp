@@ -4,16 +4,13 @@
 // the macros. With DIR, the inputs are read from DIR/{x,res,w,dy,rstd}.bin (raw little-endian bits; the
 // backward reads x as its z and res as its dres) and the outputs written to DIR/{out,rstd_out,z}.bin.
 #include "shim.h"
+#include "host.h"
 #include "rms_norm.cu"
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <string>
 
-template <typename T>
-static T* buffer(long long count) {
-    return static_cast<T*>(aligned_alloc(16, ((count * sizeof(T) + 15) / 16) * 16));
-}
 
 int main(int argc, char** argv) {
     const long long rows = argc > 1 ? atoll(argv[1]) : 1;
@@ -33,16 +30,8 @@ int main(int argc, char** argv) {
     float* rstd = buffer<float>(rows);
     for (long long i = 0; i < rows; ++i) rstd[i] = 1.0f;
     auto path = [&](const char* name) { return std::string(dir) + "/" + name; };
-    auto load = [&](const char* name, void* p, long long bytes) {
-        FILE* f = fopen(path(name).c_str(), "rb");
-        if (!f || fread(p, 1, bytes, f) != static_cast<size_t>(bytes)) { fprintf(stderr, "cannot read %s\n", name); exit(2); }
-        fclose(f);
-    };
-    auto save = [&](const char* name, const void* p, long long bytes) {
-        FILE* f = fopen(path(name).c_str(), "wb");
-        fwrite(p, 1, bytes, f);
-        fclose(f);
-    };
+    auto load = [&](const char* name, void* p, long long bytes) { load_file(path(name), p, bytes); };
+    auto save = [&](const char* name, const void* p, long long bytes) { save_file(path(name), p, bytes); };
     if (dir) {
         load("x.bin", x, rows * n * 2), load("res.bin", res, rows * n * 2), load("w.bin", w, n * 2);
         load("dy.bin", dy, rows * n * 2), load("rstd.bin", rstd, rows * 4);

@@ -4,15 +4,12 @@
 // DIR/{dy,z,w}.bin (rows of DYC's, NC's and WC's dtype) and DIR/rstd.bin, writes DIR/dx.bin and DIR/dw.bin.
 #define STRICTNORM_EMULATED 1
 #include "shim.h"
+#include "host.h"
 #include "onepass.cu"
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
-template <typename T>
-static T* buffer(long long count) {
-    return static_cast<T*>(aligned_alloc(16, ((count * sizeof(T) + 15) / 16) * 16));
-}
 
 int main(int argc, char** argv) {
     if (argc < 5) { fprintf(stderr, "usage: onepass_emulate ROWS N DIR OFFSET\\n"); return 2; }
@@ -29,16 +26,8 @@ int main(int argc, char** argv) {
     auto* rstd = buffer<float>(rows);
     auto* dx = buffer<n_t>(rows * zpitch);
     auto* dw = buffer<w_t>(n);
-    auto load = [&](const char* name, void* p, long long bytes) {
-        FILE* f = fopen((dir + "/" + name).c_str(), "rb");
-        if (!f || fread(p, 1, bytes, f) != static_cast<size_t>(bytes)) { fprintf(stderr, "cannot read %s\n", name); exit(2); }
-        fclose(f);
-    };
-    auto save = [&](const char* name, const void* p, long long bytes) {
-        FILE* f = fopen((dir + "/" + name).c_str(), "wb");
-        fwrite(p, 1, bytes, f);
-        fclose(f);
-    };
+    auto load = [&](const char* name, void* p, long long bytes) { load_file(dir + "/" + name, p, bytes); };
+    auto save = [&](const char* name, const void* p, long long bytes) { save_file(dir + "/" + name, p, bytes); };
     auto* dense_dy = buffer<dy_t>(rows * n);
     auto* dense_z = buffer<n_t>(rows * n);
     load("dy.bin", dense_dy, rows * n * sizeof(dy_t)), load("z.bin", dense_z, rows * n * sizeof(n_t));
