@@ -45,6 +45,19 @@ template <int CODE> __device__ __forceinline__ float round_f32(float v) {
     return Elem<CODE>::widen(Elem<CODE>::narrow(v));
 }
 
+// Pairwise adjacent-first tree over WIDTH values: level by level, (2j, 2j+1) -> j. A template recursion,
+// so that every index is a compile-time constant and the values stay in registers. Overwrites v.
+template <int WIDTH>
+__device__ __forceinline__ float pair_tree(float* v) {
+    if constexpr (WIDTH == 1) {
+        return v[0];
+    } else {
+#pragma unroll
+        for (int j = 0; j < WIDTH / 2; ++j) v[j] = __fadd_rn(v[2 * j], v[2 * j + 1]);
+        return pair_tree<WIDTH / 2>(v);
+    }
+}
+
 // The normalized value as y's scaling step used it (the contract's casting modes: 0 llama, 1 gemma, 2 none),
 // for a norm input of dtype code CODE: the backward's dW contributions are f32(dy) times this.
 template <int CASTING, int CODE> __device__ __forceinline__ float normalized_as_used(float x, float rstd) {

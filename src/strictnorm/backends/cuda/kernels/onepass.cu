@@ -68,6 +68,16 @@ __device__ __forceinline__ float gscale(float d, float wf) {
 #endif
 }
 
+// The pairwise tree over COUNT * LANES values of a warp, lane l holding [l * COUNT, (l + 1) * COUNT): in-thread
+// (pair_tree), then xor shuffles with offsets below LANES; lanes below LANES get the total. Overwrites v.
+template <int COUNT, int LANES>
+__device__ __forceinline__ float warp_pair_tree(float* v) {
+    float s = pair_tree<COUNT>(v);
+#pragma unroll
+    for (int off = 1; off < LANES; off *= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+    return s;
+}
+
 // Every thread's writes fenced, then one thread, fencing again (a release for the whole block, as a grid
 // barrier does), counts the CTA in once all have passed the barrier.
 __device__ __forceinline__ void arrive(int* counter) {
@@ -167,13 +177,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                     const float v = __fmul_rn(xh, gscale(Elem<DYC>::widen(tdy[r * W_COLS + c]), wf[c]));
                     p[j] = col0 + c < n ? v : 0.0f;  // padded lanes: +0.0, as canon_sum pads
                 }
-#pragma unroll
-                for (int width = 1; width < CPL; width *= 2)
-#pragma unroll
-                    for (int j = 0; j < CPL; j += 2 * width) p[j] = __fadd_rn(p[j], p[j + width]);
-                float s = p[0];
-#pragma unroll
-                for (int off = 1; off < 32; off *= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+                const float s = warp_pair_tree<CPL, 32>(p);
                 if (lane == 0) part[r * GROUPS + grp] = s;
             }
             if (threadIdx.x < W_COLS) {
@@ -209,14 +213,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                     // written by other CTAs: read through L2 (__ldcg), never a stale L1 line of a reused slot
                     leaf[q] = gq < G_DATA ? __ldcg(part + r * GROUPS + gq) : 0.0f;  // groups without data: +0.0
                 }
-#pragma unroll
-                for (int width = 1; width < LEAVES; width *= 2)
-#pragma unroll
-                    for (int q = 0; q < LEAVES; q += 2 * width) leaf[q] = __fadd_rn(leaf[q], leaf[q + width]);
-                float s = leaf[0];
-#pragma unroll
-                for (int off = 1; off < 32; off *= 2)
-                    if (off < (GROUPS >= 32 ? 32 : GROUPS)) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+                const float s = warp_pair_tree<LEAVES, (GROUPS >= 32 ? 32 : GROUPS)>(leaf);
                 if (lane == 0) cv[r] = __fdiv_rn(s, static_cast<float>(n));
             }
             arrive(arrive2 + j1);

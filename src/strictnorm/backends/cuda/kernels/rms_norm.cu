@@ -161,19 +161,6 @@ struct Lanes {
     float v[KR][PIECE];
 };
 
-// Pairwise adjacent-first tree over WIDTH values: level by level, (2j, 2j+1) -> j. A template recursion,
-// so that every index is a compile-time constant and the values stay in registers. Overwrites v.
-template <int WIDTH>
-__device__ __forceinline__ float pair_tree(float* v) {
-    if constexpr (WIDTH == 1) {
-        return v[0];
-    } else {
-#pragma unroll
-        for (int j = 0; j < WIDTH / 2; ++j) v[j] = __fadd_rn(v[2 * j], v[2 * j + 1]);
-        return pair_tree<WIDTH / 2>(v);
-    }
-}
-
 // canon_sum of a row from this thread's piece sums part[k] (steps 2 and 3 above; part is overwritten);
 // every thread of the row gets the total. All threads of the block must call it together; `scratch`
 // holds SUBTREES floats per row slot and alternates between two halves (`parity`), so one barrier per
