@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
     auto* arrive1 = buffer<int>(blocks);
     auto* arrive2 = buffer<int>(blocks);
     std::memset(arrive1, 0, blocks * sizeof(int)), std::memset(arrive2, 0, blocks * sizeof(int));
-    const long long shmem = static_cast<long long>(TILES) * TILE_BYTES + 4 * (W_COLS + ROWS);
+    const long long shmem = ONEPASS_SMEM;
     gridDim = {static_cast<unsigned>(G_DATA), 1, 1};
     std::vector<std::unique_ptr<EmuBlock>> ctas;
     for (int c = 0; c < G_DATA; ++c) ctas.push_back(std::make_unique<EmuBlock>(THREADS, shmem));

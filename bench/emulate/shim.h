@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 #define __device__
@@ -31,6 +32,8 @@ struct EmuBlock {
     std::barrier<> block;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     float warp_buf[32][32];
+    std::mutex named_mutex;
+    std::unique_ptr<std::barrier<>> named[16];
     unsigned char* smem;
     EmuBlock(int threads, long long smem_bytes)
         : block(threads), smem(static_cast<unsigned char*>(aligned_alloc(16, smem_bytes > 0 ? (smem_bytes + 15) / 16 * 16 : 16))) {
@@ -48,6 +51,18 @@ inline void emu_enter(EmuBlock& blk, unsigned bx, int t) {
     g_dynamic_smem = blk.smem;
 }
 inline void __syncthreads() { g_block->block.arrive_and_wait(); }
+inline void __syncwarp() { g_block->warps[threadIdx.x / 32]->arrive_and_wait(); }
+// bar.sync id, threads: a barrier per id, made by the first thread to reach it (every caller passes the same count)
+inline void named_barrier(int id, int threads) {
+    std::barrier<>* b;
+    {
+        std::lock_guard<std::mutex> lock(g_block->named_mutex);
+        auto& slot = g_block->named[id];
+        if (!slot) slot = std::make_unique<std::barrier<>>(threads);
+        b = slot.get();
+    }
+    b->arrive_and_wait();
+}
 inline float __shfl_xor_sync(unsigned, float v, int off) {
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;
     g_block->warp_buf[w][l] = v;

@@ -317,14 +317,15 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
 class OnepassTuning:
     """Knobs of onepass.cu's strict backward (any values give the same bits). w_cols: columns a CTA (0: the
     narrowest power of two >= 32 that needs no more CTAs than SMs); rows: rows a block; depth: blocks loaded
-    ahead; lag1, lag2: the blocks between a block's row sums and its combine, and its dx."""
+    ahead; lag1, lag2: the blocks between a block's row sums and its combine, and its dx; dx_warps: warps
+    computing dx (beside the w_cols / 32 fold warps and the combine warp)."""
 
     w_cols: int = 0
     rows: int = 128
     depth: int = 4
-    lag1: int = 2
-    lag2: int = 4
-    threads: int = 256
+    lag1: int = 1
+    lag2: int = 2
+    dx_warps: int = 6
 
 
 @dataclass(frozen=True)
@@ -335,35 +336,51 @@ class OnepassLaunch:
     shmem: int
 
 
+def _onepass_slices(w_cols: int, rows: int, threads: int, min_cols: int) -> int | None:
+    """SL, the slices a row is cut into for the row sums: about one (row, slice) pair a thread, slices of at
+    most 32 and at least min_cols columns (whole 16-byte loads), whole warps of pairs; None if none fits."""
+    lo, hi = max(1, w_cols // 32), w_cols // min_cols
+    sl = lo
+    while sl * 2 <= hi and rows * sl * 2 <= threads:
+        sl *= 2
+    while sl <= hi and (rows * sl) % 32:
+        sl *= 2
+    return sl if sl <= hi and 32 % sl == 0 else None
+
+
 def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype: torch.dtype | None, mode: str,
                    num_sms: int, smem_optin: int, tuning: OnepassTuning | None = None) -> OnepassLaunch | None:
     """onepass.cu's launch for rows of N columns, or None where it does not apply (N < 32; more than 256
-    columns a CTA needed to stay within the SMs). Blocks of rows shrink (halving, down to a row per warp)
-    until the ring of tiles fits the device's opt-in shared memory."""
+    columns a CTA needed to stay within the SMs). Blocks of rows shrink (halving, down to 4 rows) until the
+    ring of tiles and the contributions' buffer fit the device's opt-in shared memory."""
     tuning = tuning or OnepassTuning()
     p = next_pow2(n)
     w_cols = tuning.w_cols or 32
     while not tuning.w_cols and -(-n // w_cols) > num_sms:
         w_cols *= 2
-    if w_cols > p or w_cols > min(256, tuning.threads) or w_cols % 32:
+    if w_cols > p or w_cols > 256 or w_cols % 32 or tuning.dx_warps < 1:
         return None
-    slots = tuning.lag2 + 1
-    warps = tuning.threads // 32
+    threads = 32 * (w_cols // 32 + 1 + tuning.dx_warps)
+    if threads > 1024:
+        return None
+    min_cols = 16 // min(dy_dtype.itemsize, z_dtype.itemsize)
+    tiles = tuning.lag2 + tuning.depth + 1
 
-    def shmem_of(rows: int) -> int:
-        tile = rows * w_cols * (dy_dtype.itemsize + z_dtype.itemsize) + rows * 4
-        return (tuning.lag2 + tuning.depth + 1) * tile + 4 * (w_cols + rows)  # + the weight and c values
+    def shmem_of(rows: int) -> int:  # onepass.cu's ONEPASS_SMEM
+        tile = rows * (w_cols * dy_dtype.itemsize + 16 + w_cols * z_dtype.itemsize + 16) + rows * 4
+        return tiles * tile + rows * (w_cols + 4) * 4 + 4 * (w_cols + rows)
 
     rows = tuning.rows
-    while shmem_of(rows) > smem_optin and rows // 2 >= warps and (rows // 2) % warps == 0:
+    while shmem_of(rows) > smem_optin and rows // 2 >= 4 and (rows // 2) % 4 == 0:
         rows //= 2
-    if shmem_of(rows) > smem_optin:
+    sl = _onepass_slices(w_cols, rows, threads, min_cols)
+    if shmem_of(rows) > smem_optin or rows % 4 or sl is None:
         return None
     defines = {"DYC": _CODE[dy_dtype], "NC": _CODE[z_dtype], "WC": _CODE[w_dtype or z_dtype], "MODE": _MODES[mode],
                "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols, "G_DATA": -(-n // w_cols),
-               "ROWS": rows, "DEPTH": tuning.depth, "LAG1": tuning.lag1, "LAG2": tuning.lag2, "SLOTS": slots,
-               "THREADS": tuning.threads}
-    return OnepassLaunch(defines, defines["G_DATA"], tuning.threads, shmem_of(rows))
+               "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "LAG1": tuning.lag1, "LAG2": tuning.lag2,
+               "SLOTS": tuning.lag2 + 1, "THREADS": threads}
+    return OnepassLaunch(defines, defines["G_DATA"], threads, shmem_of(rows))
 
 
 def _aligned16(*tensors_and_layouts) -> bool:

@@ -28,6 +28,10 @@ __device__ __forceinline__ unsigned long long load_acquire64(const unsigned long
 __device__ __forceinline__ void store_release64(unsigned long long* p, unsigned long long v) {
     asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// A barrier among `threads` threads (whole warps) of the block, by id (0 is __syncthreads').
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

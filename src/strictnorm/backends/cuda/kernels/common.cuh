@@ -58,6 +58,30 @@ __device__ __forceinline__ float pair_tree(float* v) {
     }
 }
 
+// COUNT consecutive elements at p (16-byte aligned; COUNT * sizeof(T) a multiple of 16) widened to fp32,
+// through 16-byte loads (global or shared memory).
+template <typename T, int CODE, int COUNT>
+__device__ __forceinline__ void load_widened(float* v, const T* p) {
+    constexpr int PER = 16 / sizeof(T);
+    static_assert(COUNT % PER == 0, "whole 16-byte chunks");
+#pragma unroll
+    for (int q = 0; q < COUNT / PER; ++q) {
+        const uint4 u = reinterpret_cast<const uint4*>(p)[q];
+        if constexpr (CODE == 1) {  // bf16 pairs widened in their 32-bit words: one shift or mask each
+            const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                v[q * PER + 2 * j] = __uint_as_float(w[j] << 16);
+                v[q * PER + 2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+            }
+        } else {
+            const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+            for (int j = 0; j < PER; ++j) v[q * PER + j] = Elem<CODE>::widen(e[j]);
+        }
+    }
+}
+
 // The normalized value as y's scaling step used it (the contract's casting modes: 0 llama, 1 gemma, 2 none),
 // for a norm input of dtype code CODE: the backward's dW contributions are f32(dy) times this.
 template <int CASTING, int CODE> __device__ __forceinline__ float normalized_as_used(float x, float rstd) {

@@ -3,32 +3,38 @@
 // The two-pass strict backward reads x and dy twice (the dx pass, then the dW fold). Here a persistent
 // grid of co-resident CTAs (cooperative launch) owns column groups of W_COLS columns each: a power of two
 // dividing P = next_pow2(N), so a group's lanes are an aligned subtree of canon_sum's tree. Every CTA walks
-// all rows in blocks of ROWS rows, in order. Per block i, iteration i of every CTA:
-//   B. its columns of block i (landed in a ring of tiles): each row's subtree sum of p = xh * g over the
-//      group (in-thread pairwise over a lane's CPL columns, then xor shuffles: the pairwise tree),
-//      published to partials[i % SLOTS][row][group]; and, in other warps meanwhile, each of its columns' dW
-//      contributions folded into that column's running sum, rows in order (one thread a column: the strict
-//      left fold). Then the block's arrival count arrive1[i] goes up (after a fence).
-//   C. combine block i - LAG1 once every group has arrived: CTA g takes rows g, g + G_DATA, ...: the row's
-//      GROUPS subtree sums (groups without data: +0.0 leaves) in the tree's order, c = sum / N, published to
-//      cvals[(i - LAG1) % SLOTS][row]; arrive2[i - LAG1] goes up.
-//   D. dx of block i - LAG2 once arrive2 is complete: dx = rd((g - xh * c) * rstd) for its columns, from the
-//      tile still in the ring.
-//   A. cp.async of block i + DEPTH into the ring.
-// Every wait is on an event of an earlier iteration (LAG2 > LAG1 > 0), so co-resident CTAs cannot deadlock.
-// Slots are reused without further counters (SLOTS > LAG2): block i + SLOTS's partials are written at
-// iteration i + SLOTS, after that CTA waited arrive2 of block i + SLOTS - 1 - LAG2 >= i (every CTA has
-// combined block i); block i + SLOTS's c values are written after arrive1[i + SLOTS], which every CTA
-// signals after its dx of block i.
+// all rows in blocks of ROWS rows, in order. Iteration i of every CTA:
+//   B. (every thread) block i, landed in a ring of tiles: each row's subtree sum of p = xh * g over the group
+//      (threads take (row, slice) pairs of SW columns: an in-thread pairwise tree, then xor shuffles over the
+//      row's SL slices), published to partials[i % SLOTS][row][group]; and every element's dW contribution,
+//      stored to a shared buffer. Then block i's arrival count arrive1[i] goes up.
+//   Then three roles at once, in different warps:
+//   fold (warps below FOLD_WARPS, one thread a column): block i's contributions added to the column's running
+//      sum, rows in order (the strict left fold; shared-memory loads and adds only).
+//   C (the combine warp): block i - LAG1 once every group has arrived: this CTA's rows of it (rows g, g + G_DATA,
+//      ...): the row's GROUPS subtree sums (groups without data: +0.0 leaves) in the tree's order, c = sum / N,
+//      published to cvals[(i - LAG1) % SLOTS][row]; arrive2[i - LAG1] goes up.
+//   D (the dx warps): block i - LAG2 once arrive2 is complete: its c values staged in shared memory, then
+//      dx = rd((g - xh * c) * rstd) for the group's columns, from the tile still in the ring.
+//   A. (every thread) cp.async of block i + DEPTH into the ring.
+// Every wait is on an event of an earlier iteration of every CTA (LAG2 > LAG1 > 0), so co-resident CTAs cannot
+// deadlock. Slots are reused without further counters (SLOTS > LAG2): block i + SLOTS's partials are written
+// at iteration i + SLOTS, after this CTA's dx warps waited (iteration i + SLOTS - 1) for arrive2 of block
+// i + SLOTS - 1 - LAG2 >= i, so every CTA has combined block i (C takes blocks in order); block i + SLOTS's c
+// values are written after arrive1[i + SLOTS], which every CTA signals after its dx of block i.
+// Roles hand over through barriers: the block-wide ones around B and at the end of an iteration, a named one
+// among the dx warps, __syncwarp in the combine warp; a CTA's releases and acquires of the counters are one
+// thread's, fenced, as a grid barrier does them.
 //
 // Same bits as the reference: the row sums are canon_sum's, c = sum / N, dx and the contributions are
 // rms_norm.cu's and fold.cu's expressions, and each column's fold adds the rows in ascending order.
 //
 // Macros: DYC, NC, WC (dtype codes of dy, the norm input z, the weight), MODE (0 llama, 1 gemma, 2 none),
-// HAS_W, W_COLS (columns a CTA: 32 * CPL, CPL in 1..8), GROUPS (P / W_COLS), G_DATA (groups holding
-// columns: ceil(N / W_COLS)), ROWS (rows a block, a multiple of the warps), DEPTH, LAG1, LAG2, SLOTS,
-// THREADS (256). Rows of dy, z and dx are 16-byte aligned with row strides ds, zs, xs (elements). Dynamic
-// shared memory: TILES * TILE_BYTES + 4 * (W_COLS + ROWS) (backend.onepass_launch).
+// HAS_W, W_COLS (columns a CTA, a multiple of 32, at most 256), GROUPS (P / W_COLS), G_DATA (groups holding
+// columns: ceil(N / W_COLS)), ROWS (rows a block), SL (slices a row in the row sums; SW = W_COLS / SL columns
+// a slice, 16-byte multiples of both dtypes, at most 32), DEPTH, LAG1, LAG2, SLOTS, THREADS (32 times
+// FOLD_WARPS + 1 + the dx warps). Rows of dy, z and dx are 16-byte aligned with row strides ds, zs, xs
+// (elements). Dynamic shared memory: ONEPASS_SMEM bytes (backend.onepass_launch computes the same).
 #include "common.cuh"
 #include "async.cuh"
 
@@ -36,21 +42,24 @@ typedef Elem<DYC>::T dy_t;
 typedef Elem<NC>::T n_t;
 typedef Elem<WC>::T w_t;
 
-constexpr int WARPS = THREADS / 32;
-constexpr int CPL = W_COLS / 32;  // columns a lane holds in the row sums
+constexpr int FOLD_WARPS = W_COLS / 32;  // one thread a column
+constexpr int COMBINE_WARP = FOLD_WARPS;
+constexpr int DX_T0 = (FOLD_WARPS + 1) * 32, DX_THREADS = THREADS - DX_T0;
+constexpr int SW = W_COLS / SL;  // columns a (row, slice) pair of the row sums
 constexpr int TILES = LAG2 + DEPTH + 1;  // ring slots: blocks i - LAG2 ... i + DEPTH
+// a tile's rows 16 bytes apart beyond their data: a warp's threads read different rows, at banks spread out
 constexpr int DY_ROW = W_COLS * sizeof(dy_t), Z_ROW = W_COLS * sizeof(n_t);
-constexpr int DY_TILE = ROWS * DY_ROW, Z_TILE = ROWS * Z_ROW;
+constexpr int DY_PITCH = DY_ROW + 16, Z_PITCH = Z_ROW + 16;
+constexpr int DY_TILE = ROWS * DY_PITCH, Z_TILE = ROWS * Z_PITCH;
 constexpr int TILE_BYTES = DY_TILE + Z_TILE + ROWS * 4;
+constexpr int C_PITCH = W_COLS + 4;  // floats: the contributions' rows, padded so (row, slice) stores spread over banks
+constexpr int ONEPASS_SMEM = TILES * TILE_BYTES + ROWS * C_PITCH * 4 + 4 * (W_COLS + ROWS);
 constexpr int LEAVES = GROUPS >= 32 ? GROUPS / 32 : 1;  // subtree sums a lane combines
-// Phase B: warps below FOLD_WARPS fold the dW columns (one thread a column) while the others compute the row
-// sums, unless the fold takes every warp (then all do both, one after the other).
-constexpr int FOLD_WARPS = W_COLS / 32;
-constexpr int SUM_WARP0 = FOLD_WARPS < WARPS ? FOLD_WARPS : 0;
-constexpr int SUM_WARPS = WARPS - SUM_WARP0;
-constexpr int FOLD_BATCH = 8;  // rows whose contributions are computed before their adds (off the chain)
-static_assert(W_COLS % 32 == 0 && CPL <= 8 && W_COLS <= THREADS, "one lane per CPL columns, one thread a column");
-static_assert(ROWS % WARPS == 0 && DY_ROW % 16 == 0 && Z_ROW % 16 == 0, "block shape");
+constexpr int DX_VEC = 16 / (sizeof(n_t) < sizeof(dy_t) ? sizeof(n_t) : sizeof(dy_t));  // columns a dx chunk
+static_assert(W_COLS % 32 == 0 && W_COLS <= 256 && 32 % SL == 0, "one thread a column; a row's slices in a warp");
+static_assert(SW <= 32 && (SW * sizeof(dy_t)) % 16 == 0 && (SW * sizeof(n_t)) % 16 == 0, "slices of 16-byte loads");
+static_assert((ROWS * SL) % 32 == 0 && ROWS % 4 == 0 && DX_THREADS >= 32 && DX_THREADS % 32 == 0, "block shape");
+static_assert(W_COLS % DX_VEC == 0, "whole dx chunks");
 static_assert(LAG1 >= 1 && LAG2 > LAG1 && SLOTS > LAG2 && DEPTH >= 1, "pipeline");
 
 // A wait this long means CTAs that never arrive (a bug, or a grid not co-resident): trap (a launch error)
@@ -69,7 +78,7 @@ __device__ __forceinline__ float gscale(float d, float wf) {
 }
 
 // The pairwise tree over COUNT * LANES values of a warp, lane l holding [l * COUNT, (l + 1) * COUNT): in-thread
-// (pair_tree), then xor shuffles with offsets below LANES; lanes below LANES get the total. Overwrites v.
+// (pair_tree), then xor shuffles with offsets below LANES; lanes of an aligned run of LANES get its total.
 template <int COUNT, int LANES>
 __device__ __forceinline__ float warp_pair_tree(float* v) {
     float s = pair_tree<COUNT>(v);
@@ -78,27 +87,20 @@ __device__ __forceinline__ float warp_pair_tree(float* v) {
     return s;
 }
 
-// Every thread's writes fenced, then one thread, fencing again (a release for the whole block, as a grid
-// barrier does), counts the CTA in once all have passed the barrier.
-__device__ __forceinline__ void arrive(int* counter) {
+// The calling thread polls (acquire) until every CTA has arrived, then fences; the caller's barrier releases
+// the threads that read the data behind the counter (through L2, __ldcg).
+__device__ __forceinline__ void poll_all(const int* counter) {
+    const unsigned long long start = global_ns();
+    while (load_acquire(counter) < G_DATA)
+        if (global_ns() - start > WAIT_LIMIT_NS) __trap();
     __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(counter, 1);
-    }
 }
 
-// One thread polls (acquire) until every CTA has arrived, fences, and releases the block at the barrier; the
-// data behind the counter is then read through L2 (__ldcg).
-__device__ __forceinline__ void wait_all(const int* counter) {
-    if (threadIdx.x == 0) {
-        const unsigned long long start = global_ns();
-        while (load_acquire(counter) < G_DATA)
-            if (global_ns() - start > WAIT_LIMIT_NS) __trap();
-        __threadfence();
-    }
-    __syncthreads();
+// Counts the CTA in: the caller's barrier has ordered every participating thread's writes before this
+// thread's fence (a release for all of them, as a grid barrier does it).
+__device__ __forceinline__ void signal(int* counter) {
+    __threadfence();
+    atomicAdd(counter, 1);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
@@ -112,14 +114,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
     const long long blocks = (rows + ROWS - 1) / ROWS;
     auto tile = [&](long long b) { return onepass_smem + (b % TILES) * TILE_BYTES; };
     struct TileView {  // block b's tile in the ring: its rows of dy and z (W_COLS columns each), their rstd
-        const dy_t* dy;
-        const n_t* z;
+        const unsigned char* dy;
+        const unsigned char* z;
         const float* rstd;
     };
     auto view = [&](long long b) {
         const unsigned char* t = tile(b);
-        return TileView{reinterpret_cast<const dy_t*>(t), reinterpret_cast<const n_t*>(t + DY_TILE),
-                        reinterpret_cast<const float*>(t + DY_TILE + Z_TILE)};
+        return TileView{t, t + DY_TILE, reinterpret_cast<const float*>(t + DY_TILE + Z_TILE)};
     };
     auto live_rows = [&](long long b) { return static_cast<int>(rows - b * ROWS < ROWS ? rows - b * ROWS : ROWS); };
     auto issue = [&](long long b) {
@@ -129,15 +130,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             const int r = i / CH, ch = i % CH;
             const long long row = b * ROWS + r;
             if (row >= rows) break;
-            if (ch < DYC_CH) copy_chunk(t + r * DY_ROW + ch * 16, dy + row * ds, col0 + ch * (16 / int(sizeof(dy_t))), n);
+            if (ch < DYC_CH) copy_chunk(t + r * DY_PITCH + ch * 16, dy + row * ds, col0 + ch * (16 / int(sizeof(dy_t))), n);
             if (ch < ZC_CH)
-                copy_chunk(t + DY_TILE + r * Z_ROW + ch * 16, z + row * zs, col0 + ch * (16 / int(sizeof(n_t))), n);
+                copy_chunk(t + DY_TILE + r * Z_PITCH + ch * 16, z + row * zs, col0 + ch * (16 / int(sizeof(n_t))), n);
             if (ch == 0) cp_async4(t + DY_TILE + Z_TILE + r * 4, rstd + row);
         }
     };
-    // the group's effective weight (read by the row sums and dx; written before the first block's barrier)
-    float* wf = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);
-    float* cs = wf + W_COLS;  // the c values of the block in phase D, staged once from global memory
+    float* contrib = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);  // [ROWS][C_PITCH]
+    float* wf = contrib + ROWS * C_PITCH;  // the group's effective weight (row sums and dx)
+    float* cs = wf + W_COLS;  // the c values of the block in D, staged once from global memory
     for (int c = threadIdx.x; c < W_COLS; c += THREADS) {
         float v = 1.0f;
 #if HAS_W
@@ -150,100 +151,114 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
 #endif
         wf[c] = v;
     }
-    const int my_col = col0 + static_cast<int>(threadIdx.x);
-    float acc = 0.0f;  // the strict dW fold of column my_col (threads below W_COLS)
-
     for (int d = 0; d < DEPTH; ++d) {
         if (d < blocks) issue(d);
         cp_async_commit();
     }
+    __syncthreads();
+    // this thread's slice of the row sums (THREADS is a multiple of SL): its columns' weights in registers
+    const int slice = threadIdx.x % SL, c_lo = slice * SW;
+    float wreg[SW];
+#pragma unroll
+    for (int j = 0; j < SW; ++j) wreg[j] = wf[c_lo + j];
+    float acc = 0.0f;  // the strict dW fold of column col0 + threadIdx.x (fold warps)
+
     for (long long i = 0; i < blocks + LAG2; ++i) {
         if (i < blocks) {  // B: block i's row subtree sums and dW contributions
             cp_async_wait<DEPTH - 1>();
             __syncthreads();
             const TileView tv = view(i);
-            const dy_t* tdy = tv.dy;
-            const n_t* tz = tv.z;
-            const float* tr = tv.rstd;
             const int live = live_rows(i);
             float* part = partials + (i % SLOTS) * ROWS * GROUPS;
-            for (int r = warp - SUM_WARP0; warp >= SUM_WARP0 && r < live; r += SUM_WARPS) {
-                const float rs = tr[r];
-                float p[CPL];
+            for (int pair = threadIdx.x; pair < ROWS * SL; pair += THREADS) {  // whole warps: the shuffles below
+                const int r = pair / SL;
+                float vd[SW], vz[SW];
+                load_widened<dy_t, DYC, SW>(vd, reinterpret_cast<const dy_t*>(tv.dy + r * DY_PITCH) + c_lo);
+                load_widened<n_t, NC, SW>(vz, reinterpret_cast<const n_t*>(tv.z + r * Z_PITCH) + c_lo);
+                const float rs = tv.rstd[r];
+                float p[SW];
 #pragma unroll
-                for (int j = 0; j < CPL; ++j) {
-                    const int c = lane * CPL + j;
-                    const float xh = __fmul_rn(Elem<NC>::widen(tz[r * W_COLS + c]), rs);
-                    const float v = __fmul_rn(xh, gscale(Elem<DYC>::widen(tdy[r * W_COLS + c]), wf[c]));
-                    p[j] = col0 + c < n ? v : 0.0f;  // padded lanes: +0.0, as canon_sum pads
+                for (int j = 0; j < SW; ++j) {
+                    const float v = __fmul_rn(__fmul_rn(vz[j], rs), gscale(vd[j], wreg[j]));
+                    p[j] = col0 + c_lo + j < n ? v : 0.0f;  // padded lanes: +0.0, as canon_sum pads
+                    vd[j] = __fmul_rn(vd[j], normalized_as_used<MODE, NC>(vz[j], rs));  // the dW contribution
                 }
-                const float s = warp_pair_tree<CPL, 32>(p);
-                if (lane == 0) part[r * GROUPS + grp] = s;
+                const float s = warp_pair_tree<SW, SL>(p);
+                if (r < live) {
+                    if (slice == 0) part[r * GROUPS + grp] = s;
+                    float* dst = contrib + r * C_PITCH + c_lo;
+#pragma unroll
+                    for (int j = 0; j < SW; j += 4)
+                        *reinterpret_cast<float4*>(dst + j) = make_float4(vd[j], vd[j + 1], vd[j + 2], vd[j + 3]);
+                }
             }
-            if (threadIdx.x < W_COLS) {
-                const int c = threadIdx.x;
-                auto contribution = [&](int r) {
-                    return __fmul_rn(Elem<DYC>::widen(tdy[r * W_COLS + c]),
-                                     normalized_as_used<MODE, NC>(Elem<NC>::widen(tz[r * W_COLS + c]), tr[r]));
-                };
+            __syncthreads();
+            if (threadIdx.x == 0) signal(arrive1 + i);
+        }
+        const long long j1 = i - LAG1, j2 = i - LAG2;
+        if (warp < FOLD_WARPS) {
+            if (i < blocks) {  // fold: block i's contributions, rows in order
+                const int live = live_rows(i);
+                const float* col = contrib + threadIdx.x;
+                constexpr int BATCH = 8;  // loads ahead of their adds (off the chain)
                 int r = 0;
-                for (; r + FOLD_BATCH <= live; r += FOLD_BATCH) {
-                    float v[FOLD_BATCH];
+                for (; r + BATCH <= live; r += BATCH) {
+                    float v[BATCH];
 #pragma unroll
-                    for (int q = 0; q < FOLD_BATCH; ++q) v[q] = contribution(r + q);
+                    for (int q = 0; q < BATCH; ++q) v[q] = col[(r + q) * C_PITCH];
 #pragma unroll
-                    for (int q = 0; q < FOLD_BATCH; ++q) acc = __fadd_rn(acc, v[q]);  // rows in order
+                    for (int q = 0; q < BATCH; ++q) acc = __fadd_rn(acc, v[q]);
                 }
-                for (; r < live; ++r) acc = __fadd_rn(acc, contribution(r));
+                for (; r < live; ++r) acc = __fadd_rn(acc, col[r * C_PITCH]);
             }
-            arrive(arrive1 + i);
-        }
-        const long long j1 = i - LAG1;
-        if (j1 >= 0 && j1 < blocks) {  // C: combine this CTA's rows of block j1
-            wait_all(arrive1 + j1);
-            const int live = live_rows(j1);
-            const float* part = partials + (j1 % SLOTS) * ROWS * GROUPS;
-            float* cv = cvals + (j1 % SLOTS) * ROWS;
-            for (int k = 0, r = grp; r < live; ++k, r += G_DATA) {
-                if (k % WARPS != warp) continue;
-                float leaf[LEAVES];
+        } else if (warp == COMBINE_WARP) {
+            if (j1 >= 0 && j1 < blocks) {  // C: combine this CTA's rows of block j1
+                if (lane == 0) poll_all(arrive1 + j1);
+                __syncwarp();
+                const int live = live_rows(j1);
+                const float* part = partials + (j1 % SLOTS) * ROWS * GROUPS;
+                float* cv = cvals + (j1 % SLOTS) * ROWS;
+                for (int r = grp; r < live; r += G_DATA) {
+                    float leaf[LEAVES];
 #pragma unroll
-                for (int q = 0; q < LEAVES; ++q) {
-                    const int gq = GROUPS >= 32 ? lane * LEAVES + q : lane;
-                    // written by other CTAs: read through L2 (__ldcg), never a stale L1 line of a reused slot
-                    leaf[q] = gq < G_DATA ? __ldcg(part + r * GROUPS + gq) : 0.0f;  // groups without data: +0.0
+                    for (int q = 0; q < LEAVES; ++q) {
+                        const int gq = GROUPS >= 32 ? lane * LEAVES + q : lane;
+                        // written by other CTAs: read through L2 (__ldcg), never a stale L1 line of a reused slot
+                        leaf[q] = gq < G_DATA ? __ldcg(part + r * GROUPS + gq) : 0.0f;  // groups without data: +0.0
+                    }
+                    const float s = warp_pair_tree<LEAVES, (GROUPS >= 32 ? 32 : GROUPS)>(leaf);
+                    if (lane == 0) cv[r] = __fdiv_rn(s, static_cast<float>(n));
                 }
-                const float s = warp_pair_tree<LEAVES, (GROUPS >= 32 ? 32 : GROUPS)>(leaf);
-                if (lane == 0) cv[r] = __fdiv_rn(s, static_cast<float>(n));
+                if (lane == 0) signal(arrive2 + j1);  // lane 0 wrote every c value itself
             }
-            arrive(arrive2 + j1);
-        }
-        const long long j2 = i - LAG2;
-        if (j2 >= 0) {  // D: dx of block j2
-            wait_all(arrive2 + j2);
+        } else if (j2 >= 0) {  // D: dx of block j2
+            const int t = threadIdx.x - DX_T0;
+            if (t == 0) poll_all(arrive2 + j2);
+            named_barrier(1, DX_THREADS);
             const TileView tv = view(j2);
-            const dy_t* tdy = tv.dy;
-            const n_t* tz = tv.z;
-            const float* tr = tv.rstd;
             const int live = live_rows(j2);
             const float* cv = cvals + (j2 % SLOTS) * ROWS;
-            for (int r = threadIdx.x; r < live; r += THREADS) cs[r] = __ldcg(cv + r);  // one L2 trip, not one a column
-            __syncthreads();
-            // chunks of DX_VEC columns (16 bytes of dx); consecutive threads, consecutive chunks of a row
-            constexpr int DX_VEC = 16 / sizeof(n_t), CHUNKS = W_COLS / DX_VEC;
-            for (int e = threadIdx.x; e < live * CHUNKS; e += THREADS) {
+            for (int r = t; r < live; r += DX_THREADS) cs[r] = __ldcg(cv + r);  // one L2 trip, not one a column
+            named_barrier(1, DX_THREADS);
+            constexpr int CHUNKS = W_COLS / DX_VEC;
+            for (int e = t; e < live * CHUNKS; e += DX_THREADS) {
                 const int r = e / CHUNKS, c0 = (e % CHUNKS) * DX_VEC;
-                const float rs = tr[r], c = cs[r];
+                const float rs = tv.rstd[r], c = cs[r];
+                float vd[DX_VEC], vz[DX_VEC];
+                load_widened<dy_t, DYC, DX_VEC>(vd, reinterpret_cast<const dy_t*>(tv.dy + r * DY_PITCH) + c0);
+                load_widened<n_t, NC, DX_VEC>(vz, reinterpret_cast<const n_t*>(tv.z + r * Z_PITCH) + c0);
                 __align__(16) n_t out[DX_VEC];
 #pragma unroll
                 for (int q = 0; q < DX_VEC; ++q) {
-                    const float xh = __fmul_rn(Elem<NC>::widen(tz[r * W_COLS + c0 + q]), rs);
-                    const float g = gscale(Elem<DYC>::widen(tdy[r * W_COLS + c0 + q]), wf[c0 + q]);
+                    const float xh = __fmul_rn(vz[q], rs);
+                    const float g = gscale(vd[q], wf[c0 + q]);
                     out[q] = Elem<NC>::narrow(__fmul_rn(__fsub_rn(g, __fmul_rn(xh, c)), rs));
                 }
                 n_t* dst = dx + (j2 * ROWS + r) * xs + col0 + c0;
                 if (col0 + c0 + DX_VEC <= n) {
-                    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out);
+#pragma unroll
+                    for (int q = 0; q < DX_VEC * int(sizeof(n_t)) / 16; ++q)
+                        reinterpret_cast<uint4*>(dst)[q] = reinterpret_cast<const uint4*>(out)[q];
                 } else {
                     for (int q = 0; q < DX_VEC && col0 + c0 + q < n; ++q) dst[q] = out[q];
                 }
@@ -253,5 +268,5 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         if (i + DEPTH < blocks) issue(i + DEPTH);
         cp_async_commit();
     }
-    if (threadIdx.x < W_COLS && my_col < n) dw[my_col] = Elem<WC>::narrow(acc);
+    if (warp < FOLD_WARPS && col0 + static_cast<int>(threadIdx.x) < n) dw[col0 + threadIdx.x] = Elem<WC>::narrow(acc);
 }
