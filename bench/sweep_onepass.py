@@ -19,9 +19,9 @@ from strictnorm.bench import Timer, copy_ceiling_gbps
 from strictnorm.contract import make_spec
 
 SHAPES = [(32768, 4096), (8192, 8192), (16384, 4096)]
-TUNINGS = [OnepassTuning(), OnepassTuning(depth=3), OnepassTuning(lag1=2, lag2=4, depth=2),
-           OnepassTuning(rows=64, depth=6), OnepassTuning(rows=256, depth=2), OnepassTuning(dx_warps=4),
-           OnepassTuning(dx_warps=10), OnepassTuning(rows=256, depth=2, dx_warps=10)]
+TUNINGS = [OnepassTuning(), OnepassTuning(dx_warps=4), OnepassTuning(dx_warps=3), OnepassTuning(dx_warps=8),
+           OnepassTuning(lag2=1, depth=5), OnepassTuning(lag2=3, depth=3), OnepassTuning(rows=64, depth=6, dx_warps=4),
+           OnepassTuning(rows=256, depth=2, lag2=1, dx_warps=4)]
 
 
 def main() -> None:

@@ -221,7 +221,7 @@ def _emulate_onepass(defines: dict, dy: torch.Tensor, z: torch.Tensor, w: torch.
 # (rows, N, dtypes of dy / z / w, mode, tuning): GROUPS below 32 (lanes hold one subtree sum each) and above
 # (several), groups without data (N well below P), partial last blocks, fp16 and fp32 rows, an fp32 weight
 ONEPASS_CASES = [
-    (300, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning(rows=32, depth=2, lag1=2, lag2=4, dx_warps=1)),
+    (300, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning(rows=32, depth=2, lag2=4, dx_warps=1)),
     (517, 1000, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=64, dx_warps=2)),
     (203, 2048, (torch.float16, torch.float16, torch.float32), "none", OnepassTuning(w_cols=64, rows=32, dx_warps=1)),
     (150, 320, (torch.bfloat16, torch.float32, torch.bfloat16), "llama", OnepassTuning(w_cols=64, rows=16, dx_warps=1)),

@@ -124,6 +124,7 @@ inline int load_acquire(const int* p) {
     std::this_thread::yield();  // called in spin loops
     return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire);
 }
+inline void add_release(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_release); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned long long global_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();

@@ -317,13 +317,12 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
 class OnepassTuning:
     """Knobs of onepass.cu's strict backward (any values give the same bits). w_cols: columns a CTA (0: the
     narrowest power of two >= 32 that needs no more CTAs than SMs); rows: rows a block; depth: blocks loaded
-    ahead; lag1, lag2: the blocks between a block's row sums and its combine, and its dx; dx_warps: warps
-    computing dx (beside the w_cols / 32 fold warps and the combine warp)."""
+    ahead; lag2: the blocks between a block's row sums and its dx; dx_warps: warps computing dx (beside the
+    w_cols / 32 fold warps and the combine warp)."""
 
     w_cols: int = 0
     rows: int = 128
     depth: int = 4
-    lag1: int = 1
     lag2: int = 2
     dx_warps: int = 6
 
@@ -360,7 +359,7 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
         w_cols *= 2
     if w_cols > p or w_cols > 256 or w_cols % 32 or tuning.dx_warps < 1:
         return None
-    threads = 32 * (w_cols // 32 + 1 + tuning.dx_warps)
+    threads = 32 * (w_cols // 32 + tuning.dx_warps + 1)
     if threads > 1024:
         return None
     min_cols = 16 // min(dy_dtype.itemsize, z_dtype.itemsize)
@@ -373,12 +372,12 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
     rows = tuning.rows
     while shmem_of(rows) > smem_optin and rows // 2 >= 4 and (rows // 2) % 4 == 0:
         rows //= 2
-    sl = _onepass_slices(w_cols, rows, threads, min_cols)
+    sl = _onepass_slices(w_cols, rows, threads - 32, min_cols)  # the combine warp takes no pairs
     if shmem_of(rows) > smem_optin or rows % 4 or sl is None:
         return None
     defines = {"DYC": _CODE[dy_dtype], "NC": _CODE[z_dtype], "WC": _CODE[w_dtype or z_dtype], "MODE": _MODES[mode],
                "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols, "G_DATA": -(-n // w_cols),
-               "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "LAG1": tuning.lag1, "LAG2": tuning.lag2,
+               "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "LAG2": tuning.lag2,
                "SLOTS": tuning.lag2 + 1, "THREADS": threads}
     return OnepassLaunch(defines, defines["G_DATA"], threads, shmem_of(rows))
 

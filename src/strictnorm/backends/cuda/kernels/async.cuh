@@ -20,6 +20,11 @@ __device__ __forceinline__ int load_acquire(const int* p) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+// counter += v with release semantics at GPU scope (the writes ordered before it, by a barrier too, are
+// visible to whoever acquires the new value): no full fence
+__device__ __forceinline__ void add_release(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ unsigned long long load_acquire64(const unsigned long long* p) {
     unsigned long long v;
     asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");

@@ -8,23 +8,27 @@
 //      (threads take (row, slice) pairs of SW columns: an in-thread pairwise tree, then xor shuffles over the
 //      row's SL slices), published to partials[i % SLOTS][row][group]; and every element's dW contribution,
 //      stored to a shared buffer. Then block i's arrival count arrive1[i] goes up.
-//   Then three roles at once, in different warps:
+//   Then two roles at once, in different warps:
 //   fold (warps below FOLD_WARPS, one thread a column): block i's contributions added to the column's running
 //      sum, rows in order (the strict left fold; shared-memory loads and adds only).
-//   C (the combine warp): block i - LAG1 once every group has arrived: this CTA's rows of it (rows g, g + G_DATA,
-//      ...): the row's GROUPS subtree sums (groups without data: +0.0 leaves) in the tree's order, c = sum / N,
-//      published to cvals[(i - LAG1) % SLOTS][row]; arrive2[i - LAG1] goes up.
 //   D (the dx warps): block i - LAG2 once arrive2 is complete: its c values staged in shared memory, then
 //      dx = rd((g - xh * c) * rstd) for the group's columns, from the tile still in the ring.
-//   A. (every thread) cp.async of block i + DEPTH into the ring.
-// Every wait is on an event of an earlier iteration of every CTA (LAG2 > LAG1 > 0), so co-resident CTAs cannot
-// deadlock. Slots are reused without further counters (SLOTS > LAG2): block i + SLOTS's partials are written
-// at iteration i + SLOTS, after this CTA's dx warps waited (iteration i + SLOTS - 1) for arrive2 of block
-// i + SLOTS - 1 - LAG2 >= i, so every CTA has combined block i (C takes blocks in order); block i + SLOTS's c
-// values are written after arrive1[i + SLOTS], which every CTA signals after its dx of block i.
-// Roles hand over through barriers: the block-wide ones around B and at the end of an iteration, a named one
-// among the dx warps, __syncwarp in the combine warp; a CTA's releases and acquires of the counters are one
-// thread's, fenced, as a grid barrier does them.
+//   A. cp.async of block i + DEPTH into the ring.
+// C. The combine warp (the last one) runs its own loop over the blocks, outside the others' barriers: block j
+//    once every group has arrived (arrive1[j]): this CTA's rows of it (rows g, g + G_DATA, ...): the row's
+//    GROUPS subtree sums (groups without data: +0.0 leaves) in the tree's order, c = sum / N, published to
+//    cvals[j % SLOTS][row]; arrive2[j] goes up. It is never waited for by its own CTA's barriers, only
+//    through arrive2, so its round trips through L2 overlap the other warps' work.
+// Every wait is on an event that needs no later wait of any CTA (B of block j waits for nothing; C of block j
+// for B of block j; D of block j for C of block j), so co-resident CTAs cannot deadlock. Slots are reused
+// without further counters (SLOTS > LAG2): block i + SLOTS's partials are written at iteration i + SLOTS,
+// after this CTA's dx warps waited (iteration i + SLOTS - 1) for arrive2 of block i + SLOTS - 1 - LAG2 >= i,
+// so every CTA has combined block i (C takes blocks in order); block i + SLOTS's c values are written after
+// arrive1[i + SLOTS], which every CTA signals after its dx of block i (iteration i + LAG2 < i + SLOTS).
+// Within a CTA the roles hand over through barriers: a named one over every warp but the combine warp (B, the
+// end of an iteration), one among the dx warps, __syncwarp in the combine warp. A counter is raised by one
+// thread with release semantics after its barrier and polled by one thread with acquire loads before its
+// barrier, as a grid barrier does it.
 //
 // Same bits as the reference: the row sums are canon_sum's, c = sum / N, dx and the contributions are
 // rms_norm.cu's and fold.cu's expressions, and each column's fold adds the rows in ascending order.
@@ -32,8 +36,8 @@
 // Macros: DYC, NC, WC (dtype codes of dy, the norm input z, the weight), MODE (0 llama, 1 gemma, 2 none),
 // HAS_W, W_COLS (columns a CTA, a multiple of 32, at most 256), GROUPS (P / W_COLS), G_DATA (groups holding
 // columns: ceil(N / W_COLS)), ROWS (rows a block), SL (slices a row in the row sums; SW = W_COLS / SL columns
-// a slice, 16-byte multiples of both dtypes, at most 32), DEPTH, LAG1, LAG2, SLOTS, THREADS (32 times
-// FOLD_WARPS + 1 + the dx warps). Rows of dy, z and dx are 16-byte aligned with row strides ds, zs, xs
+// a slice, 16-byte multiples of both dtypes, at most 32), DEPTH, LAG2, SLOTS, THREADS (32 times
+// FOLD_WARPS + the dx warps + 1). Rows of dy, z and dx are 16-byte aligned with row strides ds, zs, xs
 // (elements). Dynamic shared memory: ONEPASS_SMEM bytes (backend.onepass_launch computes the same).
 #include "common.cuh"
 #include "async.cuh"
@@ -43,8 +47,8 @@ typedef Elem<NC>::T n_t;
 typedef Elem<WC>::T w_t;
 
 constexpr int FOLD_WARPS = W_COLS / 32;  // one thread a column
-constexpr int COMBINE_WARP = FOLD_WARPS;
-constexpr int DX_T0 = (FOLD_WARPS + 1) * 32, DX_THREADS = THREADS - DX_T0;
+constexpr int MAIN_THREADS = THREADS - 32;  // every warp but the combine warp (the last one)
+constexpr int DX_T0 = FOLD_WARPS * 32, DX_THREADS = MAIN_THREADS - DX_T0;
 constexpr int SW = W_COLS / SL;  // columns a (row, slice) pair of the row sums
 constexpr int TILES = LAG2 + DEPTH + 1;  // ring slots: blocks i - LAG2 ... i + DEPTH
 // a tile's rows 16 bytes apart beyond their data: a warp's threads read different rows, at banks spread out
@@ -60,7 +64,7 @@ static_assert(W_COLS % 32 == 0 && W_COLS <= 256 && 32 % SL == 0, "one thread a c
 static_assert(SW <= 32 && (SW * sizeof(dy_t)) % 16 == 0 && (SW * sizeof(n_t)) % 16 == 0, "slices of 16-byte loads");
 static_assert((ROWS * SL) % 32 == 0 && ROWS % 4 == 0 && DX_THREADS >= 32 && DX_THREADS % 32 == 0, "block shape");
 static_assert(W_COLS % DX_VEC == 0, "whole dx chunks");
-static_assert(LAG1 >= 1 && LAG2 > LAG1 && SLOTS > LAG2 && DEPTH >= 1, "pipeline");
+static_assert(LAG2 >= 1 && SLOTS > LAG2 && DEPTH >= 1, "pipeline");
 
 // A wait this long means CTAs that never arrive (a bug, or a grid not co-resident): trap (a launch error)
 // rather than hang the device. (The CPU emulation, far slower, sets its own.)
@@ -87,21 +91,15 @@ __device__ __forceinline__ float warp_pair_tree(float* v) {
     return s;
 }
 
-// The calling thread polls (acquire) until every CTA has arrived, then fences; the caller's barrier releases
-// the threads that read the data behind the counter (through L2, __ldcg).
+// The calling thread polls (acquire) until every CTA has arrived; the caller's barrier then releases the
+// threads that read the data behind the counter (through L2, __ldcg).
 __device__ __forceinline__ void poll_all(const int* counter) {
     const unsigned long long start = global_ns();
     while (load_acquire(counter) < G_DATA)
         if (global_ns() - start > WAIT_LIMIT_NS) __trap();
-    __threadfence();
 }
 
-// Counts the CTA in: the caller's barrier has ordered every participating thread's writes before this
-// thread's fence (a release for all of them, as a grid barrier does it).
-__device__ __forceinline__ void signal(int* counter) {
-    __threadfence();
-    atomicAdd(counter, 1);
-}
+__device__ __forceinline__ void main_barrier() { named_barrier(2, MAIN_THREADS); }
 
 extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
     const dy_t* __restrict__ dy, long long ds, const n_t* __restrict__ z, long long zs, const w_t* __restrict__ w,
@@ -126,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
     auto issue = [&](long long b) {
         unsigned char* t = tile(b);
         constexpr int DYC_CH = DY_ROW / 16, ZC_CH = Z_ROW / 16, CH = DYC_CH > ZC_CH ? DYC_CH : ZC_CH;
-        for (int i = threadIdx.x; i < ROWS * CH; i += THREADS) {
+        for (int i = threadIdx.x; i < ROWS * CH; i += MAIN_THREADS) {
             const int r = i / CH, ch = i % CH;
             const long long row = b * ROWS + r;
             if (row >= rows) break;
@@ -151,12 +149,34 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
 #endif
         wf[c] = v;
     }
+    __syncthreads();  // the weights, for every warp
+    if (warp == THREADS / 32 - 1) {  // C: the combine warp, block after block
+        for (long long j = 0; j < blocks; ++j) {
+            if (lane == 0) poll_all(arrive1 + j);
+            __syncwarp();
+            const int live = live_rows(j);
+            const float* part = partials + (j % SLOTS) * ROWS * GROUPS;
+            float* cv = cvals + (j % SLOTS) * ROWS;
+            for (int r = grp; r < live; r += G_DATA) {
+                float leaf[LEAVES];
+#pragma unroll
+                for (int q = 0; q < LEAVES; ++q) {
+                    const int gq = GROUPS >= 32 ? lane * LEAVES + q : lane;
+                    // written by other CTAs: read through L2 (__ldcg), never a stale L1 line of a reused slot
+                    leaf[q] = gq < G_DATA ? __ldcg(part + r * GROUPS + gq) : 0.0f;  // groups without data: +0.0
+                }
+                const float s = warp_pair_tree<LEAVES, (GROUPS >= 32 ? 32 : GROUPS)>(leaf);
+                if (lane == 0) cv[r] = __fdiv_rn(s, static_cast<float>(n));
+            }
+            if (lane == 0) add_release(arrive2 + j, 1);  // lane 0 wrote every c value itself
+        }
+        return;
+    }
     for (int d = 0; d < DEPTH; ++d) {
         if (d < blocks) issue(d);
         cp_async_commit();
     }
-    __syncthreads();
-    // this thread's slice of the row sums (THREADS is a multiple of SL): its columns' weights in registers
+    // this thread's slice of the row sums (MAIN_THREADS is a multiple of SL): its columns' weights in registers
     const int slice = threadIdx.x % SL, c_lo = slice * SW;
     float wreg[SW];
 #pragma unroll
@@ -166,11 +186,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
     for (long long i = 0; i < blocks + LAG2; ++i) {
         if (i < blocks) {  // B: block i's row subtree sums and dW contributions
             cp_async_wait<DEPTH - 1>();
-            __syncthreads();
+            main_barrier();
             const TileView tv = view(i);
             const int live = live_rows(i);
             float* part = partials + (i % SLOTS) * ROWS * GROUPS;
-            for (int pair = threadIdx.x; pair < ROWS * SL; pair += THREADS) {  // whole warps: the shuffles below
+            for (int pair = threadIdx.x; pair < ROWS * SL; pair += MAIN_THREADS) {  // whole warps: the shuffles below
                 const int r = pair / SL;
                 float vd[SW], vz[SW];
                 load_widened<dy_t, DYC, SW>(vd, reinterpret_cast<const dy_t*>(tv.dy + r * DY_PITCH) + c_lo);
@@ -192,10 +212,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                         *reinterpret_cast<float4*>(dst + j) = make_float4(vd[j], vd[j + 1], vd[j + 2], vd[j + 3]);
                 }
             }
-            __syncthreads();
-            if (threadIdx.x == 0) signal(arrive1 + i);
+            main_barrier();
+            if (threadIdx.x == 0) add_release(arrive1 + i, 1);
         }
-        const long long j1 = i - LAG1, j2 = i - LAG2;
+        const long long j2 = i - LAG2;
         if (warp < FOLD_WARPS) {
             if (i < blocks) {  // fold: block i's contributions, rows in order
                 const int live = live_rows(i);
@@ -210,26 +230,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                     for (int q = 0; q < BATCH; ++q) acc = __fadd_rn(acc, v[q]);
                 }
                 for (; r < live; ++r) acc = __fadd_rn(acc, col[r * C_PITCH]);
-            }
-        } else if (warp == COMBINE_WARP) {
-            if (j1 >= 0 && j1 < blocks) {  // C: combine this CTA's rows of block j1
-                if (lane == 0) poll_all(arrive1 + j1);
-                __syncwarp();
-                const int live = live_rows(j1);
-                const float* part = partials + (j1 % SLOTS) * ROWS * GROUPS;
-                float* cv = cvals + (j1 % SLOTS) * ROWS;
-                for (int r = grp; r < live; r += G_DATA) {
-                    float leaf[LEAVES];
-#pragma unroll
-                    for (int q = 0; q < LEAVES; ++q) {
-                        const int gq = GROUPS >= 32 ? lane * LEAVES + q : lane;
-                        // written by other CTAs: read through L2 (__ldcg), never a stale L1 line of a reused slot
-                        leaf[q] = gq < G_DATA ? __ldcg(part + r * GROUPS + gq) : 0.0f;  // groups without data: +0.0
-                    }
-                    const float s = warp_pair_tree<LEAVES, (GROUPS >= 32 ? 32 : GROUPS)>(leaf);
-                    if (lane == 0) cv[r] = __fdiv_rn(s, static_cast<float>(n));
-                }
-                if (lane == 0) signal(arrive2 + j1);  // lane 0 wrote every c value itself
             }
         } else if (j2 >= 0) {  // D: dx of block j2
             const int t = threadIdx.x - DX_T0;
@@ -264,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                 }
             }
         }
-        __syncthreads();  // the ring slot refilled below held block i + DEPTH - TILES = i - LAG2 - 1
+        main_barrier();  // the ring slot refilled below held block i + DEPTH - TILES = i - LAG2 - 1
         if (i + DEPTH < blocks) issue(i + DEPTH);
         cp_async_commit();
     }
