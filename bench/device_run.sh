@@ -17,7 +17,7 @@ source bench/device_cache.sh restore  # kernels compiled by an earlier call, if 
 if [[ $what == tests || $what == all ]]; then
   # the every-configuration NVRTC compile test is CI's job; here it would only spend device time
   # several workers: the run is bound by kernel compiles (CPU), not by the GPU
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -n ${TEST_WORKERS:-12} -v -rfE -p no:cacheprovider --timeout=${TEST_TIMEOUT_EACH:-300} --durations=15 \
+  STRICTNORM_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-420} python3 -m pytest -n ${TEST_WORKERS:-12} -v -rfE -p no:cacheprovider --timeout=${TEST_TIMEOUT_EACH:-300} --durations=15 \
     -k "not every_fold_configuration" ${PYTEST_ARGS:-tests} > "$OUT/gpu-tests.log" 2>&1
   tail -n 40 "$OUT/gpu-tests.log"
   timeout ${VERIFY_TIMEOUT:-90} python3 -m strictnorm.cli verify --quick > "$OUT/verify.log" 2>&1

@@ -20,7 +20,25 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def seed() -> int:
-    """A fresh seed per test run (printed on failure through the test id's parameters); the environment
-    variable STRICTNORM_TEST_SEED fixes it, to replay a failure."""
+    """A fresh seed per test run (a failure's report shows it, see pytest_runtest_makereport); the
+    environment variable STRICTNORM_TEST_SEED fixes it, to replay a failure."""
     fixed = os.environ.get("STRICTNORM_TEST_SEED")
     return int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure's seed in its report (the seed is a fixture, not part of the test id), and, where
+    STRICTNORM_FAILURE_LOG names a file, the whole failure appended to it at once: a run cut by a time limit
+    (or under pytest-xdist, which prints failures only at the end) still leaves what failed and why."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    seed = item.funcargs.get("seed") if hasattr(item, "funcargs") else None
+    if seed is not None:
+        report.sections.append(("seed", f"{seed} (replay: STRICTNORM_TEST_SEED={seed})"))
+    path = os.environ.get("STRICTNORM_FAILURE_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when}) seed={seed}\n{report.longreprtext}\n")
