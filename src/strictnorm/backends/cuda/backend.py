@@ -320,11 +320,13 @@ class OnepassTuning:
     ahead; lag2: the blocks between a block's row sums and its dx; dx_warps: warps computing dx (beside the
     w_cols / 32 fold warps and the combine warp)."""
 
+    # defaults: the fastest of bench/sweep_onepass.py's eight configurations at each of its three shapes on an
+    # H200 (bench/results/2026-11-30-h200-run9, call d; still slower than the two-pass strict backward there)
     w_cols: int = 0
-    rows: int = 128
-    depth: int = 4
-    lag2: int = 2
-    dx_warps: int = 6
+    rows: int = 256
+    depth: int = 2
+    lag2: int = 1
+    dx_warps: int = 4
 
 
 @dataclass(frozen=True)
