@@ -122,9 +122,14 @@ def main() -> None:
         print(f"{r['m']:>7} x {r['n']:<5} {r['backend']:>7} {r['floor_us']:7.1f} {r['serial']:8.1f} "
               f"{r['beside']:8.1f} {r.get('beside_rows_grid', nan):9.1f} {r.get('onepass', nan):8.1f} "
               f"{r['dx_only']:8.1f} {r.get('fold_only', nan):8.1f} {'same' if r['same_bits'] else 'DIFFER'}")
+    save_rows(ceiling, rows_out)
+
+
+def save_rows(ceiling: float, rows: list[dict]) -> None:
+    """The run's rows and copy ceiling as JSON, to the path given as the first argument (if any)."""
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
-            json.dump({"copy_GBps": ceiling, "rows": rows_out}, f, indent=1)
+            json.dump({"copy_GBps": ceiling, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import os
 import sys
 
 import torch
-from overlap_probe import variant
+from overlap_probe import save_rows, variant
 
 from strictnorm.backends.cuda.backend import OnepassTuning
 from strictnorm.backends.registry import get_backend
@@ -66,9 +66,7 @@ def main() -> None:
         bits = ("same " if r.get("same_bits") else "DIFF ") if "us" in r else "     "
         print(f"{r['m']:>7} x {r['n']:<5} {r['floor_us']:7.1f} {r['two_pass_us']:8.1f} {us} {bits} {r['tuning']}"
               f"{'  ' + r['error'] if 'error' in r else ''}")
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump({"copy_GBps": ceiling, "rows": rows}, f, indent=1)
+    save_rows(ceiling, rows)
 
 
 if __name__ == "__main__":

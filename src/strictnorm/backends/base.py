@@ -12,6 +12,10 @@ from ..contract import NormSpec
 # (forward and backward); "left_fold" is reduce_rows_left_fold.
 OPS = ("rms_norm", "left_fold")
 
+# The codes the kernels (CUDA C++, Triton, CuTe DSL) take for a casting mode and for an element dtype.
+MODE_CODES = {"llama": 0, "gemma": 1, "none": 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
 
 def no_join() -> None:
     """The join of work that was not forked onto another stream (see CudaBackend.launch_fold)."""

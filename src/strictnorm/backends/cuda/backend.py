@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..base import no_join
+from ..base import DTYPE_CODES, MODE_CODES, no_join
 from ..layout import (
     BackwardPlan,
     ForwardPlan,
@@ -35,8 +35,6 @@ from ..layout import (
 )
 from .nvrtc import current_stream
 
-_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_MODES = {"llama": 0, "gemma": 1, "none": 2}
 _SOURCE = "fold.cu"
 _THREADS = 256
 _SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
@@ -158,9 +156,10 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
     else the ring, or fold_chain where the tuning asks for it (without a tuning: default_chain, given the
     device's opt-in shared memory per block) and there is one group of `rows` rows.
     out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
-    defines = {"A_CODE": _CODE[a_dtype], "B_CODE": _CODE[b_dtype], "WHAT": what, "SIMPLE_ROWS": int(simple_rows)}
+    defines = {"A_CODE": DTYPE_CODES[a_dtype], "B_CODE": DTYPE_CODES[b_dtype], "WHAT": what,
+               "SIMPLE_ROWS": int(simple_rows)}
     if out_dtype != torch.float32:
-        defines["OUT_CODE"] = _CODE[out_dtype]
+        defines["OUT_CODE"] = DTYPE_CODES[out_dtype]
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     if tuning is None:
@@ -288,8 +287,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     tpr = max(1, min(1024, p // values))
     k = p // (piece * tpr)
     rpb = max(1, tuning.min_threads // tpr)
-    defines = {"XC": _CODE[x_dtype], "RC": _CODE[norm_dtype], "NC": _CODE[norm_dtype],
-               "WC": _CODE[w_dtype or x_dtype], "YC": _CODE[y_dtype], "MODE": _MODES[mode],
+    defines = {"XC": DTYPE_CODES[x_dtype], "RC": DTYPE_CODES[norm_dtype], "NC": DTYPE_CODES[norm_dtype],
+               "WC": DTYPE_CODES[w_dtype or x_dtype], "YC": DTYPE_CODES[y_dtype], "MODE": MODE_CODES[mode],
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
                "HOLD_W": int(hold and tuning.hold_weight)}
@@ -307,7 +306,7 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
     narrowest = dy_dtype if dy_dtype.itemsize < z_dtype.itemsize else z_dtype
     tuning = tuning or tuning_for(BWD_TABLE, n)
     fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning)
-    defines = dict(fl.defines, YC=_CODE[z_dtype], BACKWARD=1, DYC=_CODE[dy_dtype], HAS_DRES=int(has_dres),
+    defines = dict(fl.defines, YC=DTYPE_CODES[z_dtype], BACKWARD=1, DYC=DTYPE_CODES[dy_dtype], HAS_DRES=int(has_dres),
                    DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_partials and fl.defines["HOLD"] and tuning.dw_smem),
                    PADDED=int(n < next_pow2(n)))
     return NormLaunch(defines, fl.rows_per_block, fl.threads, fl.partial_blocks_per_sm, fl.persistent)
@@ -377,9 +376,9 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
     sl = _onepass_slices(w_cols, rows, threads - 32, min_cols)  # the combine warp takes no pairs
     if shmem_of(rows) > smem_optin or rows % 4 or sl is None:
         return None
-    defines = {"DYC": _CODE[dy_dtype], "NC": _CODE[z_dtype], "WC": _CODE[w_dtype or z_dtype], "MODE": _MODES[mode],
-               "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols, "G_DATA": -(-n // w_cols),
-               "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "LAG2": tuning.lag2,
+    defines = {"DYC": DTYPE_CODES[dy_dtype], "NC": DTYPE_CODES[z_dtype], "WC": DTYPE_CODES[w_dtype or z_dtype],
+               "MODE": MODE_CODES[mode], "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols,
+               "G_DATA": -(-n // w_cols), "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "LAG2": tuning.lag2,
                "SLOTS": tuning.lag2 + 1, "THREADS": threads}
     return OnepassLaunch(defines, defines["G_DATA"], threads, shmem_of(rows))
 
@@ -723,7 +722,7 @@ class CudaBackend:
         if need_dw and not partials:
             groups = weight.shape[0] if weight.dim() == 2 else 1
             ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
-            strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, _MODES[spec.mode] + 1, groups, ring,
+            strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
                                      _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype)
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         groups = -(-rows // fl.rows_per_block)
@@ -784,7 +783,7 @@ class CudaBackend:
         (per head for (H, N) weights), recomputed from dy, z and rstd by the fold kernel; zeros for no rows.
         beside: on a side stream until join() (see launch_fold)."""
         groups = weight.shape[0] if weight.dim() == 2 else 1
-        dw, join = self.launch_fold(dy, dlay, z, zlay, rstd, _MODES[mode] + 1, groups, out_dtype=weight.dtype,
+        dw, join = self.launch_fold(dy, dlay, z, zlay, rstd, MODE_CODES[mode] + 1, groups, out_dtype=weight.dtype,
                                     beside=beside)
         return dw.reshape(weight.shape), join
 

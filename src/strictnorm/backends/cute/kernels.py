@@ -37,10 +37,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.math import RoundingMode
 
 from ...reference import next_pow2
+from ..base import MODE_CODES
 
 _RN = RoundingMode.NEAREST_EVEN
 _WARP = 32
-MODES = {"llama": 0, "gemma": 1, "none": 2}
 
 
 def _add(a, b):
@@ -156,7 +156,7 @@ class _RowKernel:
 
     def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False) -> None:
         self.s = shape
-        self.mode = MODES[mode]
+        self.mode = MODE_CODES[mode]
         self.has_weight = has_weight
         self.norm_dtype = norm_dtype  # D of the contract: the norm input's dtype
         # whole pieces of 16-byte-aligned rows (N % PIECE == 0): 16-byte vector loads and stores

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..base import no_join
+from ..base import DTYPE_CODES, MODE_CODES, no_join
 from ..layout import (
     BackwardPlan,
     ForwardPlan,
@@ -25,8 +25,6 @@ from ..layout import (
 )
 from ..registry import get_backend, status
 
-_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_MODE = {"llama": 0, "gemma": 1, "none": 2}
 # Elements one program keeps in flight; more rows per program when rows are short.
 _TILE_ELEMS = 4096
 # Longest padded row whose fast dW uses in-kernel partials (see rms_norm_bwd).
@@ -153,8 +151,8 @@ class TritonBackend:
             return _Plan(views, (), 0, (), {})
         tile = _row_tile(lay.n, SPLIT_TILES["fwd"])
         norm_dtype = residual.dtype if residual is not None else x.dtype
-        meta = dict(MODE=_MODE[spec.mode], XDT=_DT[norm_dtype], YDT=_DT[spec.out_dtype], HAS_W=w is not None,
-                    PER_HEAD=views.per_head, HAS_RES=residual is not None, **tile.meta())
+        meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
+                    HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None, **tile.meta())
         return _Plan(views, (_cdiv(lay.rows, tile.rows),), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta)
 
@@ -175,9 +173,9 @@ class TritonBackend:
         partials = plan.meta["DW_PARTIALS"]
         dw, join = None, no_join
         if need_dw and not partials:  # beside the dx pass (CUDA fold), or before it: in place, dx overwrites dy
-            dw, join = self._launch_fold(dyk, lays.dlay, zk, lays.lay, rstd, _MODE[spec.mode] + 1, _DT[z.dtype],
-                                         weight.shape[0] if lays.per_head else 1, weight.dtype, dx=dx,
-                                         reads=(dy, z, rstd))
+            dw, join = self._launch_fold(dyk, lays.dlay, zk, lays.lay, rstd, MODE_CODES[spec.mode] + 1,
+                                         DTYPE_CODES[z.dtype], weight.shape[0] if lays.per_head else 1, weight.dtype,
+                                         dx=dx, reads=(dy, z, rstd))
             dw = dw.reshape(weight.shape)
         part = torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials else rstd
         _kernels().rms_bwd_kernel[plan.grid](
@@ -207,7 +205,7 @@ class TritonBackend:
         tile = _row_tile(n, SPLIT_TILES["bwd"])
         blocks = _cdiv(rows, tile.rows)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
-        meta = dict(MODE=_MODE[spec.mode], XDT=_DT[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
+        meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
                     HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.meta())
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
                      meta)
