@@ -8,6 +8,7 @@ import torch
 
 from strictnorm.verify import (  # noqa: F401
     ZERO_DY_OFFSET,
+    bits_diff,
     bits_equal,
     mismatches,
     sprinkle_specials,
@@ -80,9 +81,9 @@ def check_fused_add_graph_replay(backend: str, dw: str, data, replays: int = 2) 
         ws = nw.clone().requires_grad_(True)
         want = step("torch", nx, ws, ndy)
         for a, b in zip(out, want, strict=True):
-            assert bits_equal(a, b)
+            assert bits_equal(a, b), bits_diff(a, b)
         if dw == "strict":
-            assert bits_equal(sw.grad, ws.grad)
+            assert bits_equal(sw.grad, ws.grad), bits_diff(sw.grad, ws.grad)
 
 
 def guarded(t: torch.Tensor | None, guard: int) -> torch.Tensor | None:
@@ -135,8 +136,8 @@ def check_special_values(backend, n: int, dtype: torch.dtype, fused: bool, mode:
     z = want[2] if fused else x
     want_dx, want_dw = ref.rms_norm_bwd(dy, z, w, want[1], dres, spec, "strict", True, None)
     got_dx, got_dw = backend.rms_norm_bwd(dy, z, w, want[1], dres, spec, "strict", True, None)
-    assert bits_equal(want_dx, got_dx), f"dx at N = {n}, {mode}, {dtype}"
-    assert bits_equal(want_dw, got_dw), f"dw at N = {n}, {mode}, {dtype}"
+    assert bits_equal(want_dx, got_dx), f"dx at N = {n}, {mode}, {dtype}: {bits_diff(want_dx, got_dx)}"
+    assert bits_equal(want_dw, got_dw), f"dw at N = {n}, {mode}, {dtype}: {bits_diff(want_dw, got_dw)}"
 
 
 def random_case(rng, gen: torch.Generator, device) -> dict:
@@ -188,5 +189,5 @@ def check_random_case(backend, case: dict) -> None:
     dy = case["dy"].to(z.dtype)  # the backward's dy has the norm input's dtype
     want_dx, want_dw = ref.rms_norm_bwd(dy, z, w, want[1], None, spec, "strict", w is not None, None)
     got_dx, got_dw = backend.rms_norm_bwd(dy, z, w, want[1], None, spec, "strict", w is not None, None)
-    assert bits_equal(want_dx, got_dx), f"dx: {case['what']}"
+    assert bits_equal(want_dx, got_dx), f"dx: {case['what']}: {bits_diff(want_dx, got_dx)}"
     assert (want_dw is None and got_dw is None) or bits_equal(want_dw, got_dw), f"dw: {case['what']}"

@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, check_random_case, check_special_values, guarded, randn, random_case, zero_dy_case
+from helpers import (
+    bits_diff,
+    bits_equal,
+    check_random_case,
+    check_special_values,
+    guarded,
+    randn,
+    random_case,
+    zero_dy_case,
+)
 
 import strictnorm as sn
 from strictnorm.backends.registry import get_backend
@@ -51,7 +60,7 @@ def _assert_same(want, got, skip=()):
     for k in want:
         if k in skip:
             continue
-        assert bits_equal(want[k], got[k]), f"{k} differs"
+        assert bits_equal(want[k], got[k]), f"{k} differs: {bits_diff(want[k], got[k])}"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -24,13 +24,33 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloa
              torch.float16: torch.int16}
 
 
+def _differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """A mask (on the CPU) of the elements whose bits differ, any NaN equal to any NaN (payloads are not part
+    of the contract); None when dtype or shape differ."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return None
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    return ~((a.view(_INT_VIEW[a.dtype]) == b.view(_INT_VIEW[b.dtype])) | (torch.isnan(a) & torch.isnan(b)))
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bits; any NaN equals any NaN (payloads are not part of the contract)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    same = a.view(_INT_VIEW[a.dtype]) == b.view(_INT_VIEW[b.dtype])
-    return bool((same | (torch.isnan(a) & torch.isnan(b))).all())
+    diff = _differing(a, b)
+    return diff is not None and not bool(diff.any())
+
+
+def bits_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where a and b differ, in a line: dtype or shape, else how many elements, the first index and both
+    values there (for a failure message)."""
+    diff = _differing(a, b)
+    if diff is None:
+        return f"{a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}"
+    bad = diff.nonzero()
+    if not len(bad):
+        return "same bits"
+    first = tuple(bad[0].tolist())
+    return (f"{len(bad)} of {a.numel()} elements differ; first at {first}: {a.detach().cpu()[first].item()!r} vs "
+            f"{b.detach().cpu()[first].item()!r}")
 
 
 def sprinkle_specials(t: torch.Tensor, gen: torch.Generator, kinds: str = "zeros subnormals max inf nan",
@@ -82,11 +102,9 @@ def zero_dy_rows(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tens
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return -1
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    same = (a.view(_INT_VIEW[a.dtype]) == b.view(_INT_VIEW[b.dtype])) | (torch.isnan(a) & torch.isnan(b))
-    return int((~same).sum())
+    """How many elements differ in their bits (see bits_equal); -1 when dtype or shape differ."""
+    diff = _differing(a, b)
+    return -1 if diff is None else int(diff.sum())
 
 
 @dataclass
