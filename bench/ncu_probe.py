@@ -3,9 +3,10 @@
 Cases: cuda-fwd, cuda-bwd (the tables' block shapes), cuda-fwd-hold<V> / cuda-fwd-stream<T> /
 cuda-bwd-hold<V> / cuda-bwd-stream<T> (a fixed block shape), triton-fwd, triton-bwd, liger-fwd,
 liger-bwd, quack-fwd, quack-bwd; fold-plain (the strict left fold of x's rows) and fold-dw (the strict dW
-fold: contributions recomputed from dy, x and rstd, the kernel behind dw="strict"). bf16 x, dy and
-weight, llama mode, fast dW. Warm-up calls (compiles) run outside the range; each case's range holds one
-call.
+fold: contributions recomputed from dy, x and rstd, the kernel behind dw="strict"), fold-dw<C> (the ring with
+C columns a CTA, 128 rows a stage, whole stages converted), onepass-strict (the one-pass strict backward,
+kernels/onepass.cu, default knobs). bf16 x, dy and weight, llama mode, fast dW but where named strict.
+Warm-up calls (compiles) run outside the range; each case's range holds one call.
 """
 
 from __future__ import annotations
@@ -25,12 +26,19 @@ def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd:
     spec = make_spec(x.dtype, EPS, 0.0, "llama", x.dtype)
     backend, op, *shape = name.split("-")
     if backend == "fold":
+        from strictnorm.backends.cuda.backend import FoldTuning
         from strictnorm.backends.layout import row_layout
 
         cb = get_backend("cuda")
         if op == "plain":
             return lambda: cb.left_fold(x)
+        cols = op[2:]  # dw32: a 32-column ring
+        cb.fold_tuning = FoldTuning(cols=int(cols), rows_per_stage=128, full_stage=True) if cols else None
         return lambda: cb.strict_dw(*row_layout(dy), *row_layout(x), rstd, "llama", w)
+    if backend == "onepass":
+        cb = get_backend("cuda")
+        cb.onepass_strict = True
+        return lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
     if backend in ("cuda", "triton"):
         b = get_backend(backend)
         b.fwd_tuning = b.bwd_tuning = None  # the tables (or STRICTNORM_CUDA_TUNING)
