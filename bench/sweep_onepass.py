@@ -19,9 +19,9 @@ from strictnorm.bench import Timer, copy_ceiling_gbps
 from strictnorm.contract import make_spec
 
 SHAPES = [(32768, 4096), (8192, 8192), (16384, 4096)]
-TUNINGS = [OnepassTuning(), OnepassTuning(dx_warps=4), OnepassTuning(dx_warps=3), OnepassTuning(dx_warps=8),
-           OnepassTuning(lag2=1, depth=5), OnepassTuning(lag2=3, depth=3), OnepassTuning(rows=64, depth=6, dx_warps=4),
-           OnepassTuning(rows=256, depth=2, lag2=1, dx_warps=4)]
+TUNINGS = [OnepassTuning(), OnepassTuning(b_warps=8), OnepassTuning(dx_warps=2), OnepassTuning(dx_warps=8),
+           OnepassTuning(depth=3, tiles=5), OnepassTuning(tiles=6), OnepassTuning(rows=64, depth=4, tiles=6),
+           OnepassTuning(rows=256, depth=2, tiles=3)]
 
 
 def main() -> None:

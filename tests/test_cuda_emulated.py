@@ -208,7 +208,7 @@ def _emulate_onepass(defines: dict, dy: torch.Tensor, z: torch.Tensor, w: torch.
     rstd.contiguous().numpy().tofile(tmp / "rstd.bin")
     macros = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
     cmd = ["bash", str(ROOT / "bench/emulate/onepass_run.sh"), str(rows), str(n), str(tmp), repr(offset), macros]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # waits abort after 60 s (shim.h)
     assert run.returncode == 0 and "ERROR" not in run.stderr, run.stdout + run.stderr[-3000:]
 
     def read(name, dtype, count):
@@ -221,11 +221,13 @@ def _emulate_onepass(defines: dict, dy: torch.Tensor, z: torch.Tensor, w: torch.
 # (rows, N, dtypes of dy / z / w, mode, tuning): GROUPS below 32 (lanes hold one subtree sum each) and above
 # (several), groups without data (N well below P), partial last blocks, fp16 and fp32 rows, an fp32 weight
 ONEPASS_CASES = [
-    (300, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning(rows=32, depth=2, lag2=4, dx_warps=1)),
-    (517, 1000, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=64, dx_warps=2)),
-    (203, 2048, (torch.float16, torch.float16, torch.float32), "none", OnepassTuning(w_cols=64, rows=32, dx_warps=1)),
-    (150, 320, (torch.bfloat16, torch.float32, torch.bfloat16), "llama", OnepassTuning(w_cols=64, rows=16, dx_warps=1)),
-    (5, 1100, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=32, dx_warps=1)),  # 35 of 64 groups, one block
+    (300, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning(rows=32, depth=1, tiles=2, b_warps=1, dx_warps=1)),
+    (517, 1000, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=64, depth=3, tiles=5, b_warps=2, dx_warps=2)),
+    (203, 2048, (torch.float16, torch.float16, torch.float32), "none", OnepassTuning(w_cols=64, rows=32, b_warps=1,
+                                                                                   dx_warps=1)),
+    (150, 320, (torch.bfloat16, torch.float32, torch.bfloat16), "llama", OnepassTuning(w_cols=64, rows=16, b_warps=1,
+                                                                                      dx_warps=1)),
+    (5, 1100, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=32, b_warps=1, dx_warps=1)),  # 35 of 64 groups
     (1, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning()),  # a single row
 ]
 

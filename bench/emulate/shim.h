@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -34,6 +36,9 @@ struct EmuBlock {
     float warp_buf[32][32];
     std::mutex named_mutex;
     std::unique_ptr<std::barrier<>> named[16];
+    struct Mbar { int count = 0, pending = 0; unsigned phase = 0; };
+    std::mutex mbar_mutex;
+    std::map<const void*, Mbar> mbars;  // the shared-memory barriers, by address
     unsigned char* smem;
     EmuBlock(int threads, long long smem_bytes)
         : block(threads), smem(static_cast<unsigned char*>(aligned_alloc(16, smem_bytes > 0 ? (smem_bytes + 15) / 16 * 16 : 16))) {
@@ -123,6 +128,41 @@ inline void store_release64(unsigned long long* p, unsigned long long v) {
 inline int load_acquire(const int* p) {
     std::this_thread::yield();  // called in spin loops
     return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire);
+}
+// Random short pauses around the hand-overs (before an arrival, after a wait), so that the emulated warps drift apart as far as the
+// protocol lets them (a missing wait then shows as wrong bits or a lost phase, not only under lucky timing).
+inline void emu_jitter() {
+    thread_local unsigned state = 0x9e3779b9u ^ (threadIdx.x * 2654435761u) ^ (blockIdx.x * 40503u);
+    state = state * 1664525u + 1013904223u;
+    if ((state >> 28) < 2) std::this_thread::sleep_for(std::chrono::microseconds((state >> 8) % 3000));
+}
+
+// mbarrier: a phase completes when `count` arrivals have come; test_wait.parity p is true once the current
+// phase's parity differs from p (the phase with parity p, the current one or the one before, completed).
+inline void mbar_init(unsigned long long* bar, int count) {
+    std::lock_guard<std::mutex> lock(g_block->mbar_mutex);
+    g_block->mbars[bar] = EmuBlock::Mbar{count, count, 0};
+}
+inline void mbar_arrive(unsigned long long* bar) {
+    emu_jitter();
+    std::lock_guard<std::mutex> lock(g_block->mbar_mutex);
+    auto& b = g_block->mbars.at(bar);
+    if (--b.pending == 0) b.pending = b.count, ++b.phase;
+}
+inline void mbar_wait(unsigned long long* bar, int parity) {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> lock(g_block->mbar_mutex);
+            if (static_cast<int>(g_block->mbars.at(bar).phase & 1u) != parity) break;
+        }
+        if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {  // a lost phase: fail, not hang
+            fprintf(stderr, "ERROR: mbarrier wait past 60 s (block %u, thread %u)\n", blockIdx.x, threadIdx.x);
+            std::abort();
+        }
+        std::this_thread::yield();
+    }
+    emu_jitter();
 }
 inline void add_release(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_release); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }

@@ -316,15 +316,15 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
 class OnepassTuning:
     """Knobs of onepass.cu's strict backward (any values give the same bits). w_cols: columns a CTA (0: the
     narrowest power of two >= 32 that needs no more CTAs than SMs); rows: rows a block; depth: blocks loaded
-    ahead; lag2: the blocks between a block's row sums and its dx; dx_warps: warps computing dx (beside the
+    ahead; tiles: the ring's slots (more than depth: the rest hold blocks waiting for their dx); b_warps: warps
+    loading blocks and computing their row sums and dW contributions; dx_warps: warps computing dx (beside the
     w_cols / 32 fold warps and the combine warp)."""
 
-    # defaults: the fastest of bench/sweep_onepass.py's eight configurations at each of its three shapes on an
-    # H200 (bench/results/2026-11-30-h200-run9, call d; still slower than the two-pass strict backward there)
     w_cols: int = 0
-    rows: int = 256
+    rows: int = 128
     depth: int = 2
-    lag2: int = 1
+    tiles: int = 4
+    b_warps: int = 4
     dx_warps: int = 4
 
 
@@ -352,34 +352,34 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
                    num_sms: int, smem_optin: int, tuning: OnepassTuning | None = None) -> OnepassLaunch | None:
     """onepass.cu's launch for rows of N columns, or None where it does not apply (N < 32; more than 256
     columns a CTA needed to stay within the SMs). Blocks of rows shrink (halving, down to 4 rows) until the
-    ring of tiles and the contributions' buffer fit the device's opt-in shared memory."""
+    ring of tiles and the contributions' buffers fit the device's opt-in shared memory."""
     tuning = tuning or OnepassTuning()
     p = next_pow2(n)
     w_cols = tuning.w_cols or 32
     while not tuning.w_cols and -(-n // w_cols) > num_sms:
         w_cols *= 2
-    if w_cols > p or w_cols > 256 or w_cols % 32 or tuning.dx_warps < 1:
+    if (w_cols > p or w_cols > 256 or w_cols % 32 or min(tuning.b_warps, tuning.dx_warps, tuning.depth) < 1
+            or tuning.tiles <= tuning.depth):
         return None
-    threads = 32 * (w_cols // 32 + tuning.dx_warps + 1)
+    threads = 32 * (w_cols // 32 + tuning.b_warps + tuning.dx_warps + 1)
     if threads > 1024:
         return None
     min_cols = 16 // min(dy_dtype.itemsize, z_dtype.itemsize)
-    tiles = tuning.lag2 + tuning.depth + 1
 
     def shmem_of(rows: int) -> int:  # onepass.cu's ONEPASS_SMEM
         tile = rows * (w_cols * dy_dtype.itemsize + 16 + w_cols * z_dtype.itemsize + 16) + rows * 4
-        return tiles * tile + rows * (w_cols + 4) * 4 + 4 * (w_cols + rows)
+        return tuning.tiles * tile + 2 * rows * (w_cols + 4) * 4 + 4 * (w_cols + rows) + 8 * (2 * tuning.tiles + 4)
 
     rows = tuning.rows
     while shmem_of(rows) > smem_optin and rows // 2 >= 4 and (rows // 2) % 4 == 0:
         rows //= 2
-    sl = _onepass_slices(w_cols, rows, threads - 32, min_cols)  # the combine warp takes no pairs
+    sl = _onepass_slices(w_cols, rows, 32 * tuning.b_warps, min_cols)
     if shmem_of(rows) > smem_optin or rows % 4 or sl is None:
         return None
     defines = {"DYC": DTYPE_CODES[dy_dtype], "NC": DTYPE_CODES[z_dtype], "WC": DTYPE_CODES[w_dtype or z_dtype],
                "MODE": MODE_CODES[mode], "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols,
-               "G_DATA": -(-n // w_cols), "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "LAG2": tuning.lag2,
-               "SLOTS": tuning.lag2 + 1, "THREADS": threads}
+               "G_DATA": -(-n // w_cols), "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "TILES": tuning.tiles,
+               "B_WARPS": tuning.b_warps, "DX_WARPS": tuning.dx_warps, "THREADS": threads}
     return OnepassLaunch(defines, defines["G_DATA"], threads, shmem_of(rows))
 
 
@@ -764,7 +764,7 @@ class CudaBackend:
         fl = op.launch
         dev = z.device
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
-        slot_rows = fl.defines["SLOTS"] * fl.defines["ROWS"]  # SLOTS blocks of rows in flight
+        slot_rows = fl.defines["TILES"] * fl.defines["ROWS"]  # TILES blocks of rows in flight
         partials = torch.empty(slot_rows * fl.defines["GROUPS"], dtype=torch.float32, device=dev)
         cvals = torch.empty(slot_rows, dtype=torch.float32, device=dev)
         arrivals = torch.zeros(2 * op.blocks, dtype=torch.int32, device=dev)  # arrive1, then arrive2

@@ -42,6 +42,36 @@ __device__ __forceinline__ unsigned long long global_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+// Shared-memory barriers with phases (mbarrier): `count` arrivals complete a phase; a waiter names the phase by
+// its parity (use k of a barrier: k & 1) and must have seen phase k - 1 complete before waiting for phase k.
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(s), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(s) : "memory");
+}
+// A wait past 2 s traps (a launch error) rather than hang the device: a lost phase is a bug. On sm_90 the
+// hardware may suspend a waiting thread (try_wait) instead of letting it spin on the issue slots.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    auto done = [&] {
+        unsigned d;
+#if __CUDA_ARCH__ >= 900
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(d) : "r"(s), "r"(parity) : "memory");
+#else
+        asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(d) : "r"(s), "r"(parity) : "memory");
+#endif
+        return d != 0;
+    };
+    if (done()) return;
+    const unsigned long long start = global_ns();
+    while (!done())
+        if (global_ns() - start > 2000000000ull) __trap();
+}
 #endif
 
 // One 16-byte chunk of a row segment from column c on: fewer bytes, zero-filled, past column n.

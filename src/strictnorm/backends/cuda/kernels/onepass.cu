@@ -3,32 +3,32 @@
 // The two-pass strict backward reads x and dy twice (the dx pass, then the dW fold). Here a persistent
 // grid of co-resident CTAs (cooperative launch) owns column groups of W_COLS columns each: a power of two
 // dividing P = next_pow2(N), so a group's lanes are an aligned subtree of canon_sum's tree. Every CTA walks
-// all rows in blocks of ROWS rows, in order. Iteration i of every CTA:
-//   B. (every thread) block i, landed in a ring of tiles: each row's subtree sum of p = xh * g over the group
-//      (threads take (row, slice) pairs of SW columns: an in-thread pairwise tree, then xor shuffles over the
-//      row's SL slices), published to partials[i % SLOTS][row][group]; and every element's dW contribution,
-//      stored to a shared buffer. Then block i's arrival count arrive1[i] goes up.
-//   Then two roles at once, in different warps:
-//   fold (warps below FOLD_WARPS, one thread a column): block i's contributions added to the column's running
-//      sum, rows in order (the strict left fold; shared-memory loads and adds only).
-//   D (the dx warps): block i - LAG2 once arrive2 is complete: its c values staged in shared memory, then
-//      dx = rd((g - xh * c) * rstd) for the group's columns, from the tile still in the ring.
-//   A. cp.async of block i + DEPTH into the ring.
-// C. The combine warp (the last one) runs its own loop over the blocks, outside the others' barriers: block j
-//    once every group has arrived (arrive1[j]): this CTA's rows of it (rows g, g + G_DATA, ...): the row's
-//    GROUPS subtree sums (groups without data: +0.0 leaves) in the tree's order, c = sum / N, published to
-//    cvals[j % SLOTS][row]; arrive2[j] goes up. It is never waited for by its own CTA's barriers, only
-//    through arrive2, so its round trips through L2 overlap the other warps' work.
-// Every wait is on an event that needs no later wait of any CTA (B of block j waits for nothing; C of block j
-// for B of block j; D of block j for C of block j), so co-resident CTAs cannot deadlock. Slots are reused
-// without further counters (SLOTS > LAG2): block i + SLOTS's partials are written at iteration i + SLOTS,
-// after this CTA's dx warps waited (iteration i + SLOTS - 1) for arrive2 of block i + SLOTS - 1 - LAG2 >= i,
-// so every CTA has combined block i (C takes blocks in order); block i + SLOTS's c values are written after
-// arrive1[i + SLOTS], which every CTA signals after its dx of block i (iteration i + LAG2 < i + SLOTS).
-// Within a CTA the roles hand over through barriers: a named one over every warp but the combine warp (B, the
-// end of an iteration), one among the dx warps, __syncwarp in the combine warp. A counter is raised by one
-// thread with release semantics after its barrier and polled by one thread with acquire loads before its
-// barrier, as a grid barrier does it.
+// all rows in blocks of ROWS rows, in order, with four kinds of warps, each on its own loop over the blocks
+// (warp specialization), handing blocks to each other through shared-memory barriers (mbarrier):
+//   B (B_WARPS warps): block b's rows of dy, z and rstd land in a ring of TILES tiles (cp.async, DEPTH blocks
+//      ahead, issued by these threads); each row's subtree sum of p = xh * g over the group ((row, slice)
+//      pairs of SW columns: an in-thread pairwise tree, then xor shuffles over the row's SL slices), published
+//      to partials[b % TILES][row][group], then arrive1[b] goes up; every element's dW contribution, stored
+//      to one of two shared buffers for the fold.
+//   fold (FOLD_WARPS warps, one thread a column): each block's contributions added to the column's running
+//      sum, rows in order (the strict left fold).
+//   C (the combine warp): block b once every group has published it (arrive1[b]): this CTA's rows of it (rows
+//      g, g + G_DATA, ...): the row's GROUPS subtree sums (groups without data: +0.0 leaves) in the tree's
+//      order, c = sum / N, published to cvals[b % TILES][row]; arrive2[b] goes up.
+//   D (DX_WARPS warps): block b once arrive2[b] is complete: its c values staged in shared memory, then
+//      dx = rd((g - xh * c) * rstd) for the group's columns from the tile, which is then free for block
+//      b + TILES.
+// Per block the roles overlap: B works on block b + 1 while the fold adds block b and D writes an earlier
+// block's dx. Waits: B on its own copies, on the fold having emptied the contributions buffer (block b - 2)
+// and, before loading block b + DEPTH, on D having freed its tile (block b + DEPTH - TILES); the fold on B;
+// D on arrive2 and on B's tile; C on arrive1. Every wait of a CTA for block b needs only work on blocks
+// before b (D of block b + DEPTH - TILES needs B of that block in every CTA), so co-resident CTAs cannot
+// deadlock. Global slots (partials, cvals: TILES of each) are reused safely: B writes block b's partials
+// after loading block b, which waited for D of block b - TILES here, hence for every CTA's combine of it
+// (arrive2); C writes block b's c values after arrive1[b], so after every CTA's B of block b, which followed
+// its D of block b - TILES (the tile was freed). A counter is raised by one thread with release semantics
+// after its warps' barrier and polled by one thread with acquire loads before its warps' barrier, as a grid
+// barrier does it.
 //
 // Same bits as the reference: the row sums are canon_sum's, c = sum / N, dx and the contributions are
 // rms_norm.cu's and fold.cu's expressions, and each column's fold adds the rows in ascending order.
@@ -36,9 +36,10 @@
 // Macros: DYC, NC, WC (dtype codes of dy, the norm input z, the weight), MODE (0 llama, 1 gemma, 2 none),
 // HAS_W, W_COLS (columns a CTA, a multiple of 32, at most 256), GROUPS (P / W_COLS), G_DATA (groups holding
 // columns: ceil(N / W_COLS)), ROWS (rows a block), SL (slices a row in the row sums; SW = W_COLS / SL columns
-// a slice, 16-byte multiples of both dtypes, at most 32), DEPTH, LAG2, SLOTS, THREADS (32 times
-// FOLD_WARPS + the dx warps + 1). Rows of dy, z and dx are 16-byte aligned with row strides ds, zs, xs
-// (elements). Dynamic shared memory: ONEPASS_SMEM bytes (backend.onepass_launch computes the same).
+// a slice, 16-byte multiples of both dtypes, at most 32), DEPTH (blocks loaded ahead), TILES (ring slots, more
+// than DEPTH), B_WARPS, DX_WARPS; THREADS = 32 * (FOLD_WARPS + B_WARPS + DX_WARPS + 1). Rows of dy, z and dx
+// are 16-byte aligned with row strides ds, zs, xs (elements). Dynamic shared memory: ONEPASS_SMEM bytes
+// (backend.onepass_launch computes the same).
 #include "common.cuh"
 #include "async.cuh"
 
@@ -47,24 +48,29 @@ typedef Elem<NC>::T n_t;
 typedef Elem<WC>::T w_t;
 
 constexpr int FOLD_WARPS = W_COLS / 32;  // one thread a column
-constexpr int MAIN_THREADS = THREADS - 32;  // every warp but the combine warp (the last one)
-constexpr int DX_T0 = FOLD_WARPS * 32, DX_THREADS = MAIN_THREADS - DX_T0;
+constexpr int B_T0 = FOLD_WARPS * 32, B_THREADS = B_WARPS * 32;
+constexpr int DX_T0 = B_T0 + B_THREADS, DX_THREADS = DX_WARPS * 32;
+constexpr int COMBINE_WARP = (DX_T0 + DX_THREADS) / 32;  // the last warp
+static_assert(THREADS == 32 * (COMBINE_WARP + 1), "warp roles");
 constexpr int SW = W_COLS / SL;  // columns a (row, slice) pair of the row sums
-constexpr int TILES = LAG2 + DEPTH + 1;  // ring slots: blocks i - LAG2 ... i + DEPTH
 // a tile's rows 16 bytes apart beyond their data: a warp's threads read different rows, at banks spread out
 constexpr int DY_ROW = W_COLS * sizeof(dy_t), Z_ROW = W_COLS * sizeof(n_t);
 constexpr int DY_PITCH = DY_ROW + 16, Z_PITCH = Z_ROW + 16;
 constexpr int DY_TILE = ROWS * DY_PITCH, Z_TILE = ROWS * Z_PITCH;
 constexpr int TILE_BYTES = DY_TILE + Z_TILE + ROWS * 4;
 constexpr int C_PITCH = W_COLS + 4;  // floats: the contributions' rows, padded so (row, slice) stores spread over banks
-constexpr int ONEPASS_SMEM = TILES * TILE_BYTES + ROWS * C_PITCH * 4 + 4 * (W_COLS + ROWS);
+constexpr int CONTRIB_BYTES = ROWS * C_PITCH * 4;
+constexpr int MBARS = 2 * TILES + 4;  // landed[TILES], freed[TILES], full[2], empty[2]
+constexpr int MBAR_OFFSET = TILES * TILE_BYTES + 2 * CONTRIB_BYTES + 4 * (W_COLS + ROWS);
+constexpr int ONEPASS_SMEM = MBAR_OFFSET + 8 * MBARS;
 constexpr int LEAVES = GROUPS >= 32 ? GROUPS / 32 : 1;  // subtree sums a lane combines
 constexpr int DX_VEC = 16 / (sizeof(n_t) < sizeof(dy_t) ? sizeof(n_t) : sizeof(dy_t));  // columns a dx chunk
 static_assert(W_COLS % 32 == 0 && W_COLS <= 256 && 32 % SL == 0, "one thread a column; a row's slices in a warp");
 static_assert(SW <= 32 && (SW * sizeof(dy_t)) % 16 == 0 && (SW * sizeof(n_t)) % 16 == 0, "slices of 16-byte loads");
-static_assert((ROWS * SL) % 32 == 0 && ROWS % 4 == 0 && DX_THREADS >= 32 && DX_THREADS % 32 == 0, "block shape");
+static_assert((ROWS * SL) % 32 == 0 && ROWS % 4 == 0 && B_WARPS >= 1 && DX_WARPS >= 1, "block shape");
 static_assert(W_COLS % DX_VEC == 0, "whole dx chunks");
-static_assert(LAG2 >= 1 && SLOTS > LAG2 && DEPTH >= 1, "pipeline");
+static_assert(DEPTH >= 1 && TILES > DEPTH, "ring");
+static_assert(MBAR_OFFSET % 8 == 0, "mbarrier alignment");
 
 // A wait this long means CTAs that never arrive (a bug, or a grid not co-resident): trap (a launch error)
 // rather than hang the device. (The CPU emulation, far slower, sets its own.)
@@ -99,8 +105,6 @@ __device__ __forceinline__ void poll_all(const int* counter) {
         if (global_ns() - start > WAIT_LIMIT_NS) __trap();
 }
 
-__device__ __forceinline__ void main_barrier() { named_barrier(2, MAIN_THREADS); }
-
 extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
     const dy_t* __restrict__ dy, long long ds, const n_t* __restrict__ z, long long zs, const w_t* __restrict__ w,
     const float* __restrict__ rstd, n_t* __restrict__ dx, long long xs, w_t* __restrict__ dw,
@@ -121,22 +125,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         return TileView{t, t + DY_TILE, reinterpret_cast<const float*>(t + DY_TILE + Z_TILE)};
     };
     auto live_rows = [&](long long b) { return static_cast<int>(rows - b * ROWS < ROWS ? rows - b * ROWS : ROWS); };
-    auto issue = [&](long long b) {
-        unsigned char* t = tile(b);
-        constexpr int DYC_CH = DY_ROW / 16, ZC_CH = Z_ROW / 16, CH = DYC_CH > ZC_CH ? DYC_CH : ZC_CH;
-        for (int i = threadIdx.x; i < ROWS * CH; i += MAIN_THREADS) {
-            const int r = i / CH, ch = i % CH;
-            const long long row = b * ROWS + r;
-            if (row >= rows) break;
-            if (ch < DYC_CH) copy_chunk(t + r * DY_PITCH + ch * 16, dy + row * ds, col0 + ch * (16 / int(sizeof(dy_t))), n);
-            if (ch < ZC_CH)
-                copy_chunk(t + DY_TILE + r * Z_PITCH + ch * 16, z + row * zs, col0 + ch * (16 / int(sizeof(n_t))), n);
-            if (ch == 0) cp_async4(t + DY_TILE + Z_TILE + r * 4, rstd + row);
-        }
-    };
-    float* contrib = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);  // [ROWS][C_PITCH]
-    float* wf = contrib + ROWS * C_PITCH;  // the group's effective weight (row sums and dx)
+    auto use = [](long long b, int slots) { return static_cast<int>((b / slots) & 1); };  // a barrier's phase parity
+    float* contrib = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);  // [2][ROWS][C_PITCH]
+    float* wf = contrib + 2 * ROWS * C_PITCH;  // the group's effective weight (row sums and dx)
     float* cs = wf + W_COLS;  // the c values of the block in D, staged once from global memory
+    unsigned long long* landed = reinterpret_cast<unsigned long long*>(onepass_smem + MBAR_OFFSET);  // B -> D
+    unsigned long long* freed = landed + TILES;  // D -> B: a tile read for the last time
+    unsigned long long* full = freed + TILES;  // B -> fold: a contributions buffer written
+    unsigned long long* empty = full + 2;  // fold -> B: a contributions buffer added
     for (int c = threadIdx.x; c < W_COLS; c += THREADS) {
         float v = 1.0f;
 #if HAS_W
@@ -149,14 +145,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
 #endif
         wf[c] = v;
     }
-    __syncthreads();  // the weights, for every warp
-    if (warp == THREADS / 32 - 1) {  // C: the combine warp, block after block
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < TILES; ++s) mbar_init(landed + s, B_THREADS), mbar_init(freed + s, DX_THREADS);
+        for (int k = 0; k < 2; ++k) mbar_init(full + k, B_THREADS), mbar_init(empty + k, 32 * FOLD_WARPS);
+    }
+    __syncthreads();  // the weights and the barriers, for every warp
+
+    if (warp == COMBINE_WARP) {  // C: block after block
         for (long long j = 0; j < blocks; ++j) {
             if (lane == 0) poll_all(arrive1 + j);
             __syncwarp();
             const int live = live_rows(j);
-            const float* part = partials + (j % SLOTS) * ROWS * GROUPS;
-            float* cv = cvals + (j % SLOTS) * ROWS;
+            const float* part = partials + (j % TILES) * ROWS * GROUPS;
+            float* cv = cvals + (j % TILES) * ROWS;
             for (int r = grp; r < live; r += G_DATA) {
                 float leaf[LEAVES];
 #pragma unroll
@@ -170,27 +171,60 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             }
             if (lane == 0) add_release(arrive2 + j, 1);  // lane 0 wrote every c value itself
         }
-        return;
-    }
-    for (int d = 0; d < DEPTH; ++d) {
-        if (d < blocks) issue(d);
-        cp_async_commit();
-    }
-    // this thread's slice of the row sums (MAIN_THREADS is a multiple of SL): its columns' weights in registers
-    const int slice = threadIdx.x % SL, c_lo = slice * SW;
-    float wreg[SW];
+    } else if (warp < FOLD_WARPS) {  // fold: block after block, rows in order
+        float acc = 0.0f;
+        for (long long i = 0; i < blocks; ++i) {
+            mbar_wait(full + (i & 1), use(i, 2));
+            const int live = live_rows(i);
+            const float* col = contrib + (i & 1) * ROWS * C_PITCH + threadIdx.x;
+            constexpr int BATCH = 8;  // loads ahead of their adds (off the chain)
+            int r = 0;
+            for (; r + BATCH <= live; r += BATCH) {
+                float v[BATCH];
 #pragma unroll
-    for (int j = 0; j < SW; ++j) wreg[j] = wf[c_lo + j];
-    float acc = 0.0f;  // the strict dW fold of column col0 + threadIdx.x (fold warps)
-
-    for (long long i = 0; i < blocks + LAG2; ++i) {
-        if (i < blocks) {  // B: block i's row subtree sums and dW contributions
-            cp_async_wait<DEPTH - 1>();
-            main_barrier();
+                for (int q = 0; q < BATCH; ++q) v[q] = col[(r + q) * C_PITCH];
+#pragma unroll
+                for (int q = 0; q < BATCH; ++q) acc = __fadd_rn(acc, v[q]);
+            }
+            for (; r < live; ++r) acc = __fadd_rn(acc, col[r * C_PITCH]);
+            mbar_arrive(empty + (i & 1));
+        }
+        if (col0 + static_cast<int>(threadIdx.x) < n) dw[col0 + threadIdx.x] = Elem<WC>::narrow(acc);
+    } else if (threadIdx.x < DX_T0) {  // B: loads, row sums, contributions
+        const int t = threadIdx.x - B_T0;
+        auto issue = [&](long long b) {
+            unsigned char* tl = tile(b);
+            constexpr int DYC_CH = DY_ROW / 16, ZC_CH = Z_ROW / 16, CH = DYC_CH > ZC_CH ? DYC_CH : ZC_CH;
+            for (int e = t; e < ROWS * CH; e += B_THREADS) {
+                const int r = e / CH, ch = e % CH;
+                const long long row = b * ROWS + r;
+                if (row >= rows) break;
+                if (ch < DYC_CH)
+                    copy_chunk(tl + r * DY_PITCH + ch * 16, dy + row * ds, col0 + ch * (16 / int(sizeof(dy_t))), n);
+                if (ch < ZC_CH)
+                    copy_chunk(tl + DY_TILE + r * Z_PITCH + ch * 16, z + row * zs, col0 + ch * (16 / int(sizeof(n_t))), n);
+                if (ch == 0) cp_async4(tl + DY_TILE + Z_TILE + r * 4, rstd + row);
+            }
+        };
+        // this thread's slice of the row sums (B_THREADS is a multiple of SL): its columns' weights in registers
+        const int slice = t % SL, c_lo = slice * SW;
+        float wreg[SW];
+#pragma unroll
+        for (int j = 0; j < SW; ++j) wreg[j] = wf[c_lo + j];
+        for (int d = 0; d < DEPTH; ++d) {
+            if (d < blocks) issue(d);
+            cp_async_commit();
+        }
+        for (long long i = 0; i < blocks; ++i) {
+            cp_async_wait<DEPTH - 1>();  // this thread's copies of block i landed
+            mbar_arrive(landed + i % TILES);  // for D
+            named_barrier(1, B_THREADS);  // and every B thread's
+            if (i >= 2) mbar_wait(empty + (i & 1), use(i - 2, 2));  // the fold has added block i - 2
             const TileView tv = view(i);
             const int live = live_rows(i);
-            float* part = partials + (i % SLOTS) * ROWS * GROUPS;
-            for (int pair = threadIdx.x; pair < ROWS * SL; pair += MAIN_THREADS) {  // whole warps: the shuffles below
+            float* part = partials + (i % TILES) * ROWS * GROUPS;
+            float* cb = contrib + (i & 1) * ROWS * C_PITCH;
+            for (int pair = t; pair < ROWS * SL; pair += B_THREADS) {  // whole warps: the shuffles below
                 const int r = pair / SL;
                 float vd[SW], vz[SW];
                 load_widened<dy_t, DYC, SW>(vd, reinterpret_cast<const dy_t*>(tv.dy + r * DY_PITCH) + c_lo);
@@ -206,40 +240,33 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                 const float s = warp_pair_tree<SW, SL>(p);
                 if (r < live) {
                     if (slice == 0) part[r * GROUPS + grp] = s;
-                    float* dst = contrib + r * C_PITCH + c_lo;
+                    float* dst = cb + r * C_PITCH + c_lo;
 #pragma unroll
                     for (int j = 0; j < SW; j += 4)
                         *reinterpret_cast<float4*>(dst + j) = make_float4(vd[j], vd[j + 1], vd[j + 2], vd[j + 3]);
                 }
             }
-            main_barrier();
-            if (threadIdx.x == 0) add_release(arrive1 + i, 1);
-        }
-        const long long j2 = i - LAG2;
-        if (warp < FOLD_WARPS) {
-            if (i < blocks) {  // fold: block i's contributions, rows in order
-                const int live = live_rows(i);
-                const float* col = contrib + threadIdx.x;
-                constexpr int BATCH = 8;  // loads ahead of their adds (off the chain)
-                int r = 0;
-                for (; r + BATCH <= live; r += BATCH) {
-                    float v[BATCH];
-#pragma unroll
-                    for (int q = 0; q < BATCH; ++q) v[q] = col[(r + q) * C_PITCH];
-#pragma unroll
-                    for (int q = 0; q < BATCH; ++q) acc = __fadd_rn(acc, v[q]);
-                }
-                for (; r < live; ++r) acc = __fadd_rn(acc, col[r * C_PITCH]);
+            mbar_arrive(full + (i & 1));
+            named_barrier(1, B_THREADS);  // every B thread's partials written
+            if (t == 0) add_release(arrive1 + i, 1);
+            const long long next = i + DEPTH;  // into the slot of block next - TILES, once D has read it
+            if (next < blocks) {
+                if (next >= TILES) mbar_wait(freed + next % TILES, use(next - TILES, TILES));
+                issue(next);
             }
-        } else if (j2 >= 0) {  // D: dx of block j2
-            const int t = threadIdx.x - DX_T0;
-            if (t == 0) poll_all(arrive2 + j2);
-            named_barrier(1, DX_THREADS);
-            const TileView tv = view(j2);
-            const int live = live_rows(j2);
-            const float* cv = cvals + (j2 % SLOTS) * ROWS;
+            cp_async_commit();
+        }
+    } else {  // D: dx, block after block
+        const int t = threadIdx.x - DX_T0;
+        for (long long j = 0; j < blocks; ++j) {
+            if (t == 0) poll_all(arrive2 + j);
+            mbar_wait(landed + j % TILES, use(j, TILES));
+            named_barrier(2, DX_THREADS);
+            const TileView tv = view(j);
+            const int live = live_rows(j);
+            const float* cv = cvals + (j % TILES) * ROWS;
             for (int r = t; r < live; r += DX_THREADS) cs[r] = __ldcg(cv + r);  // one L2 trip, not one a column
-            named_barrier(1, DX_THREADS);
+            named_barrier(2, DX_THREADS);
             constexpr int CHUNKS = W_COLS / DX_VEC;
             for (int e = t; e < live * CHUNKS; e += DX_THREADS) {
                 const int r = e / CHUNKS, c0 = (e % CHUNKS) * DX_VEC;
@@ -254,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                     const float g = gscale(vd[q], wf[c0 + q]);
                     out[q] = Elem<NC>::narrow(__fmul_rn(__fsub_rn(g, __fmul_rn(xh, c)), rs));
                 }
-                n_t* dst = dx + (j2 * ROWS + r) * xs + col0 + c0;
+                n_t* dst = dx + (j * ROWS + r) * xs + col0 + c0;
                 if (col0 + c0 + DX_VEC <= n) {
 #pragma unroll
                     for (int q = 0; q < DX_VEC * int(sizeof(n_t)) / 16; ++q)
@@ -263,10 +290,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                     for (int q = 0; q < DX_VEC && col0 + c0 + q < n; ++q) dst[q] = out[q];
                 }
             }
+            // this thread is done with block j's tile; cs is rewritten for the next block only after every
+            // thread's reads (behind the next block's first barrier)
+            mbar_arrive(freed + j % TILES);
         }
-        main_barrier();  // the ring slot refilled below held block i + DEPTH - TILES = i - LAG2 - 1
-        if (i + DEPTH < blocks) issue(i + DEPTH);
-        cp_async_commit();
     }
-    if (warp < FOLD_WARPS && col0 + static_cast<int>(threadIdx.x) < n) dw[col0 + threadIdx.x] = Elem<WC>::narrow(acc);
 }
