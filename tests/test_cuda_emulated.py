@@ -228,6 +228,8 @@ ONEPASS_CASES = [
     (150, 320, (torch.bfloat16, torch.float32, torch.bfloat16), "llama", OnepassTuning(w_cols=64, rows=16, b_warps=1,
                                                                                       dx_warps=1)),
     (5, 1100, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=32, b_warps=1, dx_warps=1)),  # 35 of 64 groups
+    # 256 columns a CTA (eight fold warps, rows in eight slices), 9 of 16 groups holding columns
+    (70, 2100, (torch.bfloat16,) * 3, "none", OnepassTuning(w_cols=256, rows=16, b_warps=1, dx_warps=1)),
     (1, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning()),  # a single row
 ]
 
