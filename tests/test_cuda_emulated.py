@@ -221,15 +221,17 @@ def _emulate_onepass(defines: dict, dy: torch.Tensor, z: torch.Tensor, w: torch.
 # (rows, N, dtypes of dy / z / w, mode, tuning): GROUPS below 32 (lanes hold one subtree sum each) and above
 # (several), groups without data (N well below P), partial last blocks, fp16 and fp32 rows, an fp32 weight
 ONEPASS_CASES = [
-    (300, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning(rows=32, depth=1, tiles=2, b_warps=1, dx_warps=1)),
-    (517, 1000, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=64, depth=3, tiles=5, b_warps=2, dx_warps=2)),
+    (300, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning(rows=32, depth=1, tiles=2, b_warps=1, dx_warps=1,
+                                                              dx_groups=1, c_warps=1)),
+    (517, 1000, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=64, depth=3, tiles=6, b_warps=2, dx_warps=2,
+                                                               c_warps=3)),
     (203, 2048, (torch.float16, torch.float16, torch.float32), "none", OnepassTuning(w_cols=64, rows=32, b_warps=1,
-                                                                                   dx_warps=1)),
+                                                                                   dx_warps=1, dx_groups=1)),
     (150, 320, (torch.bfloat16, torch.float32, torch.bfloat16), "llama", OnepassTuning(w_cols=64, rows=16, b_warps=1,
-                                                                                      dx_warps=1)),
-    (5, 1100, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=32, b_warps=1, dx_warps=1)),  # 35 of 64 groups
+                                                                                      dx_warps=1, dx_groups=1)),
+    (5, 1100, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=32, b_warps=1, dx_warps=1, dx_groups=1)),  # 35 of 64
     # 256 columns a CTA (eight fold warps, rows in eight slices), 9 of 16 groups holding columns
-    (70, 2100, (torch.bfloat16,) * 3, "none", OnepassTuning(w_cols=256, rows=16, b_warps=1, dx_warps=1)),
+    (70, 2100, (torch.bfloat16,) * 3, "none", OnepassTuning(w_cols=256, rows=16, b_warps=1, dx_warps=2, c_warps=1)),
     (1, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning()),  # a single row
 ]
 

@@ -153,8 +153,8 @@ def test_onepass_strict_backward_is_one_cooperative_launch(recording):
     dx, dw = cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, None)
     ((name, grid, block, shmem, args, _),) = log
     # 32 groups of 32 columns; warps: one folding (32 columns), four loading and summing, four computing dx,
-    # one combining
-    assert name == "strict_bwd_onepass" and grid == (32, 1, 1) and block == 32 * (1 + 4 + 4 + 1)
+    # two combining
+    assert name == "strict_bwd_onepass" and grid == (32, 1, 1) and block == 32 * (1 + 4 + 4 + 2)
     assert args[0] == dy.data_ptr() and args[2] == x.data_ptr() and args[6] == dx.data_ptr()
     assert args[8] == dw.data_ptr() and args[-3:] == (300, 1000, 0.0) and dw.shape == w.shape
     log.clear()

@@ -316,9 +316,10 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
 class OnepassTuning:
     """Knobs of onepass.cu's strict backward (any values give the same bits). w_cols: columns a CTA (0: the
     narrowest power of two >= 32 that needs no more CTAs than SMs); rows: rows a block; depth: blocks loaded
-    ahead; tiles: the ring's slots (more than depth: the rest hold blocks waiting for their dx); b_warps: warps
-    loading blocks and computing their row sums and dW contributions; dx_warps: warps computing dx (beside the
-    w_cols / 32 fold warps and the combine warp)."""
+    ahead; tiles: the ring's slots (more than depth: the rest hold blocks waiting for their dx; a multiple of
+    dx_groups); b_warps: warps loading blocks and computing their row sums and dW contributions; dx_warps:
+    warps computing dx, in dx_groups groups taking blocks in turn; c_warps: combine warps taking blocks in turn
+    (beside them, w_cols / 32 fold warps)."""
 
     w_cols: int = 0
     rows: int = 128
@@ -326,6 +327,8 @@ class OnepassTuning:
     tiles: int = 4
     b_warps: int = 4
     dx_warps: int = 4
+    dx_groups: int = 2
+    c_warps: int = 2
 
 
 @dataclass(frozen=True)
@@ -358,17 +361,20 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
     w_cols = tuning.w_cols or 32
     while not tuning.w_cols and -(-n // w_cols) > num_sms:
         w_cols *= 2
-    if (w_cols > p or w_cols > 256 or w_cols % 32 or min(tuning.b_warps, tuning.dx_warps, tuning.depth) < 1
-            or tuning.tiles <= tuning.depth):
+    if (w_cols > p or w_cols > 256 or w_cols % 32
+            or min(tuning.b_warps, tuning.dx_warps, tuning.depth, tuning.dx_groups, tuning.c_warps) < 1
+            or tuning.tiles <= tuning.depth or tuning.dx_warps % tuning.dx_groups or tuning.tiles % tuning.dx_groups
+            or tuning.dx_groups > 14):
         return None
-    threads = 32 * (w_cols // 32 + tuning.b_warps + tuning.dx_warps + 1)
+    threads = 32 * (w_cols // 32 + tuning.b_warps + tuning.dx_warps + tuning.c_warps)
     if threads > 1024:
         return None
     min_cols = 16 // min(dy_dtype.itemsize, z_dtype.itemsize)
 
     def shmem_of(rows: int) -> int:  # onepass.cu's ONEPASS_SMEM
         tile = rows * (w_cols * dy_dtype.itemsize + 16 + w_cols * z_dtype.itemsize + 16) + rows * 4
-        return tuning.tiles * tile + 2 * rows * (w_cols + 4) * 4 + 4 * (w_cols + rows) + 8 * (2 * tuning.tiles + 4)
+        return (tuning.tiles * tile + 2 * rows * (w_cols + 4) * 4 + 4 * (w_cols + tuning.dx_groups * rows)
+                + 8 * (2 * tuning.tiles + 4))
 
     rows = tuning.rows
     while shmem_of(rows) > smem_optin and rows // 2 >= 4 and (rows // 2) % 4 == 0:
@@ -379,7 +385,8 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
     defines = {"DYC": DTYPE_CODES[dy_dtype], "NC": DTYPE_CODES[z_dtype], "WC": DTYPE_CODES[w_dtype or z_dtype],
                "MODE": MODE_CODES[mode], "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols,
                "G_DATA": -(-n // w_cols), "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "TILES": tuning.tiles,
-               "B_WARPS": tuning.b_warps, "DX_WARPS": tuning.dx_warps, "THREADS": threads}
+               "B_WARPS": tuning.b_warps, "DX_WARPS": tuning.dx_warps, "DX_GROUPS": tuning.dx_groups,
+               "C_WARPS": tuning.c_warps, "THREADS": threads}
     return OnepassLaunch(defines, defines["G_DATA"], threads, shmem_of(rows))
 
 

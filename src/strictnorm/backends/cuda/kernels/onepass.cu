@@ -12,12 +12,15 @@
 //      to one of two shared buffers for the fold.
 //   fold (FOLD_WARPS warps, one thread a column): each block's contributions added to the column's running
 //      sum, rows in order (the strict left fold).
-//   C (the combine warp): block b once every group has published it (arrive1[b]): this CTA's rows of it (rows
-//      g, g + G_DATA, ...): the row's GROUPS subtree sums (groups without data: +0.0 leaves) in the tree's
-//      order, c = sum / N, published to cvals[b % TILES][row]; arrive2[b] goes up.
-//   D (DX_WARPS warps): block b once arrive2[b] is complete: its c values staged in shared memory, then
-//      dx = rd((g - xh * c) * rstd) for the group's columns from the tile, which is then free for block
-//      b + TILES.
+//   C (C_WARPS combine warps, block b taken by warp b % C_WARPS): block b once every group has published it
+//      (arrive1[b]): this CTA's rows of it (rows g, g + G_DATA, ...): the row's GROUPS subtree sums (groups
+//      without data: +0.0 leaves) in the tree's order, c = sum / N, published to cvals[b % TILES][row];
+//      arrive2[b] goes up.
+//   D (DX_WARPS warps in DX_GROUPS groups, block b taken by group b % DX_GROUPS): block b once arrive2[b] is
+//      complete: its c values staged in shared memory, then dx = rd((g - xh * c) * rstd) for the group's
+//      columns from the tile, which is then free for block b + TILES.
+// Several combine warps and dx groups take turns so that one block's round trips through L2 (a poll, the
+// loads behind it) overlap the next block's instead of adding up.
 // Per block the roles overlap: B works on block b + 1 while the fold adds block b and D writes an earlier
 // block's dx. Waits: B on its own copies, on the fold having emptied the contributions buffer (block b - 2)
 // and, before loading block b + DEPTH, on D having freed its tile (block b + DEPTH - TILES); the fold on B;
@@ -37,7 +40,8 @@
 // HAS_W, W_COLS (columns a CTA, a multiple of 32, at most 256), GROUPS (P / W_COLS), G_DATA (groups holding
 // columns: ceil(N / W_COLS)), ROWS (rows a block), SL (slices a row in the row sums; SW = W_COLS / SL columns
 // a slice, 16-byte multiples of both dtypes, at most 32), DEPTH (blocks loaded ahead), TILES (ring slots, more
-// than DEPTH), B_WARPS, DX_WARPS; THREADS = 32 * (FOLD_WARPS + B_WARPS + DX_WARPS + 1). Rows of dy, z and dx
+// than DEPTH, a multiple of DX_GROUPS), B_WARPS, DX_WARPS, DX_GROUPS (dividing DX_WARPS), C_WARPS;
+// THREADS = 32 * (FOLD_WARPS + B_WARPS + DX_WARPS + C_WARPS). Rows of dy, z and dx
 // are 16-byte aligned with row strides ds, zs, xs (elements). Dynamic shared memory: ONEPASS_SMEM bytes
 // (backend.onepass_launch computes the same).
 #include "common.cuh"
@@ -50,8 +54,11 @@ typedef Elem<WC>::T w_t;
 constexpr int FOLD_WARPS = W_COLS / 32;  // one thread a column
 constexpr int B_T0 = FOLD_WARPS * 32, B_THREADS = B_WARPS * 32;
 constexpr int DX_T0 = B_T0 + B_THREADS, DX_THREADS = DX_WARPS * 32;
-constexpr int COMBINE_WARP = (DX_T0 + DX_THREADS) / 32;  // the last warp
-static_assert(THREADS == 32 * (COMBINE_WARP + 1), "warp roles");
+constexpr int DX_GROUP = DX_THREADS / DX_GROUPS;  // threads of a dx group
+constexpr int COMBINE_WARP0 = (DX_T0 + DX_THREADS) / 32;  // the last C_WARPS warps
+static_assert(THREADS == 32 * (COMBINE_WARP0 + C_WARPS), "warp roles");
+static_assert(DX_WARPS % DX_GROUPS == 0 && TILES % DX_GROUPS == 0 && DX_GROUPS <= 14, "dx groups: whole warps, a "
+              "tile slot always served by one group, a named barrier each");
 constexpr int SW = W_COLS / SL;  // columns a (row, slice) pair of the row sums
 // a tile's rows 16 bytes apart beyond their data: a warp's threads read different rows, at banks spread out
 constexpr int DY_ROW = W_COLS * sizeof(dy_t), Z_ROW = W_COLS * sizeof(n_t);
@@ -61,7 +68,7 @@ constexpr int TILE_BYTES = DY_TILE + Z_TILE + ROWS * 4;
 constexpr int C_PITCH = W_COLS + 4;  // floats: the contributions' rows, padded so (row, slice) stores spread over banks
 constexpr int CONTRIB_BYTES = ROWS * C_PITCH * 4;
 constexpr int MBARS = 2 * TILES + 4;  // landed[TILES], freed[TILES], full[2], empty[2]
-constexpr int MBAR_OFFSET = TILES * TILE_BYTES + 2 * CONTRIB_BYTES + 4 * (W_COLS + ROWS);
+constexpr int MBAR_OFFSET = TILES * TILE_BYTES + 2 * CONTRIB_BYTES + 4 * (W_COLS + DX_GROUPS * ROWS);
 constexpr int ONEPASS_SMEM = MBAR_OFFSET + 8 * MBARS;
 constexpr int LEAVES = GROUPS >= 32 ? GROUPS / 32 : 1;  // subtree sums a lane combines
 constexpr int DX_VEC = 16 / (sizeof(n_t) < sizeof(dy_t) ? sizeof(n_t) : sizeof(dy_t));  // columns a dx chunk
@@ -128,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
     auto use = [](long long b, int slots) { return static_cast<int>((b / slots) & 1); };  // a barrier's phase parity
     float* contrib = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);  // [2][ROWS][C_PITCH]
     float* wf = contrib + 2 * ROWS * C_PITCH;  // the group's effective weight (row sums and dx)
-    float* cs = wf + W_COLS;  // the c values of the block in D, staged once from global memory
+    float* cs_all = wf + W_COLS;  // per dx group: the c values of its block, staged once from global memory
     unsigned long long* landed = reinterpret_cast<unsigned long long*>(onepass_smem + MBAR_OFFSET);  // B -> D
     unsigned long long* freed = landed + TILES;  // D -> B: a tile read for the last time
     unsigned long long* full = freed + TILES;  // B -> fold: a contributions buffer written
@@ -146,13 +153,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         wf[c] = v;
     }
     if (threadIdx.x == 0) {
-        for (int s = 0; s < TILES; ++s) mbar_init(landed + s, B_THREADS), mbar_init(freed + s, DX_THREADS);
+        for (int s = 0; s < TILES; ++s) mbar_init(landed + s, B_THREADS), mbar_init(freed + s, DX_GROUP);
         for (int k = 0; k < 2; ++k) mbar_init(full + k, B_THREADS), mbar_init(empty + k, 32 * FOLD_WARPS);
     }
     __syncthreads();  // the weights and the barriers, for every warp
 
-    if (warp == COMBINE_WARP) {  // C: block after block
-        for (long long j = 0; j < blocks; ++j) {
+    if (warp >= COMBINE_WARP0) {  // C: this warp's turns
+        for (long long j = warp - COMBINE_WARP0; j < blocks; j += C_WARPS) {
             if (lane == 0) poll_all(arrive1 + j);
             __syncwarp();
             const int live = live_rows(j);
@@ -256,19 +263,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             }
             cp_async_commit();
         }
-    } else {  // D: dx, block after block
-        const int t = threadIdx.x - DX_T0;
-        for (long long j = 0; j < blocks; ++j) {
+    } else {  // D: dx, this group's turns
+        const int group = (threadIdx.x - DX_T0) / DX_GROUP, t = (threadIdx.x - DX_T0) % DX_GROUP;
+        float* cs = cs_all + group * ROWS;
+        for (long long j = group; j < blocks; j += DX_GROUPS) {
             if (t == 0) poll_all(arrive2 + j);
             mbar_wait(landed + j % TILES, use(j, TILES));
-            named_barrier(2, DX_THREADS);
+            named_barrier(2 + group, DX_GROUP);
             const TileView tv = view(j);
             const int live = live_rows(j);
             const float* cv = cvals + (j % TILES) * ROWS;
-            for (int r = t; r < live; r += DX_THREADS) cs[r] = __ldcg(cv + r);  // one L2 trip, not one a column
-            named_barrier(2, DX_THREADS);
+            for (int r = t; r < live; r += DX_GROUP) cs[r] = __ldcg(cv + r);  // one L2 trip, not one a column
+            named_barrier(2 + group, DX_GROUP);
             constexpr int CHUNKS = W_COLS / DX_VEC;
-            for (int e = t; e < live * CHUNKS; e += DX_THREADS) {
+            for (int e = t; e < live * CHUNKS; e += DX_GROUP) {
                 const int r = e / CHUNKS, c0 = (e % CHUNKS) * DX_VEC;
                 const float rs = tv.rstd[r], c = cs[r];
                 float vd[DX_VEC], vz[DX_VEC];
