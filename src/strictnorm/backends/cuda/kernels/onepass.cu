@@ -184,16 +184,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             mbar_wait(full + (i & 1), use(i, 2));
             const int live = live_rows(i);
             const float* col = contrib + (i & 1) * ROWS * C_PITCH + threadIdx.x;
-            constexpr int BATCH = 8;  // loads ahead of their adds (off the chain)
-            int r = 0;
-            for (; r + BATCH <= live; r += BATCH) {
-                float v[BATCH];
+            // batches of rows, the next batch's loads issued before this batch's adds: the chain of adds waits
+            // for no load
+            constexpr int BATCH = 8;
+            const int whole = live / BATCH * BATCH;
+            float cur[BATCH], nxt[BATCH];
+            if (whole) {
 #pragma unroll
-                for (int q = 0; q < BATCH; ++q) v[q] = col[(r + q) * C_PITCH];
-#pragma unroll
-                for (int q = 0; q < BATCH; ++q) acc = __fadd_rn(acc, v[q]);
+                for (int q = 0; q < BATCH; ++q) cur[q] = col[q * C_PITCH];
             }
-            for (; r < live; ++r) acc = __fadd_rn(acc, col[r * C_PITCH]);
+            for (int r = 0; r < whole; r += BATCH) {
+                if (r + BATCH < whole) {
+#pragma unroll
+                    for (int q = 0; q < BATCH; ++q) nxt[q] = col[(r + BATCH + q) * C_PITCH];
+                }
+#pragma unroll
+                for (int q = 0; q < BATCH; ++q) acc = __fadd_rn(acc, cur[q]);
+#pragma unroll
+                for (int q = 0; q < BATCH; ++q) cur[q] = nxt[q];
+            }
+            for (int r = whole; r < live; ++r) acc = __fadd_rn(acc, col[r * C_PITCH]);
             mbar_arrive(empty + (i & 1));
         }
         if (col0 + static_cast<int>(threadIdx.x) < n) dw[col0 + threadIdx.x] = Elem<WC>::narrow(acc);
