@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call for the one-pass strict backward (kernels/onepass.cu; bench/NOTES.md): its GPU tests (bits at six
-# shapes, a CUDA graph), then bench/sweep_onepass.py (its knobs at three shapes against the two-pass strict
+# shapes, a CUDA graph), then bench/sweep_onepass.py (its knobs at four shapes against the two-pass strict
 # backward, every configuration checked bitwise). EXTRA_TESTS="pytest args" runs more tests first, one process
 # (no workers), failures in full. Logs and JSON to $OUT.
 # Usage (from the project root, on the GPU machine): bash bench/onepass_call.sh
