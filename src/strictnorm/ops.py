@@ -156,7 +156,8 @@ class _EagerNorm(torch.autograd.Function):
 
 
 def _plain(t: torch.Tensor | None) -> bool:
-    return t is None or (type(t) is torch.Tensor and t.device.type != "meta")
+    # is_meta, not t.device.type: building a torch.device costs ~0.3 us of host time per call
+    return t is None or (type(t) is torch.Tensor and not t.is_meta)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float,
