@@ -56,15 +56,15 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
 // hardware may suspend a waiting thread (try_wait) instead of letting it spin on the issue slots.
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+#if __CUDA_ARCH__ >= 900
+#define STRICTNORM_MBAR_TEST "mbarrier.try_wait.parity"
+#else
+#define STRICTNORM_MBAR_TEST "mbarrier.test_wait.parity"
+#endif
     auto done = [&] {
         unsigned d;
-#if __CUDA_ARCH__ >= 900
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        asm volatile("{\n.reg .pred p;\n" STRICTNORM_MBAR_TEST ".shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
                      : "=r"(d) : "r"(s), "r"(parity) : "memory");
-#else
-        asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(d) : "r"(s), "r"(parity) : "memory");
-#endif
         return d != 0;
     };
     if (done()) return;

@@ -90,6 +90,24 @@ template <int CASTING, int CODE> __device__ __forceinline__ float normalized_as_
     else return round_f32<CODE>(__fmul_rn(x, round_f32<CODE>(rstd)));
 }
 
+// The contract's effective weight: f32(w) + offset in fp32, rounded to the norm input's dtype (code CODE) in
+// casting mode none (2).
+template <int CASTING, int CODE> __device__ __forceinline__ float effective_weight_of(float w, float offset) {
+    const float v = __fadd_rn(w, offset);
+    if constexpr (CASTING == 2) return round_f32<CODE>(v);
+    else return v;
+}
+
+// g = f32(dy) * wf (the weight is exactly 1.0 without one: the product is dy itself).
+template <bool HAS_WEIGHT> __device__ __forceinline__ float gscale(float d, float wf) {
+    if constexpr (HAS_WEIGHT) {
+        return __fmul_rn(d, wf);
+    } else {
+        (void)wf;
+        return d;
+    }
+}
+
 // Logical row r of a view with leading dims (R0, R1, G) and strides (s0, s1, sg); see ../../layout.py.
 struct Layout {
     long long s0, s1, sg, r1, g;

@@ -85,15 +85,6 @@ static_assert(MBAR_OFFSET % 8 == 0, "mbarrier alignment");
 #define WAIT_LIMIT_NS 2000000000ull
 #endif
 
-__device__ __forceinline__ float gscale(float d, float wf) {
-#if HAS_W
-    return __fmul_rn(d, wf);
-#else
-    (void)wf;
-    return d;
-#endif
-}
-
 // The pairwise tree over COUNT * LANES values of a warp, lane l holding [l * COUNT, (l + 1) * COUNT): in-thread
 // (pair_tree), then xor shuffles with offsets below LANES; lanes of an aligned run of LANES get its total.
 template <int COUNT, int LANES>
@@ -144,10 +135,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         float v = 1.0f;
 #if HAS_W
         if (col0 + c < n) {
-            v = __fadd_rn(Elem<WC>::widen(w[col0 + c]), offset);
-#if MODE == 2
-            v = round_f32<NC>(v);
-#endif
+            v = effective_weight_of<MODE, NC>(Elem<WC>::widen(w[col0 + c]), offset);
         }
 #endif
         wf[c] = v;
@@ -219,7 +207,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                 if (ch < DYC_CH)
                     copy_chunk(tl + r * DY_PITCH + ch * 16, dy + row * ds, col0 + ch * (16 / int(sizeof(dy_t))), n);
                 if (ch < ZC_CH)
-                    copy_chunk(tl + DY_TILE + r * Z_PITCH + ch * 16, z + row * zs, col0 + ch * (16 / int(sizeof(n_t))), n);
+                    copy_chunk(tl + DY_TILE + r * Z_PITCH + ch * 16, z + row * zs,
+                               col0 + ch * (16 / int(sizeof(n_t))), n);
                 if (ch == 0) cp_async4(tl + DY_TILE + Z_TILE + r * 4, rstd + row);
             }
         };
@@ -250,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                 float p[SW];
 #pragma unroll
                 for (int j = 0; j < SW; ++j) {
-                    const float v = __fmul_rn(__fmul_rn(vz[j], rs), gscale(vd[j], wreg[j]));
+                    const float v = __fmul_rn(__fmul_rn(vz[j], rs), gscale<HAS_W>(vd[j], wreg[j]));
                     p[j] = col0 + c_lo + j < n ? v : 0.0f;  // padded lanes: +0.0, as canon_sum pads
                     vd[j] = __fmul_rn(vd[j], normalized_as_used<MODE, NC>(vz[j], rs));  // the dW contribution
                 }
@@ -296,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
 #pragma unroll
                 for (int q = 0; q < DX_VEC; ++q) {
                     const float xh = __fmul_rn(vz[q], rs);
-                    const float g = gscale(vd[q], wf[c0 + q]);
+                    const float g = gscale<HAS_W>(vd[q], wf[c0 + q]);
                     out[q] = Elem<NC>::narrow(__fmul_rn(__fsub_rn(g, __fmul_rn(xh, c)), rs));
                 }
                 n_t* dst = dx + (j * ROWS + r) * xs + col0 + c0;

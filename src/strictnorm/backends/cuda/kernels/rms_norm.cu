@@ -208,12 +208,7 @@ __device__ __forceinline__ float normalized(float x, float rstd) { return normal
 // wf = f32(w) + offset (in fp32), rounded to z's dtype in mode none, in place over a widened piece.
 __device__ __forceinline__ void effective_weight(float* wp, float offset) {
 #pragma unroll
-    for (int i = 0; i < PIECE; ++i) {
-        wp[i] = __fadd_rn(wp[i], offset);
-#if MODE == 2
-        wp[i] = round_f32<NC>(wp[i]);
-#endif
-    }
+    for (int i = 0; i < PIECE; ++i) wp[i] = effective_weight_of<MODE, NC>(wp[i], offset);
 }
 
 // Piece k of a row: unpacked from the lanes this thread holds (HELD), or loaded from src.
@@ -233,15 +228,6 @@ __device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, in
                                              bool aligned, float offset) {
     fetch_piece<WC, HOLD_WEIGHT>(wp, held, k, src, left, aligned);
     effective_weight(wp, offset);
-}
-
-// g = f32(dy) * wf (the weight is exactly 1.0 without one: the product is dy itself).
-__device__ __forceinline__ float gscale(float d, float wf) {
-#if HAS_W
-    return __fmul_rn(d, wf);
-#else
-    return d;
-#endif
 }
 
 // Rows of the grid-stride loop: blocks take groups of RPB rows, blockIdx.x + j * gridDim.x.
@@ -435,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             float zp[PIECE], dp[PIECE], wp[PIECE], prod[PIECE];
             get(k, zp, dp, wp);
 #pragma unroll
-            for (int i = 0; i < PIECE; ++i) prod[i] = __fmul_rn(__fmul_rn(zp[i], rstd), gscale(dp[i], wp[i]));
+            for (int i = 0; i < PIECE; ++i) prod[i] = __fmul_rn(__fmul_rn(zp[i], rstd), gscale<HAS_W>(dp[i], wp[i]));
 #if PADDED
             // padded lanes add +0.0, as canon_sum pads: computed from the zero-filled lanes they would be
             // 0 * (0 * (0 + offset)), -0.0 for a negative offset
@@ -462,7 +448,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) {
                 const float xh = __fmul_rn(zp[i], rstd);
-                const float o = __fmul_rn(__fsub_rn(gscale(dp[i], wp[i]), __fmul_rn(xh, c)), rstd);
+                const float o = __fmul_rn(__fsub_rn(gscale<HAS_W>(dp[i], wp[i]), __fmul_rn(xh, c)), rstd);
 #if HAS_DRES
                 out[i] = __fadd_rn(o, out[i]);
 #else
