@@ -471,6 +471,7 @@ class _OnepassPlan:
     kernel: object
     launch: OnepassLaunch
     blocks: int  # blocks of rows: one arrival counter each (two kinds)
+    slot_rows: int  # rows of the global exchange buffers: TILES blocks in flight
 
 
 class CudaBackend:
@@ -492,7 +493,8 @@ class CudaBackend:
         # it pays (long folds), True always, False never (one after the other; same bits either way)
         self.fold_beside_dx: bool | None = None
         self._side_streams: dict[int, torch.cuda.Stream] = {}
-        # the strict backward in one pass (kernels/onepass.cu) where it applies; opt-in until measured on a GPU
+        # the strict backward in one pass (kernels/onepass.cu) where it applies; opt-in while the two passes are
+        # faster (bench/results/2026-11-30-h200-run9)
         self.onepass_strict = False
         self.onepass_tuning: OnepassTuning | None = None
 
@@ -763,7 +765,7 @@ class CudaBackend:
         resident = kernel.kernel.occupancy.max_active_blocks_per_multiprocessor(fl.threads, fl.shmem)
         if resident * props.multi_processor_count < fl.grid:
             return None
-        return _OnepassPlan(kernel, fl, -(-v.lay.rows // fl.defines["ROWS"]))
+        return _OnepassPlan(kernel, fl, -(-v.lay.rows // fl.defines["ROWS"]), fl.defines["TILES"] * fl.defines["ROWS"])
 
     def _run_onepass(self, plan: _BwdPlan, dy: Tensor, z: Tensor, w: Tensor | None, rstd: Tensor, dx: Tensor,
                      weight: Tensor) -> Tensor:
@@ -771,9 +773,8 @@ class CudaBackend:
         fl = op.launch
         dev = z.device
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
-        slot_rows = fl.defines["TILES"] * fl.defines["ROWS"]  # TILES blocks of rows in flight
-        partials = torch.empty(slot_rows * fl.defines["GROUPS"], dtype=torch.float32, device=dev)
-        cvals = torch.empty(slot_rows, dtype=torch.float32, device=dev)
+        partials = torch.empty(op.slot_rows * fl.defines["GROUPS"], dtype=torch.float32, device=dev)
+        cvals = torch.empty(op.slot_rows, dtype=torch.float32, device=dev)
         arrivals = torch.zeros(2 * op.blocks, dtype=torch.int32, device=dev)  # arrive1, then arrive2
         rows, n, offset = plan.tail[0], plan.tail[1], plan.tail[4]
         lays = plan.views
