@@ -2,9 +2,8 @@
 // CTAs at once, default 3, taking items from the counter, each waiting for its predecessor's hand-over, which
 // another CTA may hold) on the CPU through shim.h, on buffers of exactly a launch's sizes and shared memory
 // of exactly its bytes, so AddressSanitizer reports any access outside them. Usage: fold_emulate ROWS N SHMEM
-// DIR [CTAS]: reads DIR/{a,b}.bin (rows of A_CODE's and
-// B_CODE's dtype, bf16 by default: dy and the norm's input) and DIR/rstd.bin, writes the fp32 result to DIR/out.bin. WHAT, COLS & co: see
-// fold_run.sh.
+// DIR [CTAS]: reads DIR/{a,b}.bin (rows of A_CODE's and B_CODE's dtype, bf16 by default: dy and the norm's
+// input) and DIR/rstd.bin, writes the fp32 result to DIR/out.bin. WHAT, COLS & co: see fold_run.sh.
 #define STRICTNORM_EMULATED 1
 #ifndef A_CODE
 #define A_CODE 1

@@ -1,7 +1,8 @@
 // Runs onepass.cu's strict_bwd_onepass on the CPU through shim.h: every CTA at once (G_DATA of them, THREADS
 // std::threads each), as the cooperative launch has them co-resident, on buffers of exactly a launch's
-// sizes (AddressSanitizer reports any access outside them), rows at a pitch of whole 16-byte chunks. Usage: onepass_emulate ROWS N DIR OFFSET: reads
-// DIR/{dy,z,w}.bin (rows of DYC's, NC's and WC's dtype) and DIR/rstd.bin, writes DIR/dx.bin and DIR/dw.bin.
+// sizes (AddressSanitizer reports any access outside them), rows at a pitch of whole 16-byte chunks.
+// Usage: onepass_emulate ROWS N DIR OFFSET: reads DIR/{dy,z,w}.bin (rows of DYC's, NC's and WC's dtype) and
+// DIR/rstd.bin, writes DIR/dx.bin and DIR/dw.bin.
 #define STRICTNORM_EMULATED 1
 #include "shim.h"
 #include "host.h"
@@ -12,7 +13,7 @@
 
 
 int main(int argc, char** argv) {
-    if (argc < 5) { fprintf(stderr, "usage: onepass_emulate ROWS N DIR OFFSET\\n"); return 2; }
+    if (argc < 5) { fprintf(stderr, "usage: onepass_emulate ROWS N DIR OFFSET\n"); return 2; }
     const long long rows = atoll(argv[1]);
     const int n = atoi(argv[2]);
     const std::string dir = argv[3];

@@ -124,13 +124,15 @@ inline void store_release64(unsigned long long* p, unsigned long long v) {
     std::atomic_ref<unsigned long long>(*p).store(v, std::memory_order_release);
 }
 
-// onepass.cu: arrival counters polled with acquire loads, fences, loads that bypass L1.
+// onepass.cu: arrival counters polled with acquire loads and raised with release, loads that bypass L1,
+// shared-memory barriers with phases.
 inline int load_acquire(const int* p) {
     std::this_thread::yield();  // called in spin loops
     return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire);
 }
-// Random short pauses around the hand-overs (before an arrival, after a wait), so that the emulated warps drift apart as far as the
-// protocol lets them (a missing wait then shows as wrong bits or a lost phase, not only under lucky timing).
+// Random short pauses around the hand-overs (before an arrival, after a wait), so that the emulated warps drift
+// apart as far as the protocol lets them (a missing wait then shows as wrong bits or a lost phase, not only
+// under lucky timing).
 inline void emu_jitter() {
     thread_local unsigned state = 0x9e3779b9u ^ (threadIdx.x * 2654435761u) ^ (blockIdx.x * 40503u);
     state = state * 1664525u + 1013904223u;
@@ -165,7 +167,6 @@ inline void mbar_wait(unsigned long long* bar, int parity) {
     emu_jitter();
 }
 inline void add_release(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_release); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned long long global_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
