@@ -1,5 +1,6 @@
-// CPU emulation of the CUDA features rms_norm.cu and fold.cu use (bench/emulate/run.sh, fold_run.sh): one
-// std::thread per CUDA thread, a CTA's barriers, shuffle buffer and dynamic shared memory in an EmuBlock its
+// CPU emulation of the CUDA features rms_norm.cu, fold.cu and onepass.cu use (bench/emulate/run.sh, fold_run.sh,
+// onepass_run.sh): one std::thread per CUDA thread, a CTA's barriers (the block's, each warp's, named ones,
+// mbarriers), shuffle buffer and dynamic shared memory in an EmuBlock its
 // threads point at (so CTAs may run one after another or all at once), fp32 operations as the C++ operators
 // (built with -ffp-contract=off), bf16 rounding to nearest even on the bit pattern. Built with
 // AddressSanitizer, it reports any read or write outside the buffers a kernel is given. Static __shared__
