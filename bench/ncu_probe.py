@@ -1,16 +1,19 @@
 """One call of each norm kernel inside a profiler range, for Nsight Compute:
     ncu --profile-from-start off --clock-control none [sections] python3 bench/ncu_probe.py M N case...
-Cases: cuda-fwd, cuda-bwd (the tables' block shapes), cuda-fwd-hold<V> / cuda-fwd-stream<T> /
-cuda-bwd-hold<V> / cuda-bwd-stream<T> (a fixed block shape), triton-fwd, triton-bwd, liger-fwd,
-liger-bwd, quack-fwd, quack-bwd; fold-plain (the strict left fold of x's rows) and fold-dw (the strict dW
-fold: contributions recomputed from dy, x and rstd, the kernel behind dw="strict"), fold-dw<C> (the ring with
-C columns a CTA, 128 rows a stage, whole stages converted), onepass-strict (the one-pass strict backward,
-kernels/onepass.cu, default knobs). bf16 x, dy and weight, llama mode, fast dW but where named strict.
+Cases: copy (torch's device copy of x, the bandwidth ceiling's kernel); cuda-fwd, cuda-bwd (the tables' block
+shapes); cuda-fwd-uneven / cuda-bwd-uneven (the tables' entry with the per-lane paths compiled: EVEN off);
+cuda-fwd-hold<V> / cuda-fwd-stream<T> / cuda-bwd-hold<V> / cuda-bwd-stream<T> (a fixed block shape);
+triton-fwd, triton-bwd, liger-fwd, liger-bwd, quack-fwd, quack-bwd; fold-plain (the strict left fold of x's
+rows) and fold-dw (the strict dW fold: contributions recomputed from dy, x and rstd, the kernel behind
+dw="strict"), fold-dw<C> (the ring with C columns a CTA, 128 rows a stage, whole stages converted);
+onepass-strict (the one-pass strict backward, kernels/onepass.cu, default knobs). bf16 x, dy and weight,
+llama mode, fast dW but where named strict.
 Warm-up calls (compiles) run outside the range; each case's range holds one call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -24,6 +27,9 @@ EPS = 1e-6
 
 def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor):
     spec = make_spec(x.dtype, EPS, 0.0, "llama", x.dtype)
+    if name == "copy":
+        out = torch.empty_like(x)
+        return lambda: out.copy_(x)
     backend, op, *shape = name.split("-")
     if backend == "fold":
         from strictnorm.backends.cuda.backend import FoldTuning
@@ -42,7 +48,13 @@ def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd:
     if backend in ("cuda", "triton"):
         b = get_backend(backend)
         b.fwd_tuning = b.bwd_tuning = None  # the tables (or STRICTNORM_CUDA_TUNING)
-        if shape:  # cuda-fwd-hold16, cuda-bwd-stream256
+        if shape and shape[0] == "uneven":
+            from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
+
+            m, n = x.shape
+            b.fwd_tuning = dataclasses.replace(tuning_for(FWD_TABLE, n, m), even=False)
+            b.bwd_tuning = dataclasses.replace(tuning_for(BWD_TABLE, n, m), even=False)
+        elif shape:  # cuda-fwd-hold16, cuda-bwd-stream256
             kind = shape[0]
             tu = (NormTuning(values=int(kind[4:])) if kind.startswith("hold")
                   else NormTuning(hold_max_p=0, stream_threads=int(kind[6:]), partial_blocks_per_sm=0))

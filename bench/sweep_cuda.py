@@ -4,7 +4,9 @@ Every configuration must give the reference's bits (checked here: y, rstd and dx
 backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
 Kernels are compiled first, in parallel, into the disk cache. Rows of N below a power of two also try
 each configuration untrimmed too (`trim=False`; trimmed is the default). SWEEP_SHAPES=MxN,MxN limits the shapes;
-SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes.
+SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes. SWEEP_VARIANTS=1 replaces the block-shape
+grid by the tables' entry per shape with its code-path knobs varied (EVEN on and off, cache hints);
+SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction.
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
 """
@@ -20,7 +22,14 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from strictnorm.backends.cuda import nvrtc
-from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, norm_launch
+from strictnorm.backends.cuda.backend import (
+    BWD_TABLE,
+    FWD_TABLE,
+    NormTuning,
+    norm_bwd_launch,
+    norm_launch,
+    tuning_for,
+)
 from strictnorm.backends.registry import get_backend
 from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps, norm_bytes
 from strictnorm.contract import make_spec
@@ -49,12 +58,28 @@ if os.environ.get("SWEEP_MIN_THREADS"):
     BWD_TUNINGS = [dataclasses.replace(t, min_threads=s) for t in BWD_TUNINGS for s in _sizes]
 
 
+DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
+VARIANTS = os.environ.get("SWEEP_VARIANTS") == "1"
+# SWEEP_VARIANTS: (even, load_hint, store_hint) of the table's entry; the load hints act in the forward only
+_FWD_VARIANTS = [(e, lh, sh) for e in (False, True) for lh, sh in ((0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (3, 1))]
+_BWD_VARIANTS = [(e, 0, sh) for e in (False, True) for sh in (0, 1)]
+
+
 def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
     """The configurations (padding pieces trimmed, the default), and for N below its power of two each one
     untrimmed too."""
     if n == next_pow2(n):
         return tunings
     return tunings + [dataclasses.replace(t, trim=False) for t in tunings]
+
+
+def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
+    """The configurations swept at one shape and direction."""
+    if VARIANTS:
+        table, variants = (FWD_TABLE, _FWD_VARIANTS) if direction == "fwd" else (BWD_TABLE, _BWD_VARIANTS)
+        base = tuning_for(table, n, m)
+        return [dataclasses.replace(base, even=e, load_hint=lh, store_hint=sh) for e, lh, sh in variants]
+    return tunings_for(n, FWD_TUNINGS if direction == "fwd" else BWD_TUNINGS)
 
 
 def _compile(defines: dict) -> None:
@@ -64,11 +89,13 @@ def _compile(defines: dict) -> None:
 def precompile() -> None:
     jobs = []
     bf16 = torch.bfloat16
-    for _, n in SHAPES:
-        jobs += [norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu).defines
-                 for tu in tunings_for(n, FWD_TUNINGS)]
-        jobs += [norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tu).defines
-                 for tu in tunings_for(n, BWD_TUNINGS)]
+    for m, n in SHAPES:  # the sweep's tensors are fresh allocations: 16-byte aligned
+        if "fwd" in DIRECTIONS:
+            jobs += [norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu, True).defines
+                     for tu in shape_tunings("fwd", m, n)]
+        if "bwd" in DIRECTIONS:
+            jobs += [norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tu, True).defines
+                     for tu in shape_tunings("bwd", m, n)]
     unique = {tuple(sorted(d.items())): d for d in jobs}
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex:
         list(ex.map(_compile, unique.values()))
@@ -85,8 +112,8 @@ def _sweep_shape(timer: Timer, cb, ref, spec, m: int, n: int, ceiling: float) ->
     dx_ref, _ = ref.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", False, None)
     fb, bb = norm_bytes(m, n)
     rows = []
-    for direction, tunings in (("fwd", FWD_TUNINGS), ("bwd", BWD_TUNINGS)):
-        for tu in tunings_for(n, tunings):
+    for direction in DIRECTIONS:
+        for tu in shape_tunings(direction, m, n):
             cb.fwd_tuning = cb.bwd_tuning = tu
             row = dict(M=m, N=n, direction=direction, **dataclasses.asdict(tu))
             try:
@@ -128,7 +155,7 @@ def best_tunings(results: list[dict]) -> dict:
 def main() -> None:
     precompile()
     dev = torch.device("cuda")
-    timer = Timer(dev, iters=7)
+    timer = Timer(dev, iters=int(os.environ.get("SWEEP_ITERS", "7")))
     ceiling = copy_ceiling_gbps(dev)
     cb, ref = get_backend("cuda"), get_backend("torch")
     spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
@@ -147,7 +174,7 @@ def main() -> None:
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
     knobs = ("values", "min_threads", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm",
-             "dw_smem", "persistent", "trim")
+             "dw_smem", "persistent", "trim", "even", "load_hint", "store_hint")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):
@@ -156,6 +183,13 @@ def main() -> None:
                 b = min(ok, key=lambda r: r["us"])
                 line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
         print(line)
+    if VARIANTS:
+        print("\nper variant (even, load_hint, store_hint): us")
+        for m, n in SHAPES:
+            for key in DIRECTIONS:
+                ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
+                print(f"{m:>7d}x{n:<6d} {key} " + " ".join(
+                    f"{int(r['even'])}{r['load_hint']}{r['store_hint']}:{r['us']:.1f}" for r in ok))
 
 
 if __name__ == "__main__":

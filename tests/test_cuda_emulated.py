@@ -69,19 +69,32 @@ def _inputs(rows: int, n: int, seed: int) -> dict:
     return {"x": x, "res": res, "w": w, "dy": torch.randn(rows, n, generator=g).bfloat16()}
 
 
-# (N, tuning): the tables' shapes at N below its power of two, with and without trimmed padding pieces, and
-# rows read twice instead of held
-CASES = [(5120, None), (5120, NormTuning(values=32, trim=True)), (18432, NormTuning(values=64, trim=True)),
-         (7, None), (1000, NormTuning(values=8)), (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True)),
-         (4096, NormTuning(hold_max_p=0, stream_threads=256))]
+# (N, tuning, aligned): the tables' shapes at N below its power of two, with and without trimmed padding
+# pieces, and rows read twice instead of held; aligned: compiled as for 16-byte aligned rows (EVEN: only the
+# 16-byte paths, pieces whole or wholly padding; N = 1000 leaves pieces wholly in the padding)
+CASES = [(5120, None, False), (5120, NormTuning(values=32, trim=True), False),
+         (18432, NormTuning(values=64, trim=True), False), (7, None, False), (1000, NormTuning(values=8), False),
+         (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True), False),
+         (4096, NormTuning(hold_max_p=0, stream_threads=256), False),
+         (5120, NormTuning(values=32, trim=True), True), (1000, NormTuning(values=8), True),
+         (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True), True)]
 
 
-@pytest.mark.parametrize("n, tuning", CASES)
-def test_emulated_forward_bitwise(n, tuning, seed, tmp_path):
+def test_even_cases_compile_even():
+    """The aligned cases above take the EVEN kernels (else they would test nothing new)."""
+    bf16 = torch.bfloat16
+    for n, tuning, aligned in CASES:
+        fl = norm_launch(n, bf16, bf16, bf16, bf16, "llama", False, tuning, aligned)
+        bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, True, False, tuning, aligned)
+        assert fl.defines.get("EVEN", 0) == bl.defines.get("EVEN", 0) == int(aligned)
+
+
+@pytest.mark.parametrize("n, tuning, aligned", CASES)
+def test_emulated_forward_bitwise(n, tuning, aligned, seed, tmp_path):
     bf16 = torch.bfloat16
     mode = random.Random(seed).choice(["llama", "gemma", "none"])
     fused = n != 7
-    fl = norm_launch(n, bf16, bf16 if fused else None, bf16, bf16, mode, False, tuning)
+    fl = norm_launch(n, bf16, bf16 if fused else None, bf16, bf16, mode, False, tuning, aligned)
     rows = max(5, 2 * fl.rows_per_block + 1)  # a partial row group too
     t = _inputs(rows, n, seed)
     t["rstd"] = torch.zeros(rows)
@@ -92,11 +105,11 @@ def test_emulated_forward_bitwise(n, tuning, seed, tmp_path):
     assert not fused or bits_equal(z, got["z"])
 
 
-@pytest.mark.parametrize("n, tuning", CASES)
-def test_emulated_backward_bitwise(n, tuning, seed, tmp_path):
+@pytest.mark.parametrize("n, tuning, aligned", CASES)
+def test_emulated_backward_bitwise(n, tuning, aligned, seed, tmp_path):
     """dx with a residual gradient, and the signed zeros of zero dy rows with a negative offset."""
     bf16 = torch.bfloat16
-    bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, True, False, tuning)
+    bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, True, False, tuning, aligned)
     dy, z, w, rstd, spec, want = zero_dy_case(n, "cpu", torch.Generator().manual_seed(seed))
     rows = dy.shape[0]
     t = {"x": z, "res": torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)).bfloat16(), "w": w,
@@ -105,7 +118,7 @@ def test_emulated_backward_bitwise(n, tuning, seed, tmp_path):
     got = _emulate(bl.defines, rows, n, spec.offset, t, tmp_path)
     assert bits_equal(want, got["out"])
     # without a residual gradient the zeros' signs show (adding one turns -0.0 into +0.0)
-    bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, False, tuning)
+    bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, False, tuning, aligned)
     want, _ = TorchBackend().rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", False, None)
     assert bits_equal(want, _emulate(bl.defines, rows, n, spec.offset, t, tmp_path)["out"])
 

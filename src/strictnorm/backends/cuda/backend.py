@@ -207,6 +207,11 @@ class NormTuning:
     # N = 18432 forward 57.0 -> 45.4 us, backward 166.9 -> 110.7 us; N = 5120 29.7 -> 26.3, 69.2 -> 62.3 us;
     # the same code where N is a power of two
     trim: bool = True
+    # where every row segment is 16-byte aligned and N a multiple of a 16-byte piece: only the 16-byte paths
+    # compiled (rms_norm.cu's EVEN; the same arithmetic, so the same bits)
+    even: bool = True
+    load_hint: int = 0  # rms_norm.cu's LOAD_HINT / STORE_HINT cache hints (0: none; sweep knobs)
+    store_hint: int = 0
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
@@ -273,10 +278,12 @@ def tuning_for(table: dict[int, Tuning], n: int, rows: int | None = None) -> Nor
 
 @functools.lru_cache(maxsize=4096)
 def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_dtype: torch.dtype | None,
-                y_dtype: torch.dtype, mode: str, per_head: bool, tuning: NormTuning | None = None) -> NormLaunch:
+                y_dtype: torch.dtype, mode: str, per_head: bool, tuning: NormTuning | None = None,
+                aligned: bool = False) -> NormLaunch:
     """Macros and block shape of rms_norm.cu for one call: pieces of PIECE lanes (16 bytes of the
     narrowest streamed dtype), TPR threads per row holding K pieces each, RPB rows per block; rows
-    held in registers (HOLD) up to tuning.hold_max_p padded lanes, read twice beyond."""
+    held in registers (HOLD) up to tuning.hold_max_p padded lanes, read twice beyond. aligned: every row
+    segment of the call starts 16-byte aligned (EVEN where N is also a multiple of PIECE)."""
     tuning = tuning or tuning_for(FWD_TABLE, n)
     p = next_pow2(n)
     norm_dtype = res_dtype or x_dtype
@@ -292,6 +299,12 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
                "HOLD_W": int(hold and tuning.hold_weight)}
+    sizes = (x_dtype.itemsize, norm_dtype.itemsize, y_dtype.itemsize, (w_dtype or x_dtype).itemsize)
+    if tuning.even and aligned and n % piece == 0 and all(piece * size % 16 == 0 for size in sizes):
+        defines["EVEN"] = 1
+    for macro, hint in (("LOAD_HINT", tuning.load_hint), ("STORE_HINT", tuning.store_hint)):
+        if hint:
+            defines[macro] = hint
     pieces_with_data = max(1, -(-n // (piece * tpr)))
     if tuning.trim and pieces_with_data < k:  # else KR = K: the untrimmed kernel (same cubin, same cache key)
         defines["KR"] = pieces_with_data
@@ -300,12 +313,12 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
 
 @functools.lru_cache(maxsize=4096)
 def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype: torch.dtype | None, mode: str,
-                    per_head: bool, has_dres: bool, dw_partials: bool, tuning: NormTuning | None = None
-                    ) -> NormLaunch:
+                    per_head: bool, has_dres: bool, dw_partials: bool, tuning: NormTuning | None = None,
+                    aligned: bool = False) -> NormLaunch:
     """rms_norm.cu's backward kernel for one call: the forward's block shape rules, BACKWARD set."""
     narrowest = dy_dtype if dy_dtype.itemsize < z_dtype.itemsize else z_dtype
     tuning = tuning or tuning_for(BWD_TABLE, n)
-    fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning)
+    fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning, aligned)
     defines = dict(fl.defines, YC=DTYPE_CODES[z_dtype], BACKWARD=1, DYC=DTYPE_CODES[dy_dtype], HAS_DRES=int(has_dres),
                    DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_partials and fl.defines["HOLD"] and tuning.dw_smem),
                    PADDED=int(n < next_pow2(n)))
@@ -650,13 +663,13 @@ class CudaBackend:
         if views.lay.rows == 0:
             return _FwdPlan(views, spec.out_dtype, None, 0, 0, 0, ())
         n = v.lay.n
-        fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
-                         v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
-                         self.fwd_tuning or tuning_for(FWD_TABLE, n, v.lay.rows))
         wsg = v.weight.stride(0) if v.per_head else 0
         aligned = _aligned16((v.x, v.lay.args()), (v.res, v.rlay.args()), (v.y, (n,)),
                              *(((v.z, (n,)),) if v.z is not None else ()),
                              *(((v.weight, (wsg,)),) if v.weight is not None else ()))
+        fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
+                         v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
+                         self.fwd_tuning or tuning_for(FWD_TABLE, n, v.lay.rows), aligned)
         dev = _device_index(x)
         kernel = self._norm_kernel(dev, "rms_fwd", fl)
         groups = -(-v.lay.rows // fl.rows_per_block)
@@ -712,14 +725,19 @@ class CudaBackend:
         w_dtype = v.weight.dtype if v.weight is not None else None
         partials = need_dw and dw_mode == "fast" and not v.per_head
         tuning = self.bwd_tuning or tuning_for(BWD_TABLE, n, rows)
-        fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, partials, tuning)
+        wsg = v.weight.stride(0) if v.per_head else 0
+        aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
+                             (v.dx_kernel, v.xlay.args()), *(((v.weight, (wsg,)),) if v.weight is not None else ()))
+        fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, partials, tuning,
+                             aligned)
         # fp32 partials in shared memory (rows not held, or the tuning says so); where they do not fit,
         # the strict fold (deterministic too) serves dw="fast"
         in_smem = partials and (not fl.defines["HOLD"] or fl.defines["DW_SMEM"])
         shmem = fl.rows_per_block * n * 4 if in_smem else 0
         if shmem > _SMEM_LIMIT:
             partials, shmem = False, 0
-            fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, False, tuning)
+            fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, False, tuning,
+                                 aligned)
         if rows == 0:
             return _BwdPlan(views, 0, None, None, 0, 0, 0, 0, (), 0, ())
         dev = _device_index(z)
@@ -737,9 +755,6 @@ class CudaBackend:
         groups = -(-rows // fl.rows_per_block)
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
                           persistent=fl.persistent or partials)  # one partial row per block
-        wsg = v.weight.stride(0) if v.per_head else 0
-        aligned = _aligned16((v.z, v.lay.args()), (v.dy, v.dlay.args()), (v.dres, v.elay.args()),
-                             (v.dx_kernel, v.xlay.args()), *(((v.weight, (wsg,)),) if v.weight is not None else ()))
         part_rows = grid * fl.rows_per_block if partials else 0
         return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, (*tail, np.int32(aligned)),
                         part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
