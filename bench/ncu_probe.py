@@ -1,7 +1,7 @@
 """One call of each norm kernel inside a profiler range, for Nsight Compute:
     ncu --profile-from-start off --clock-control none [sections] python3 bench/ncu_probe.py M N case...
-Cases: copy (torch's device copy of x, the bandwidth ceiling's kernel); cuda-fwd, cuda-bwd (the tables' block
-shapes); cuda-fwd-uneven / cuda-bwd-uneven (the tables' entry with the per-lane paths compiled: EVEN off);
+Cases: cuda-fwd, cuda-bwd (the tables' block shapes); cuda-fwd-uneven / cuda-bwd-uneven (the tables' entry with
+the per-lane paths compiled: EVEN off);
 cuda-fwd-hold<V> / cuda-fwd-stream<T> / cuda-bwd-hold<V> / cuda-bwd-stream<T> (a fixed block shape);
 triton-fwd, triton-bwd, liger-fwd, liger-bwd, quack-fwd, quack-bwd; fold-plain (the strict left fold of x's
 rows) and fold-dw (the strict dW fold: contributions recomputed from dy, x and rstd, the kernel behind
@@ -27,9 +27,6 @@ EPS = 1e-6
 
 def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor):
     spec = make_spec(x.dtype, EPS, 0.0, "llama", x.dtype)
-    if name == "copy":
-        out = torch.empty_like(x)
-        return lambda: out.copy_(x)
     backend, op, *shape = name.split("-")
     if backend == "fold":
         from strictnorm.backends.cuda.backend import FoldTuning

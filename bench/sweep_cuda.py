@@ -5,7 +5,7 @@ backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 fl
 Kernels are compiled first, in parallel, into the disk cache. Rows of N below a power of two also try
 each configuration untrimmed too (`trim=False`; trimmed is the default). SWEEP_SHAPES=MxN,MxN limits the shapes;
 SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes. SWEEP_VARIANTS=1 replaces the block-shape
-grid by the tables' entry per shape with its code-path knobs varied (EVEN on and off, cache hints);
+grid by the tables' entry per shape with EVEN off and on (16-byte aligned rows: only the 16-byte paths);
 SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction.
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
@@ -60,9 +60,6 @@ if os.environ.get("SWEEP_MIN_THREADS"):
 
 DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
 VARIANTS = os.environ.get("SWEEP_VARIANTS") == "1"
-# SWEEP_VARIANTS: (even, load_hint, store_hint) of the table's entry; the load hints act in the forward only
-_FWD_VARIANTS = [(e, lh, sh) for e in (False, True) for lh, sh in ((0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (3, 1))]
-_BWD_VARIANTS = [(e, 0, sh) for e in (False, True) for sh in (0, 1)]
 
 
 def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
@@ -76,9 +73,8 @@ def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
 def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
     """The configurations swept at one shape and direction."""
     if VARIANTS:
-        table, variants = (FWD_TABLE, _FWD_VARIANTS) if direction == "fwd" else (BWD_TABLE, _BWD_VARIANTS)
-        base = tuning_for(table, n, m)
-        return [dataclasses.replace(base, even=e, load_hint=lh, store_hint=sh) for e, lh, sh in variants]
+        base = tuning_for(FWD_TABLE if direction == "fwd" else BWD_TABLE, n, m)
+        return [dataclasses.replace(base, even=even) for even in (False, True)]
     return tunings_for(n, FWD_TUNINGS if direction == "fwd" else BWD_TUNINGS)
 
 
@@ -174,7 +170,7 @@ def main() -> None:
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
     knobs = ("values", "min_threads", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm",
-             "dw_smem", "persistent", "trim", "even", "load_hint", "store_hint")
+             "dw_smem", "persistent", "trim", "even")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):
@@ -184,12 +180,12 @@ def main() -> None:
                 line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
         print(line)
     if VARIANTS:
-        print("\nper variant (even, load_hint, store_hint): us")
+        print("\nper variant (EVEN 0 / 1): us")
         for m, n in SHAPES:
             for key in DIRECTIONS:
                 ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
                 print(f"{m:>7d}x{n:<6d} {key} " + " ".join(
-                    f"{int(r['even'])}{r['load_hint']}{r['store_hint']}:{r['us']:.1f}" for r in ok))
+                    f"{int(r['even'])}:{r['us']:.1f}" for r in ok))
 
 
 if __name__ == "__main__":

@@ -208,10 +208,11 @@ class NormTuning:
     # the same code where N is a power of two
     trim: bool = True
     # where every row segment is 16-byte aligned and N a multiple of a 16-byte piece: only the 16-byte paths
-    # compiled (rms_norm.cu's EVEN; the same arithmetic, so the same bits)
+    # compiled (rms_norm.cu's EVEN; the same arithmetic, so the same bits). Measured on an H200 (2026-11-30,
+    # bench/results/2026-11-30-h200-run10): the backward 235 -> 220 us at 32768 x 4096, 110 -> 101 at
+    # 2048 x 18432; the forward gains at 2048 x 4096 (12.1 -> 10.9) but loses at 8192 x 8192 (68 -> 75:
+    # more registers, fewer resident blocks), hence per table entry
     even: bool = True
-    load_hint: int = 0  # rms_norm.cu's LOAD_HINT / STORE_HINT cache hints (0: none; sweep knobs)
-    store_hint: int = 0
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
@@ -225,20 +226,21 @@ Tuning = tuple[tuple[int | None, NormTuning], ...]  # (max rows, tuning) entries
 _H = 65536  # hold_max_p: rows held in registers
 
 
-def _fwd(values: int, persistent: bool = False) -> NormTuning:
+def _fwd(values: int, persistent: bool = False, even: bool = False) -> NormTuning:
     """The forward's entries: rows held, the weight reloaded per row (registers go to the row)."""
-    return NormTuning(values=values, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0, persistent=persistent)
+    return NormTuning(values=values, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0, persistent=persistent,
+                      even=even)
 
 
 FWD_TABLE: dict[int, Tuning] = {
     128: ((None, _fwd(32)),),
-    4096: ((128, _fwd(8, persistent=True)), (2048, _fwd(64)), (8192, _fwd(32)), (None, _fwd(64))),
+    4096: ((128, _fwd(8, persistent=True)), (2048, _fwd(64, even=True)), (8192, _fwd(32)), (None, _fwd(64))),
     8192: ((None, _fwd(32)),),
-    32768: ((None, _fwd(64, persistent=True)),),
+    32768: ((None, _fwd(64, persistent=True, even=True)),),
     65536: ((None, _fwd(32, persistent=True)),),
 }
 BWD_TABLE: dict[int, Tuning] = {
-    128: ((None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8)),),
+    128: ((None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, even=False)),),
     4096: ((128, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True)),
            (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4)),
            (8192, NormTuning(hold_max_p=_H, partial_blocks_per_sm=8)),
@@ -302,9 +304,6 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     sizes = (x_dtype.itemsize, norm_dtype.itemsize, y_dtype.itemsize, (w_dtype or x_dtype).itemsize)
     if tuning.even and aligned and n % piece == 0 and all(piece * size % 16 == 0 for size in sizes):
         defines["EVEN"] = 1
-    for macro, hint in (("LOAD_HINT", tuning.load_hint), ("STORE_HINT", tuning.store_hint)):
-        if hint:
-            defines[macro] = hint
     pieces_with_data = max(1, -(-n // (piece * tpr)))
     if tuning.trim and pieces_with_data < k:  # else KR = K: the untrimmed kernel (same cubin, same cache key)
         defines["KR"] = pieces_with_data

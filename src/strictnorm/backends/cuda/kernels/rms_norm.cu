@@ -26,12 +26,13 @@
 //
 // EVEN (host-checked: every row segment 16-byte aligned, N a multiple of PIECE, PIECE lanes of the narrowest
 // streamed dtype 16 bytes) compiles only the 16-byte paths: every piece is then whole or wholly padding, and the
-// per-lane fallbacks (most of the code) are gone. LOAD_HINT / STORE_HINT: cache hints on the forward's streamed
-// loads (x, the residual) and on every row store (knobs for the sweeps; 0: none).
+// per-lane fallbacks (half the code) are gone. (Cache hints on the streamed loads and the row stores -- L1
+// no-allocate, L2 256-byte prefetch, evict-first stores -- were measured slower or equal on an H200 at every
+// shape of the tables: bench/results/2026-11-30-h200-run10.)
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
-// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN,
-// LOAD_HINT, STORE_HINT; BACKWARD selects the backward kernel (below) instead of the forward.
+// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN;
+// BACKWARD selects the backward kernel (below) instead of the forward.
 #include "common.cuh"
 
 typedef Elem<XC>::T x_t;
@@ -53,12 +54,6 @@ typedef Elem<YC>::T y_t;
 #endif
 #ifndef EVEN
 #define EVEN 0
-#endif
-#ifndef LOAD_HINT
-#define LOAD_HINT 0
-#endif
-#ifndef STORE_HINT
-#define STORE_HINT 0
 #endif
 static_assert(KR >= 1 && KR <= K, "pieces with data");
 constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
@@ -89,39 +84,9 @@ struct Raw {
     }
 };
 
-// 16 bytes of a streamed input (read once; never written during the kernel), with LOAD_HINT's cache hint.
-__device__ __forceinline__ uint4 load_streamed(const void* p) {
-    uint4 u;
-#if LOAD_HINT == 0
-    u = *reinterpret_cast<const uint4*>(p);
-#else
-#if LOAD_HINT == 1
-#define STRICTNORM_LD "ld.global.nc.L1::no_allocate.v4.u32"
-#elif LOAD_HINT == 2
-#define STRICTNORM_LD "ld.global.nc.L2::256B.v4.u32"
-#else
-#define STRICTNORM_LD "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
-#endif
-    asm(STRICTNORM_LD " {%0, %1, %2, %3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
-#undef STRICTNORM_LD
-#endif
-    return u;
-}
-
-// 16 bytes of an output row, with STORE_HINT's cache hint.
-__device__ __forceinline__ void store16(void* p, const uint4& u) {
-#if STORE_HINT == 0
-    *reinterpret_cast<uint4*>(p) = u;
-#else
-    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
-                 : "memory");
-#endif
-}
-
 // Loads one piece's bits; lanes at or past `left` (piece_left) get +0.0's bits (zero). 16-byte vector loads
-// when the piece is whole and `aligned` (pointers and row strides checked by the host); STREAMED: through
-// load_streamed.
-template <int CODE, bool STREAMED = false>
+// when the piece is whole and `aligned` (pointers and row strides checked by the host).
+template <int CODE>
 __device__ __forceinline__ void load_raw(unsigned int* w, const typename Elem<CODE>::T* p, int left, bool aligned) {
     typedef Raw<CODE> R;
     static_assert(!EVEN || R::WORDS % 4 == 0, "EVEN: whole 16-byte pieces");
@@ -129,7 +94,7 @@ __device__ __forceinline__ void load_raw(unsigned int* w, const typename Elem<CO
         if ((EVEN || aligned) && left >= PIECE) {
 #pragma unroll
             for (int q = 0; q < R::WORDS / 4; ++q) {
-                const uint4 u = STREAMED ? load_streamed(p + q * 16 / R::SIZE) : reinterpret_cast<const uint4*>(p)[q];
+                const uint4 u = reinterpret_cast<const uint4*>(p)[q];
                 w[4 * q] = u.x, w[4 * q + 1] = u.y, w[4 * q + 2] = u.z, w[4 * q + 3] = u.w;
             }
             return;
@@ -171,7 +136,7 @@ __device__ __forceinline__ void store_piece(typename Elem<CODE>::T* p, const flo
                 t* e = reinterpret_cast<t*>(&u);
 #pragma unroll
                 for (int j = 0; j < PER; ++j) e[j] = Elem<CODE>::narrow(v[q * PER + j]);
-                store16(p + q * PER, u);
+                reinterpret_cast<uint4*>(p)[q] = u;
             }
             return;
         }
@@ -189,12 +154,11 @@ struct Held {
     unsigned int w[KR][Raw<CODE>::WORDS];
 };
 
-template <int CODE, bool STREAMED = false>
+template <int CODE>
 __device__ __forceinline__ void load_held(Held<CODE>& h, const typename Elem<CODE>::T* row, int t, int n, bool live,
                                           bool aligned) {
 #pragma unroll
-    for (int k = 0; k < KR; ++k)
-        load_raw<CODE, STREAMED>(h.w[k], row + piece_col(k, t), live ? piece_left(k, t, n) : 0, aligned);
+    for (int k = 0; k < KR; ++k) load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_left(k, t, n) : 0, aligned);
 }
 
 // Hides the held words' values from the optimizer at this point: without it, the compiler keeps the fp32
@@ -326,9 +290,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         Held<XC> xh;  // HOLD: this thread's lanes of x and the residual
         Held<RC> rh;
 #if HOLD
-        load_held<XC, true>(xh, xrow, t, n, live, aligned);
+        load_held<XC>(xh, xrow, t, n, live, aligned);
 #if HAS_RES
-        load_held<RC, true>(rh, rrow, t, n, live, aligned);
+        load_held<RC>(rh, rrow, t, n, live, aligned);
 #endif
 #endif
         if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
