@@ -38,6 +38,25 @@ def tree_sum_py(vals: list[float]) -> float:
     return rec(0, p)
 
 
+def fast_dw_excess(fast: torch.Tensor, strict: torch.Tensor, dy: torch.Tensor, z: torch.Tensor, w: torch.Tensor,
+                   rstd: torch.Tensor, mode: str, offset: float) -> float:
+    """How far the fast dW (a reassociated fp32 sum, rounded to the weight's dtype) lies from the strict one,
+    relative to the strict dW's norm, beyond each column's summation slack: 4 * 2**-24 * sum of |terms|. The
+    rounding of a sum of m terms moves it by ~2**-24 times the sum of |terms| (the partial sums' sizes); where
+    the terms cancel to near zero (N = 1, one column over millions of rows) that dwarfs the result, and a bound
+    relative to |dW| alone fails on correct sums. A row left out moves a column by its |term|, ~1 / m of the
+    sum of |terms|: caught while m < ~4M."""
+    from strictnorm.backends.torch_ref import TorchBackend
+    from strictnorm.contract import make_spec
+
+    spec = make_spec(z.dtype, 1e-6, offset, mode, z.dtype)
+    abs_terms = TorchBackend().rms_norm_bwd(dy.abs(), z.abs(), w, rstd, None, spec, "fast", True, None)[1]
+    slack = 4 * 2.0**-24 * abs_terms.double().abs()
+    f, s = fast.double(), strict.double()
+    excess = ((f - s).abs() - slack).clamp_min(0)
+    return (excess.norm() / s.norm().clamp_min(1e-30)).item()
+
+
 def randn(*shape: int, dtype=torch.float32, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
