@@ -621,3 +621,38 @@ def test_cuda_random_configurations_bitwise(cuda_backend, seed):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     for _ in range(12):
         check_random_case(cuda_backend, random_case(rng, gen, DEV))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_launch_from_a_thread_without_a_current_context(seed):
+    """A launch on a thread where no CUDA context is current: torch's autograd engine runs a CUDA backward on
+    its own device thread, which torch's runtime calls make current lazily, so a strictnorm launch can come
+    first there (test_triton.py's first backward in a fresh worker failed so: CUDA_ERROR_INVALID_CONTEXT).
+    The kernel is loaded on this thread first, so the other thread's launch is its first CUDA call."""
+    import threading
+
+    from cuda.bindings import driver
+
+    from strictnorm.contract import make_spec
+
+    x, w, _ = _data(64, 1024, torch.bfloat16, torch.bfloat16, seed)
+    spec = make_spec(x.dtype, 1e-6, 0.0, "llama", x.dtype)
+    cb = get_backend("cuda")
+    want = cb.rms_norm_fwd(x, w, None, spec)
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            (err,) = driver.cuCtxSetCurrent(driver.CUcontext(0))  # none current on this thread
+            assert err == driver.CUresult.CUDA_SUCCESS
+            out["got"] = cb.rms_norm_fwd(x, w, None, spec)
+            torch.cuda.synchronize()
+        except Exception as e:  # re-raised on the test's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    assert bits_equal(want[0], out["got"][0]) and bits_equal(want[1], out["got"][1])

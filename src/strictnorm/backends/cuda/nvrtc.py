@@ -137,6 +137,8 @@ class LoadedKernel:
 
         self.module = module  # keeps the library loaded
         self.kernel = kernel  # cuda.core Kernel: occupancy queries
+        # the context current where the kernel is loaded (KernelCache: the device's primary context)
+        self._context = _checked(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
         self._driver = driver
         self.function = _checked(driver.cuKernelGetFunction(kernel.handle), "cuKernelGetFunction")
         self._sizes = _param_sizes(kernel)
@@ -172,15 +174,27 @@ class LoadedKernel:
             if self._struct is None:
                 self._build_block(args)
             self._struct.pack_into(self._block, 0, *args)
-            if cooperative:
-                (err,) = driver.cuLaunchCooperativeKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem,
-                                                          stream, self._params)
-            else:
-                (err,) = driver.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem, stream,
-                                               self._params, 0)
+            err = self._launch(grid, block, shmem, stream, cooperative)
+            if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+                # a thread where no context is current yet: torch's autograd engine runs a CUDA backward on
+                # its own device thread, which torch's runtime calls make current lazily (a launch there can
+                # come first; seen on an H200, run 10). The device's primary context is the one torch uses.
+                _checked(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+                err = self._launch(grid, block, shmem, stream, cooperative)
         if err != driver.CUresult.CUDA_SUCCESS:
             what = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
             raise CudaLaunchError(f"{what} failed: {err!r} (grid {grid}, block {block}, shared {shmem} B)")
+
+
+    def _launch(self, grid: tuple[int, int, int], block: int, shmem: int, stream: int, cooperative: bool):
+        driver = self._driver
+        if cooperative:
+            (err,) = driver.cuLaunchCooperativeKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem,
+                                                      stream, self._params)
+        else:
+            (err,) = driver.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem, stream,
+                                           self._params, 0)
+        return err
 
 
 def _checked(result: tuple, what: str):
