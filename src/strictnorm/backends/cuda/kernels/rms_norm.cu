@@ -87,16 +87,23 @@ struct Raw {
 // Loads one piece's bits; lanes at or past `left` (piece_left) get +0.0's bits (zero). 16-byte vector loads
 // when the piece is whole and `aligned` (pointers and row strides checked by the host).
 template <int CODE>
+__device__ __forceinline__ void load_whole(unsigned int* w, const typename Elem<CODE>::T* p) {  // 16-byte loads
+    typedef Raw<CODE> R;
+    static_assert(R::WORDS % 4 == 0, "whole 16-byte chunks");
+#pragma unroll
+    for (int q = 0; q < R::WORDS / 4; ++q) {
+        const uint4 u = reinterpret_cast<const uint4*>(p)[q];
+        w[4 * q] = u.x, w[4 * q + 1] = u.y, w[4 * q + 2] = u.z, w[4 * q + 3] = u.w;
+    }
+}
+
+template <int CODE>
 __device__ __forceinline__ void load_raw(unsigned int* w, const typename Elem<CODE>::T* p, int left, bool aligned) {
     typedef Raw<CODE> R;
     static_assert(!EVEN || R::WORDS % 4 == 0, "EVEN: whole 16-byte pieces");
     if constexpr (R::WORDS % 4 == 0) {
         if ((EVEN || aligned) && left >= PIECE) {
-#pragma unroll
-            for (int q = 0; q < R::WORDS / 4; ++q) {
-                const uint4 u = reinterpret_cast<const uint4*>(p)[q];
-                w[4 * q] = u.x, w[4 * q + 1] = u.y, w[4 * q + 2] = u.z, w[4 * q + 3] = u.w;
-            }
+            load_whole<CODE>(w, p);
             return;
         }
     }
@@ -154,11 +161,25 @@ struct Held {
     unsigned int w[KR][Raw<CODE>::WORDS];
 };
 
+// A row's lanes into registers. With EVEN the loads carry no predicate (predicated, ptxas -- NVRTC 13.0, sm_90 --
+// issued the last of them after pass 1's arithmetic on the others: two memory round trips a row; bench/NOTES.md,
+// run 10): every piece before the last one with data is whole on a live row, and a row past the end reads row 0
+// instead (the callers point it there; nothing of it is stored); the last piece, where it is padding, reads the
+// row's first piece and is zeroed.
 template <int CODE>
 __device__ __forceinline__ void load_held(Held<CODE>& h, const typename Elem<CODE>::T* row, int t, int n, bool live,
                                           bool aligned) {
 #pragma unroll
-    for (int k = 0; k < KR; ++k) load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_left(k, t, n) : 0, aligned);
+    for (int k = 0; k < KR; ++k) {
+        if constexpr (EVEN) {
+            const bool whole = k + 1 < KR || (live && piece_left(k, t, n) >= PIECE);
+            load_whole<CODE>(h.w[k], row + (whole ? piece_col(k, t) : 0));
+#pragma unroll
+            for (int j = 0; j < Raw<CODE>::WORDS; ++j) h.w[k][j] = whole ? h.w[k][j] : 0u;
+        } else {
+            load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_left(k, t, n) : 0, aligned);
+        }
+    }
 }
 
 // Hides the held words' values from the optimizer at this point: without it, the compiler keeps the fp32
