@@ -624,15 +624,17 @@ def test_cuda_random_configurations_bitwise(cuda_backend, seed):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_cuda_launch_from_a_thread_without_a_current_context(seed):
+def test_cuda_launch_from_a_thread_without_a_current_context(seed, monkeypatch):
     """A launch on a thread where no CUDA context is current: torch's autograd engine runs a CUDA backward on
     its own device thread, which torch's runtime calls make current lazily, so a strictnorm launch can come
     first there (test_triton.py's first backward in a fresh worker failed so: CUDA_ERROR_INVALID_CONTEXT).
-    The kernel is loaded on this thread first, so the other thread's launch is its first CUDA call."""
+    The kernel is loaded on this thread first, so the other thread's launch is its first CUDA call; the test
+    checks that the launch did meet no current context (else it would test nothing) and retried."""
     import threading
 
     from cuda.bindings import driver
 
+    from strictnorm.backends.cuda import nvrtc
     from strictnorm.contract import make_spec
 
     x, w, _ = _data(64, 1024, torch.bfloat16, torch.bfloat16, seed)
@@ -640,6 +642,14 @@ def test_cuda_launch_from_a_thread_without_a_current_context(seed):
     cb = get_backend("cuda")
     want = cb.rms_norm_fwd(x, w, None, spec)
     out: dict = {}
+    results: list = []
+    launch = nvrtc.LoadedKernel._launch
+
+    def recorded(self, *args):
+        results.append((threading.get_ident(), launch(self, *args)))
+        return results[-1][1]
+
+    monkeypatch.setattr(nvrtc.LoadedKernel, "_launch", recorded)
 
     def run() -> None:
         try:
@@ -656,3 +666,5 @@ def test_cuda_launch_from_a_thread_without_a_current_context(seed):
     if "error" in out:
         raise out["error"]
     assert bits_equal(want[0], out["got"][0]) and bits_equal(want[1], out["got"][1])
+    codes = [code for ident, code in results if ident == thread.ident]
+    assert codes == [driver.CUresult.CUDA_ERROR_INVALID_CONTEXT, driver.CUresult.CUDA_SUCCESS], codes
