@@ -210,8 +210,9 @@ class NormTuning:
     # where every row segment is 16-byte aligned and N a multiple of a 16-byte piece: only the 16-byte paths
     # compiled (rms_norm.cu's EVEN; the same arithmetic, so the same bits). Measured on an H200 (2026-11-30,
     # bench/results/2026-11-30-h200-run10): the backward 235 -> 220 us at 32768 x 4096, 110 -> 101 at
-    # 2048 x 18432; the forward gains at 2048 x 4096 (12.1 -> 10.9) but loses at 8192 x 8192 (68 -> 75:
-    # more registers, fewer resident blocks), hence per table entry
+    # 2048 x 18432; the forward gained at 2048 x 4096 (12.1 -> 10.9) but lost at 8192 x 8192 (68 -> 75: a row's
+    # last load issued after pass 1's arithmetic on the others; since changed, not yet measured: load_held in
+    # rms_norm.cu), hence per table entry
     even: bool = True
 
 

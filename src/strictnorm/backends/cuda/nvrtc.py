@@ -185,7 +185,6 @@ class LoadedKernel:
             what = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
             raise CudaLaunchError(f"{what} failed: {err!r} (grid {grid}, block {block}, shared {shmem} B)")
 
-
     def _launch(self, grid: tuple[int, int, int], block: int, shmem: int, stream: int, cooperative: bool):
         driver = self._driver
         if cooperative:

@@ -84,10 +84,9 @@ struct Raw {
     }
 };
 
-// Loads one piece's bits; lanes at or past `left` (piece_left) get +0.0's bits (zero). 16-byte vector loads
-// when the piece is whole and `aligned` (pointers and row strides checked by the host).
+// One whole piece's bits through 16-byte loads.
 template <int CODE>
-__device__ __forceinline__ void load_whole(unsigned int* w, const typename Elem<CODE>::T* p) {  // 16-byte loads
+__device__ __forceinline__ void load_whole(unsigned int* w, const typename Elem<CODE>::T* p) {
     typedef Raw<CODE> R;
     static_assert(R::WORDS % 4 == 0, "whole 16-byte chunks");
 #pragma unroll
@@ -97,6 +96,8 @@ __device__ __forceinline__ void load_whole(unsigned int* w, const typename Elem<
     }
 }
 
+// Loads one piece's bits; lanes at or past `left` (piece_left) get +0.0's bits (zero). 16-byte vector loads
+// when the piece is whole and `aligned` (pointers and row strides checked by the host).
 template <int CODE>
 __device__ __forceinline__ void load_raw(unsigned int* w, const typename Elem<CODE>::T* p, int left, bool aligned) {
     typedef Raw<CODE> R;
