@@ -625,11 +625,12 @@ def test_cuda_random_configurations_bitwise(cuda_backend, seed):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_launch_from_a_thread_without_a_current_context(seed, monkeypatch):
-    """A launch on a thread where no CUDA context is current: torch's autograd engine runs a CUDA backward on
+    """Launches on threads where no CUDA context is current: torch's autograd engine runs a CUDA backward on
     its own device thread, which torch's runtime calls make current lazily, so a strictnorm launch can come
     first there (test_triton.py's first backward in a fresh worker failed so: CUDA_ERROR_INVALID_CONTEXT).
-    The kernel is loaded on this thread first, so the other thread's launch is its first CUDA call; the test
-    checks that the launch did meet no current context (else it would test nothing) and retried."""
+    The kernel is loaded on this thread first. A call planned here meets no context at its launch and retries
+    (checked, else the test would test nothing); a call planned on the fresh thread gets the context from the
+    kernel cache while planning and launches at once."""
     import threading
 
     from cuda.bindings import driver
@@ -639,9 +640,8 @@ def test_cuda_launch_from_a_thread_without_a_current_context(seed, monkeypatch):
 
     x, w, _ = _data(64, 1024, torch.bfloat16, torch.bfloat16, seed)
     spec = make_spec(x.dtype, 1e-6, 0.0, "llama", x.dtype)
-    cb = get_backend("cuda")
-    want = cb.rms_norm_fwd(x, w, None, spec)
-    out: dict = {}
+    cb, tr = get_backend("cuda"), get_backend("torch")
+    cb.rms_norm_fwd(x, w, None, spec)  # the kernel loaded and this signature planned on this thread
     results: list = []
     launch = nvrtc.LoadedKernel._launch
 
@@ -651,20 +651,29 @@ def test_cuda_launch_from_a_thread_without_a_current_context(seed, monkeypatch):
 
     monkeypatch.setattr(nvrtc.LoadedKernel, "_launch", recorded)
 
-    def run() -> None:
-        try:
-            (err,) = driver.cuCtxSetCurrent(driver.CUcontext(0))  # none current on this thread
-            assert err == driver.CUresult.CUDA_SUCCESS
-            out["got"] = cb.rms_norm_fwd(x, w, None, spec)
-            torch.cuda.synchronize()
-        except Exception as e:  # re-raised on the test's thread
-            out["error"] = e
+    def on_fresh_thread(rows: torch.Tensor) -> tuple:
+        out: dict = {}
+        results.clear()  # thread identifiers may be reused once a thread has ended
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    assert bits_equal(want[0], out["got"][0]) and bits_equal(want[1], out["got"][1])
-    codes = [code for ident, code in results if ident == thread.ident]
-    assert codes == [driver.CUresult.CUDA_ERROR_INVALID_CONTEXT, driver.CUresult.CUDA_SUCCESS], codes
+        def run() -> None:
+            try:
+                (err,) = driver.cuCtxSetCurrent(driver.CUcontext(0))  # none current on this thread
+                assert err == driver.CUresult.CUDA_SUCCESS
+                out["got"] = cb.rms_norm_fwd(rows, w, None, spec)
+                torch.cuda.synchronize()
+            except Exception as e:  # re-raised on the test's thread
+                out["error"] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return out["got"], [code for ident, code in results if ident == thread.ident]
+
+    ok, invalid = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
+    for rows, codes_expected in ((x, [invalid, ok]), (x[:63], [ok])):  # planned here; planned there
+        got, codes = on_fresh_thread(rows)
+        want = tr.rms_norm_fwd(rows, w, None, spec)
+        assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
+        assert codes == codes_expected, (rows.shape, codes)

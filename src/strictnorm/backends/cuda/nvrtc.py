@@ -176,14 +176,20 @@ class LoadedKernel:
             self._struct.pack_into(self._block, 0, *args)
             err = self._launch(grid, block, shmem, stream, cooperative)
             if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-                # a thread where no context is current yet: torch's autograd engine runs a CUDA backward on
-                # its own device thread, which torch's runtime calls make current lazily (a launch there can
-                # come first; seen on an H200, run 10). The device's primary context is the one torch uses.
-                _checked(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+                self.make_current()
                 err = self._launch(grid, block, shmem, stream, cooperative)
         if err != driver.CUresult.CUDA_SUCCESS:
             what = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
             raise CudaLaunchError(f"{what} failed: {err!r} (grid {grid}, block {block}, shared {shmem} B)")
+
+    def make_current(self) -> None:
+        """Makes the kernel's context current where none is: torch's autograd engine runs a CUDA backward on
+        its own device thread, where torch's runtime makes the context current lazily, so a strictnorm driver
+        call can come first there (CUDA_ERROR_INVALID_CONTEXT, seen on an H200 in run 10). The kernel's
+        context is the device's primary one, which torch uses."""
+        driver = self._driver
+        if not int(_checked(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")):
+            _checked(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
     def _launch(self, grid: tuple[int, int, int], block: int, shmem: int, stream: int, cooperative: bool):
         driver = self._driver
@@ -220,6 +226,8 @@ class KernelCache:
         self._lock = threading.Lock()
 
     def get(self, device_index: int, name: str, kernel: str, defines: dict[str, int]) -> LoadedKernel:
+        """The loaded kernel, its context current on the calling thread (the planners' occupancy queries and
+        attribute calls that follow need one; they run once per input signature)."""
         key = (device_index, name, kernel, tuple(sorted(defines.items())))
         entry = self._kernels.get(key)
         if entry is None:
@@ -227,6 +235,7 @@ class KernelCache:
                 entry = self._kernels.get(key)
                 if entry is None:
                     entry = self._kernels[key] = self._load(device_index, name, kernel, defines)
+        entry.make_current()
         return entry
 
     @staticmethod
