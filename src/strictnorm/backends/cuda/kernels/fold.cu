@@ -122,7 +122,6 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
 // warps are producers issuing 16-byte cp.async copies. Needs 16-byte aligned row segments: the
 // loader checks pointers and strides and uses fold_simple otherwise (same bits).
 
-
 #ifndef FULL_STAGE
 #define FULL_STAGE 0
 #endif
