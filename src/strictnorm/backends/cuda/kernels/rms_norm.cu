@@ -162,24 +162,28 @@ struct Held {
     unsigned int w[KR][Raw<CODE>::WORDS];
 };
 
-// A row's lanes into registers. With EVEN the loads carry no predicate (predicated, ptxas -- NVRTC 13.0, sm_90 --
-// issued the last of them after pass 1's arithmetic on the others: two memory round trips a row; bench/NOTES.md,
-// run 10): every piece before the last one with data is whole on a live row, and a row past the end reads row 0
-// instead (the callers point it there; nothing of it is stored); the last piece, where it is padding, reads the
-// row's first piece and is zeroed.
+// EVEN: piece k of a row (`row` its first lane; `left` as piece_left gives it, or 0) through an unpredicated
+// 16-byte load. Predicated, ptxas -- NVRTC
+// 13.0, sm_90 -- issued a held row's last load after pass 1's arithmetic on the others (two memory round trips a
+// row; bench/NOTES.md, run 10) and each of pass 2's weight loads just before its use. Every piece before the last
+// one with data is whole; the last one, where it is padding, reads the row's first piece and is zeroed. A row past
+// the end is read as row 0 (the callers point it there; nothing of it is stored or summed into dW).
+template <int CODE>
+__device__ __forceinline__ void load_even(unsigned int* w, const typename Elem<CODE>::T* row, int k, int t, int left) {
+    const bool whole = k + 1 < KR || left >= PIECE;
+    load_whole<CODE>(w, row + (whole ? piece_col(k, t) : 0));
+#pragma unroll
+    for (int j = 0; j < Raw<CODE>::WORDS; ++j) w[j] = whole ? w[j] : 0u;
+}
+
+// A row's lanes into registers.
 template <int CODE>
 __device__ __forceinline__ void load_held(Held<CODE>& h, const typename Elem<CODE>::T* row, int t, int n, bool live,
                                           bool aligned) {
 #pragma unroll
     for (int k = 0; k < KR; ++k) {
-        if constexpr (EVEN) {
-            const bool whole = k + 1 < KR || (live && piece_left(k, t, n) >= PIECE);
-            load_whole<CODE>(h.w[k], row + (whole ? piece_col(k, t) : 0));
-#pragma unroll
-            for (int j = 0; j < Raw<CODE>::WORDS; ++j) h.w[k][j] = whole ? h.w[k][j] : 0u;
-        } else {
-            load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_left(k, t, n) : 0, aligned);
-        }
+        if constexpr (EVEN) load_even<CODE>(h.w[k], row, k, t, piece_left(k, t, n));
+        else load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_left(k, t, n) : 0, aligned);
     }
 }
 
@@ -248,22 +252,28 @@ __device__ __forceinline__ void effective_weight(float* wp, float offset) {
     for (int i = 0; i < PIECE; ++i) wp[i] = effective_weight_of<MODE, NC>(wp[i], offset);
 }
 
-// Piece k of a row: unpacked from the lanes this thread holds (HELD), or loaded from src.
+// Piece k of a row: unpacked from the lanes this thread holds (HELD), or loaded from the row (`row` its first lane;
+// lanes at or past `left` read as +0.0).
 template <int CODE, bool HELD = HOLD>
-__device__ __forceinline__ void fetch_piece(float* a, const Held<CODE>& held, int k, const typename Elem<CODE>::T* src,
+__device__ __forceinline__ void fetch_piece(float* a, const Held<CODE>& held, int k, const typename Elem<CODE>::T* row,
                                             int left, bool aligned) {
     if constexpr (HELD) {
-        (void)src, (void)left, (void)aligned;
+        (void)row, (void)left, (void)aligned;
         unpack<CODE>(a, held.w[k]);
+    } else if constexpr (EVEN) {
+        (void)aligned;
+        unsigned int w[Raw<CODE>::WORDS];
+        load_even<CODE>(w, row, k, threadIdx.x % TPR, left);
+        unpack<CODE>(a, w);
     } else {
-        load_piece<CODE>(a, src, left, aligned);
+        load_piece<CODE>(a, row + piece_col(k, threadIdx.x % TPR), left, aligned);
     }
 }
 
-// Piece k of the effective weight, from the held weight (HOLD_WEIGHT) or src (its lanes in the weight row).
-__device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, int k, const w_t* src, int left,
+// Piece k of the effective weight, from the held weight (HOLD_WEIGHT) or the weight row.
+__device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, int k, const w_t* row, int left,
                                              bool aligned, float offset) {
-    fetch_piece<WC, HOLD_WEIGHT>(wp, held, k, src, left, aligned);
+    fetch_piece<WC, HOLD_WEIGHT>(wp, held, k, row, left, aligned);
     effective_weight(wp, offset);
 }
 
@@ -321,20 +331,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         // piece k of the norm's input: x, or z = rd(x + residual) (recomputed from the held lanes in pass 2
         // with HOLD, read back from z, which pass 1 wrote, otherwise)
         auto input = [&](int k, float* a, int left, bool second_pass) {
-            const int c0 = piece_col(k, t);
 #if HAS_RES
             if (!HOLD && second_pass) {
-                load_piece<NC>(a, z + r * n + c0, left, aligned);
+                load_piece<NC>(a, z + r * n + piece_col(k, t), left, aligned);
                 return;
             }
             float b[PIECE];
-            fetch_piece<XC>(a, xh, k, xrow + c0, left, aligned);
-            fetch_piece<RC>(b, rh, k, rrow + c0, left, aligned);
+            fetch_piece<XC>(a, xh, k, xrow, left, aligned);
+            fetch_piece<RC>(b, rh, k, rrow, left, aligned);
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) a[i] = round_f32<NC>(__fadd_rn(a[i], b[i]));
 #else
             (void)second_pass;
-            fetch_piece<XC>(a, xh, k, xrow + c0, left, aligned);
+            fetch_piece<XC>(a, xh, k, xrow, left, aligned);
 #endif
         };
         // pass 1: z (stored as residual_out with the fused add), its squares, the piece sums
@@ -369,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
             float wp[PIECE];
             // `live ? piece_left(...)` rather than `left` (same value): NVRTC 13.0 compiled the latter to
             // 25% more sm_90 code for the stream-mode forward
-            fetch_weight(wp, wh, k, wrow + c0, live ? piece_left(k, t, n) : 0, aligned, offset);
+            fetch_weight(wp, wh, k, wrow, live ? piece_left(k, t, n) : 0, aligned, offset);
 #endif
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) {
@@ -442,11 +451,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         const float rstd = live ? rstd_in[r] : 0.0f;
         // this thread's pieces of z, dy and the effective weight (1.0 without one)
         auto get = [&](int k, float* zp, float* dp, float* wp) {
-            const int c0 = piece_col(k, t), left = live ? piece_left(k, t, n) : 0;
-            fetch_piece<NC>(zp, zh, k, zrow + c0, left, aligned);
-            fetch_piece<DYC>(dp, dh, k, drow + c0, left, aligned);
+            const int left = live ? piece_left(k, t, n) : 0;
+            fetch_piece<NC>(zp, zh, k, zrow, left, aligned);
+            fetch_piece<DYC>(dp, dh, k, drow, left, aligned);
 #if HAS_W
-            fetch_weight(wp, wh, k, wrow + c0, left, aligned, offset);
+            fetch_weight(wp, wh, k, wrow, left, aligned, offset);
 #else
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) wp[i] = 1.0f;
