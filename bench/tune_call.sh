@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One GPU call that settles the CUDA norm tables: bench/sweep_cuda.py with SWEEP_VARIANTS=1 (each table entry
+# with EVEN off and on, both directions), then the forward's block sizes (SWEEP_LEAN=1, SWEEP_MIN_THREADS) at the
+# shapes where the forward trails an anchor. Every configuration is checked bitwise. The fastest of both sweeps
+# per shape becomes a tuning file ($OUT/tuning.json, and /tmp/strictnorm-tuning.json for a later call on the
+# same machine: STRICTNORM_CUDA_TUNING=/tmp/strictnorm-tuning.json bash bench/device_run.sh bench ...).
+# Usage (from the project root, on the GPU machine): bash bench/tune_call.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/strictnorm-out}; mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:$PWD/bench" PYTHONUNBUFFERED=1 STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
+source bench/device_cache.sh restore
+[ -f /tmp/dw/env.sh ] && source /tmp/dw/env.sh
+export SWEEP_ITERS=${SWEEP_ITERS:-10}
+SWEEP_VARIANTS=1 timeout "${SWEEP_TIMEOUT:-240}" python3 bench/sweep_cuda.py "$OUT/sweep-variants.json" \
+  > "$OUT/sweep-variants.log" 2>&1
+tail -n 20 "$OUT/sweep-variants.log"
+SWEEP_LEAN=1 SWEEP_DIRECTIONS=fwd SWEEP_MIN_THREADS=${FWD_MIN_THREADS:-64,128,256,512} \
+  SWEEP_SHAPES=${FWD_SHAPES:-128x4096,2048x4096,8192x4096,32768x4096,8192x8192,262144x128} \
+  timeout "${SWEEP_TIMEOUT:-240}" python3 bench/sweep_cuda.py "$OUT/sweep-fwd-blocks.json" \
+  > "$OUT/sweep-fwd-blocks.log" 2>&1
+tail -n 8 "$OUT/sweep-fwd-blocks.log"
+python3 - "$OUT" <<'PY'
+import json, sys
+from sweep_cuda import best_tunings
+out = sys.argv[1]
+rows = []
+for name in ("sweep-variants.json", "sweep-fwd-blocks.json"):
+    try:
+        rows += json.load(open(f"{out}/{name}"))["rows"]
+    except (OSError, ValueError) as e:
+        print(f"{name}: {e}")
+best = best_tunings(rows)
+for path in (f"{out}/tuning.json", "/tmp/strictnorm-tuning.json"):
+    json.dump(best, open(path, "w"), indent=1)
+for key in ("fwd", "bwd"):
+    for p, entries in best[key].items():
+        print(key, p, [(b, {k: v for k, v in t.items() if k in ("values", "min_threads", "persistent", "even",
+                                                                "partial_blocks_per_sm", "hold_weight", "dw_smem")})
+                       for b, t in entries])
+PY
+bash bench/device_cache.sh save
