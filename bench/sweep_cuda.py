@@ -4,8 +4,8 @@ Every configuration must give the reference's bits (checked here: y, rstd and dx
 backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
 Kernels are compiled first, in parallel, into the disk cache. Rows of N below a power of two also try
 each configuration untrimmed too (`trim=False`; trimmed is the default). SWEEP_SHAPES=MxN,MxN limits the shapes;
-SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes; SWEEP_LEAN=1 keeps the forward's
-configurations of the tables' form (rows held, weight reloaded). SWEEP_VARIANTS=1 replaces the block-shape
+SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes; SWEEP_LEAN=1 keeps held rows only (the forward's
+weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the block-shape
 grid by the tables' entry per shape with EVEN off and on (16-byte aligned rows: only the 16-byte paths);
 SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction.
 Run on the GPU machine:
@@ -51,9 +51,10 @@ FWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=0, persistent=p) for
 BWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=b, dw_smem=d)
                for t in _HOLD for b in (4, 8) for d in (False, True)]
 BWD_TUNINGS += [dataclasses.replace(t, partial_blocks_per_sm=b) for t in _STREAM[:3] for b in (4, 8)]
-# SWEEP_LEAN=1: the forward's grid cut to the tables' form (rows held, the weight reloaded per row)
+# SWEEP_LEAN=1: rows held only; the forward's weight reloaded per row (the tables' forms up to P = 32768)
 if os.environ.get("SWEEP_LEAN") == "1":
     FWD_TUNINGS = [t for t in FWD_TUNINGS if t.hold_max_p and not t.hold_weight]
+    BWD_TUNINGS = [t for t in BWD_TUNINGS if t.hold_max_p]
 # SWEEP_MIN_THREADS=128,512: each configuration at each of these block sizes (rows per block = min_threads /
 # threads per row; short rows put many rows in a block)
 if os.environ.get("SWEEP_MIN_THREADS"):
