@@ -45,9 +45,24 @@ def test_forward_compiles_with_only_rounded_fp32_ops(n, mode, vector, tmp_path):
     assert "fma." not in ptx
     assert not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx), "an fp32 op without .rn"
     assert re.search(r"\bsqrt\.rn\.f32\b", ptx) and re.search(r"\bdiv\.rn\.f32\b", ptx)
-    shape = K.forward_shape(n)
+    shape = K.tuned_shape(n, backward=False)
     assert shape.piece * shape.tpr * shape.k == next_pow2(n)
     assert ("bar.sync" in ptx) == (shape.tpr > 32)
+
+
+@pytest.mark.parametrize("n, backward", [(128, False), (4096, False), (18432, False), (4096, True), (8192, True)])
+def test_held_rows_are_read_once(n, backward, tmp_path):
+    """The tables' shapes keep a row's lanes in registers between the passes: each 16-byte piece of x (forward)
+    or of z and dy (backward) is loaded once a row, not again in pass 2; the weight's once a pass unless held."""
+    bf16 = cutlass.BFloat16
+    if backward:
+        op, args = K.backward_args(n, bf16, bf16, bf16, "llama", True, False, True)
+    else:
+        op, args = K.forward_args(n, bf16, bf16, bf16, "llama", True)
+    assert op.s.hold
+    ptx = _compiled_ptx(tmp_path, op, args)
+    weight_loads = 2 if backward and not op.s.hold_weight else 1
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == ((2 if backward else 1) + weight_loads) * op.s.k
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

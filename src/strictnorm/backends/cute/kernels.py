@@ -14,7 +14,8 @@ Status: compiles for sm_90a without a GPU (CUTE_DSL_ARCH; tests/test_cute.py, in
 the reference on an H200 (bf16 rows, every mode, fused add with an fp32 residual stream; see
 bench/results/); offered as backend `cute` (backend.py). Rows whose pieces are whole and 16-byte aligned
 use 16-byte vector loads and stores; others load element by element. Kernels launch on torch's current
-stream.
+stream. Block shapes follow the CUDA backend's tables (tuned_shape); a thread keeps its lanes of the row in
+registers between the two passes (HOLD; at most _HOLD_MAX_VALUES of them) instead of reading them again.
 
 Calls: through TVM FFI where apache-tvm-ffi is importable (the default then): the kernels are compiled for
 it (`--enable-tvm-ffi`), take torch tensors as they are and find torch's current stream themselves; else
@@ -27,7 +28,7 @@ host time through TVM FFI against 208-359 us through DLPack in run 6.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 
 import cuda.bindings.driver as cuda_driver
@@ -71,12 +72,17 @@ def _pair_tree(values: list):
 
 @dataclass(frozen=True)
 class ForwardShape:
-    """Compile-time block shape; any choice gives the same bits (the tree is fixed by N)."""
+    """Compile-time block shape; any choice gives the same bits (the tree is fixed by N). hold: pass 1's
+    lanes stay in registers for pass 2 (else pass 2 reads them again); persistent: a grid of at most the
+    resident blocks striding over the row groups (else one block per group)."""
 
     piece: int
     tpr: int
     k: int
     rpb: int
+    hold: bool = False
+    persistent: bool = True
+    hold_weight: bool = False  # the backward with hold: the weight's lanes held too (else read again in pass 2)
 
     @property
     def threads(self) -> int:
@@ -87,12 +93,40 @@ class ForwardShape:
         return self.k * max(1, self.tpr // _WARP)
 
 
-def forward_shape(n: int, threads_min: int = 128) -> ForwardShape:
+# lanes a thread holds across the passes, as fp32 registers: the forward holds one tensor's, the backward two or
+# three (z, dy, maybe w) beside its fp32 dW partials
+_HOLD_MAX_VALUES = {False: 32, True: 16}
+# what the tables' shapes hold between the passes (bench/sweep_cute.py times the alternatives on a GPU; any
+# choice gives the same bits)
+HOLD = {"forward": True, "backward": True, "backward_weight": False}
+
+
+def forward_shape(n: int, threads_min: int = 128, values: int = 16, hold: bool = False,
+                  persistent: bool = True) -> ForwardShape:
+    """PIECE = 8 lanes; TPR = P / values threads per row (1 to 1024), RPB rows per block up to threads_min."""
     p = next_pow2(n)
     piece = min(p, 8)
-    tpr = max(1, min(256, p // max(piece, 16)))
+    tpr = max(1, min(1024, p // max(piece, values)))
     k = p // (piece * tpr)
-    return ForwardShape(piece, tpr, k, max(1, threads_min // tpr))
+    return ForwardShape(piece, tpr, k, max(1, threads_min // tpr), hold, persistent)
+
+
+@cache
+def tuned_shape(n: int, backward: bool) -> ForwardShape:
+    """The block shape of the CUDA backend's table entry for N's padded length at its largest row counts
+    (../cuda/backend.py: the same mapping of a row onto threads, swept on an H200), holding at most
+    _HOLD_MAX_VALUES lanes a thread; rows past the entry's hold_max_p, or longer than 1024 threads holding
+    that many, are read twice."""
+    from ..cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
+
+    t = tuning_for(BWD_TABLE if backward else FWD_TABLE, n)
+    p = next_pow2(n)
+    hold = (HOLD["backward" if backward else "forward"] and p <= t.hold_max_p
+            and p // 1024 <= _HOLD_MAX_VALUES[backward])
+    values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
+    # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
+    shape = forward_shape(n, t.min_threads, values, hold, t.persistent or backward)
+    return replace(shape, hold_weight=hold and backward and HOLD["backward_weight"])
 
 
 @dataclass
@@ -247,7 +281,7 @@ class RMSNormForward(_RowKernel):
             r = cutlass.min(row, rows - 1)  # loads stay in bounds; dead rows read row rows - 1, then zero
             # pass 1: z (x, or rd(x + residual) stored as residual_out), its squares, the piece trees
             xrow = mX[r, None]
-            part = []
+            part, held = [], []
             for kk in cutlass.range_constexpr(s.k):
                 v = self._piece(xrow, kk, t, n, live)
                 if const_expr(self.has_res):
@@ -256,15 +290,16 @@ class RMSNormForward(_RowKernel):
                         v[i] = _round_to(_add(v[i], res[i]), self.norm_dtype)
                     self._store(mZ[r, None], kk, t, n, live, v)
                 part.append(_pair_tree([_mul(v[i], v[i]) for i in range(s.piece)]))
+                held.append(v)
             if const_expr(self.has_res):
-                xrow = mZ[r, None]  # pass 2 reads z back: this thread's own lanes
+                xrow = mZ[r, None]  # without hold, pass 2 reads z back: this thread's own lanes
             ss = row_sum(s, part, th, it % 2)
             rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
             if live & (t == 0):
                 mRstd[r] = rstd
-            # pass 2: y (x and w read again: this thread's own lanes, from L1/L2)
+            # pass 2: y (the held lanes, or x read again: this thread's own lanes, from L1/L2; w read again)
             for kk in cutlass.range_constexpr(s.k):
-                xs = self._piece(xrow, kk, t, n, live)
+                xs = held[kk] if const_expr(s.hold) else self._piece(xrow, kk, t, n, live)
                 if const_expr(self.has_weight):
                     ws = self._piece(mW, kk, t, n, live)
                 out = cute.make_rmem_tensor((s.piece,), Float32)
@@ -315,12 +350,13 @@ class RMSNormBackward(_RowKernel):
             drow = mDY[r, None]
             rstd = mRstd[r]  # a dead row (r clamped) reads a real rstd; its pieces are zero and nothing is stored
             # pass 1: the piece trees of xh * g
-            part = []
+            part, held = [], []
             for kk in cutlass.range_constexpr(s.k):
                 zs = self._piece(zrow, kk, t, n, live)
                 ds = self._piece(drow, kk, t, n, live)
                 if const_expr(self.has_weight):
                     ws = self._piece(mW, kk, t, n, live)
+                held.append((zs, ds, ws if const_expr(self.has_weight and s.hold_weight) else None))
                 prods = []
                 for i in cutlass.range_constexpr(s.piece):
                     g = _mul(ds[i], self._weight(ws[i], offset)) if const_expr(self.has_weight) else ds[i]
@@ -330,11 +366,14 @@ class RMSNormBackward(_RowKernel):
                     prods.append(cutlass.select_(inside, _mul(_mul(zs[i], rstd), g), Float32(0.0)))
                 part.append(_pair_tree(prods))
             c = _div(row_sum(s, part, th, it % 2), n.to(Float32))
-            # pass 2: dx (z, dy, w read again: this thread's own lanes), and the dW contributions
+            # pass 2: dx (z, dy and maybe w held, or read again: this thread's own lanes), and the dW contributions
             for kk in cutlass.range_constexpr(s.k):
-                zs = self._piece(zrow, kk, t, n, live)
-                ds = self._piece(drow, kk, t, n, live)
-                if const_expr(self.has_weight):
+                if const_expr(s.hold):
+                    zs, ds, ws = held[kk]
+                else:
+                    zs = self._piece(zrow, kk, t, n, live)
+                    ds = self._piece(drow, kk, t, n, live)
+                if const_expr(self.has_weight and not s.hold_weight):
                     ws = self._piece(mW, kk, t, n, live)
                 if const_expr(self.has_dres):
                     es = self._piece(mDres[r, None], kk, t, n, live)
@@ -363,8 +402,8 @@ class _Fakes:
     """Fake tensors cute.compile specializes on, for rows of N lanes: with `vector`, every row (and the
     weight) 16-byte aligned and N % PIECE == 0. Row strides are 64-bit: offsets past 2^31 elements."""
 
-    def __init__(self, n: int, vector: bool) -> None:
-        self.shape = forward_shape(n)
+    def __init__(self, n: int, vector: bool, backward: bool) -> None:
+        self.shape = tuned_shape(n, backward)
         self.div = self.shape.piece if vector else 1
         self.align = 16 if vector else None
         self.m, self.n = cute.sym_int(), cute.sym_int(divisibility=self.div)
@@ -392,7 +431,7 @@ def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res
     """The forward operator and the fake arguments cute.compile specializes on: dtypes, mode, block
     shape, and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0).
     tvm_ffi: the stream comes from TVM FFI's environment (torch's current stream) at each call."""
-    f = _Fakes(n, vector)
+    f = _Fakes(n, vector, backward=False)
     norm_dtype = res_dtype or x_dtype
     op = RMSNormForward(f.shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
     return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
@@ -404,7 +443,7 @@ def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, h
                   tvm_ffi: bool = False) -> tuple:
     """The backward operator and its fake arguments (see forward_args); the partials have their own
     row count."""
-    f = _Fakes(n, vector)
+    f = _Fakes(n, vector, backward=True)
     op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
     return op, (f.rows(dy_dtype), f.rows(z_dtype), f.weight(w_dtype or z_dtype), f.per_row(), f.rows(z_dtype),
                 f.rows(z_dtype), f.rows(Float32, own_count=True), Int32(1), Int32(n), Float32(0.0), Int32(1),
@@ -494,8 +533,10 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
 
 
 def _grid(shape: ForwardShape, rows: int, device) -> int:
-    """Blocks of the grid-stride kernels: every row group, at most about what the GPU holds at once."""
-    return min(-(-rows // shape.rpb), _sm_count(device.index) * max(1, 2048 // shape.threads))
+    """Blocks of the grid-stride kernels: every row group, persistent ones at most about what the GPU holds
+    at once."""
+    groups = -(-rows // shape.rpb)
+    return min(groups, _sm_count(device.index) * max(1, 2048 // shape.threads)) if shape.persistent else groups
 
 
 @cache

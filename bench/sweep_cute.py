@@ -1,0 +1,98 @@
+"""The cute backend's hold choices (backends/cute/kernels.py HOLD) timed at the PERF.md shapes.
+
+Variants: rows read twice (no hold), rows held between the passes, and for the backward the weight held too.
+Every result is checked bitwise against the torch backend (y and rstd; dx, and the fast dW against the same
+variant's second call). Kernel-only time as in strictnorm.bench (L2 flushed, profiler); the fast dW includes
+its partial-row sum. Run on the GPU machine (nvidia-cutlass-dsl installed):
+    python3 bench/sweep_cute.py [out.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from strictnorm.backends.cute import kernels as K
+from strictnorm.backends.registry import get_backend
+from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps, norm_bytes
+from strictnorm.contract import make_spec
+
+VARIANTS = {"read twice": {"forward": False, "backward": False, "backward_weight": False},
+            "hold": {"forward": True, "backward": True, "backward_weight": False},
+            "hold + weight": {"forward": True, "backward": True, "backward_weight": True}}
+SHAPES = NORM_SHAPES
+if os.environ.get("SWEEP_SHAPES"):
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SWEEP_SHAPES"].split(",")]
+
+
+def use(variant: dict) -> None:
+    K.HOLD.update(variant)
+    for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
+        cached.cache_clear()
+
+
+def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) -> list[dict]:
+    dev = timer.device
+    g = torch.Generator(device=dev).manual_seed(m + n)
+    x = torch.randn(m, n, device=dev, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(n, device=dev, generator=g)).bfloat16()
+    dy = torch.randn(m, n, device=dev, generator=g).bfloat16()
+    y_ref, rstd_ref, _ = ref.rms_norm_fwd(x, w, None, spec)
+    dx_ref, _ = ref.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", False, None)
+    fb, bb = norm_bytes(m, n)
+    rows = []
+    for name, variant in VARIANTS.items():
+        use(variant)
+        for direction in ("fwd", "bwd"):
+            if direction == "fwd" and name == "hold + weight":
+                continue  # the forward's kernel is the "hold" one
+            row = {"M": m, "N": n, "direction": direction, "variant": name,
+                   "shape": str(K.tuned_shape(n, direction == "bwd"))}
+            try:
+                if direction == "fwd":
+                    fn = lambda: cute.rms_norm_fwd(x, w, None, spec)  # noqa: E731
+                    y, rstd, _ = fn()
+                    row["bitwise"] = bool(torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref))
+                else:
+                    fn = lambda: cute.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", True, None)  # noqa: E731
+                    dx, dw = fn()
+                    row["bitwise"] = bool(torch.equal(dx, dx_ref) and torch.equal(dw, fn()[1]))
+                row["us"] = timer.kernel_us(fn)
+                row["frac_copy"] = (fb if direction == "fwd" else bb) / row["us"] / 1e3 / ceiling
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    timer = Timer(dev, iters=int(os.environ.get("SWEEP_ITERS", "10")))
+    ceiling = copy_ceiling_gbps(dev)
+    cute, ref = get_backend("cute"), get_backend("torch")
+    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    rows = []
+    for m, n in SHAPES:
+        rows += _sweep_shape(timer, cute, ref, spec, m, n, ceiling)
+        torch.cuda.empty_cache()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"copy_GBps": ceiling, "rows": rows}, f, indent=1)
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s; all rows bitwise: {all(r.get('bitwise') for r in rows)}")
+    print(f"{'shape':>14} {'dir':>4} " + " ".join(f"{v:>14}" for v in VARIANTS))
+    for m, n in SHAPES:
+        for direction in ("fwd", "bwd"):
+            cells = []
+            for name in VARIANTS:
+                r = next((r for r in rows if (r["M"], r["N"], r["direction"], r["variant"]) == (m, n, direction, name)),
+                         None)
+                cells.append(f"{r['us']:14.1f}" if r and "us" in r else f"{'-':>14}")
+            print(f"{m:>7d}x{n:<6d} {direction:>4} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
