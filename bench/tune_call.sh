@@ -12,17 +12,17 @@ export PYTHONPATH="$PWD/src:$PWD/bench" PYTHONUNBUFFERED=1 STRICTNORM_CACHE_DIR=
 source bench/device_cache.sh restore
 [ -f /tmp/dw/env.sh ] && source /tmp/dw/env.sh
 export SWEEP_ITERS=${SWEEP_ITERS:-10}
-SWEEP_VARIANTS=1 timeout "${SWEEP_TIMEOUT:-240}" python3 bench/sweep_cuda.py "$OUT/sweep-variants.json" \
+SWEEP_VARIANTS=1 timeout "${VARIANTS_TIMEOUT:-200}" python3 bench/sweep_cuda.py "$OUT/sweep-variants.json" \
   > "$OUT/sweep-variants.log" 2>&1
 tail -n 20 "$OUT/sweep-variants.log"
-SWEEP_LEAN=1 SWEEP_DIRECTIONS=fwd SWEEP_MIN_THREADS=${FWD_MIN_THREADS:-64,128,256,512} \
+SWEEP_LEAN=1 SWEEP_DIRECTIONS=fwd SWEEP_MIN_THREADS=${FWD_MIN_THREADS:-64,128,256} \
   SWEEP_SHAPES=${FWD_SHAPES:-128x4096,2048x4096,8192x4096,32768x4096,8192x8192,262144x128} \
-  timeout "${SWEEP_TIMEOUT:-240}" python3 bench/sweep_cuda.py "$OUT/sweep-fwd-blocks.json" \
+  timeout "${FWD_TIMEOUT:-180}" python3 bench/sweep_cuda.py "$OUT/sweep-fwd-blocks.json" \
   > "$OUT/sweep-fwd-blocks.log" 2>&1
 tail -n 8 "$OUT/sweep-fwd-blocks.log"
-SWEEP_LEAN=1 SWEEP_DIRECTIONS=bwd SWEEP_MIN_THREADS=${BWD_MIN_THREADS:-128,256} \
+SWEEP_LEAN=1 SWEEP_DIRECTIONS=bwd SWEEP_MIN_THREADS=${BWD_MIN_THREADS:-128} \
   SWEEP_SHAPES=${BWD_SHAPES:-128x4096,2048x4096,8192x4096} \
-  timeout "${SWEEP_TIMEOUT:-240}" python3 bench/sweep_cuda.py "$OUT/sweep-bwd-blocks.json" \
+  timeout "${BWD_TIMEOUT:-150}" python3 bench/sweep_cuda.py "$OUT/sweep-bwd-blocks.json" \
   > "$OUT/sweep-bwd-blocks.log" 2>&1
 tail -n 5 "$OUT/sweep-bwd-blocks.log"
 python3 - "$OUT" <<'PY'
