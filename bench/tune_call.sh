@@ -30,11 +30,13 @@ import json, sys
 from sweep_cuda import best_tunings
 out = sys.argv[1]
 rows = []
-for name in ("sweep-variants.json", "sweep-fwd-blocks.json", "sweep-bwd-blocks.json"):
+for name in ("sweep-variants", "sweep-fwd-blocks", "sweep-bwd-blocks"):
     try:
-        rows += json.load(open(f"{out}/{name}"))["rows"]
-    except (OSError, ValueError) as e:
-        print(f"{name}: {e}")
+        rows += json.load(open(f"{out}/{name}.json"))["rows"]
+    except (OSError, ValueError):  # cut by its time limit: the rows its log holds
+        logged = [json.loads(line) for line in open(f"{out}/{name}.log") if line.startswith('{"M"')]
+        print(f"{name}: no JSON, {len(logged)} rows from its log")
+        rows += logged
 best = best_tunings(rows)
 for path in (f"{out}/tuning.json", "/tmp/strictnorm-tuning.json"):
     json.dump(best, open(path, "w"), indent=1)
