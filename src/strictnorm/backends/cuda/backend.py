@@ -308,6 +308,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     pieces_with_data = max(1, -(-n // (piece * tpr)))
     if tuning.trim and pieces_with_data < k:  # else KR = K: the untrimmed kernel (same cubin, same cache key)
         defines["KR"] = pieces_with_data
+    elif pieces_with_data < k and "EVEN" in defines:  # EVEN must check every piece for padding
+        defines["UNTRIMMED"] = 1
     return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm, tuning.persistent)
 
 

@@ -31,7 +31,7 @@
 // shape of the tables: bench/results/2026-11-30-h200-run10.)
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
-// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN;
+// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN, UNTRIMMED;
 // BACKWARD selects the backward kernel (below) instead of the forward.
 #include "common.cuh"
 
@@ -54,6 +54,9 @@ typedef Elem<YC>::T y_t;
 #endif
 #ifndef EVEN
 #define EVEN 0
+#endif
+#ifndef UNTRIMMED  // host-set with EVEN where KR = K although pieces before the last lie wholly in the padding
+#define UNTRIMMED 0
 #endif
 static_assert(KR >= 1 && KR <= K, "pieces with data");
 constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
@@ -166,11 +169,12 @@ struct Held {
 // 16-byte load. Predicated, ptxas -- NVRTC
 // 13.0, sm_90 -- issued a held row's last load after pass 1's arithmetic on the others (two memory round trips a
 // row; bench/NOTES.md, run 10) and each of pass 2's weight loads just before its use. Every piece before the last
-// one with data is whole; the last one, where it is padding, reads the row's first piece and is zeroed. A row past
+// one with data is whole (known at compile time unless UNTRIMMED: then pieces k < KR - 1 may lie in the padding
+// too, and each is checked); a padding piece reads the row's first piece and is zeroed. A row past
 // the end is read as row 0 (the callers point it there; nothing of it is stored or summed into dW).
 template <int CODE>
 __device__ __forceinline__ void load_even(unsigned int* w, const typename Elem<CODE>::T* row, int k, int t, int left) {
-    const bool whole = k + 1 < KR || left >= PIECE;
+    const bool whole = (!UNTRIMMED && k + 1 < KR) || left >= PIECE;
     load_whole<CODE>(w, row + (whole ? piece_col(k, t) : 0));
 #pragma unroll
     for (int j = 0; j < Raw<CODE>::WORDS; ++j) w[j] = whole ? w[j] : 0u;
