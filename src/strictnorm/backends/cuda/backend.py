@@ -208,16 +208,16 @@ class NormTuning:
     # the same code where N is a power of two
     trim: bool = True
     # where every row segment is 16-byte aligned and N a multiple of a 16-byte piece: only the 16-byte paths
-    # compiled (rms_norm.cu's EVEN; the same arithmetic, so the same bits). Measured on an H200 (2026-11-30,
-    # bench/results/2026-11-30-h200-run10): the backward 235 -> 220 us at 32768 x 4096, 110 -> 101 at
-    # 2048 x 18432; the forward gained at 2048 x 4096 (12.1 -> 10.9) but lost at 8192 x 8192 (68 -> 75: a row's
-    # last load issued after pass 1's arithmetic on the others; since changed, not yet measured: load_held in
-    # rms_norm.cu), hence per table entry
+    # compiled, every load unpredicated (rms_norm.cu's EVEN; the same arithmetic, so the same bits). Per table
+    # entry, as measured on an H200 (bench/results/2026-11-30-h200-run11, b-sweep-variants): the forward gains
+    # at 2048 x 4096 (12.0 -> 10.2 us) and is level elsewhere; the backward gains at 32768 x 4096 (234 -> 221),
+    # 8192 x 8192 (136 -> 131) and 262144 x 128, and loses where N is not a power of two or is 65536
+    # (2048 x 18432 111 -> 119, 1024 x 65536 271 -> 327) and at 8192 x 4096 in its entry's shape
     even: bool = True
 
 
-# Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200
-# (bench/results/2026-11-29-h200-run4/b-tuning.json, every configuration bitwise); a P between entries
+# Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (first
+# bench/results/2026-11-29-h200-run4/b-tuning.json, last run11 below; every configuration bitwise); a P between entries
 # takes the nearest one (log scale). Unbounded entries are the sweep's choice at its largest row count;
 # bounded ones come from its smaller row counts (the launch shape may follow the row count because no
 # shape changes a bit). A JSON file named by STRICTNORM_CUDA_TUNING replaces entries: {"fwd": {"4096":
@@ -227,29 +227,31 @@ Tuning = tuple[tuple[int | None, NormTuning], ...]  # (max rows, tuning) entries
 _H = 65536  # hold_max_p: rows held in registers
 
 
-def _fwd(values: int, persistent: bool = False, even: bool = False) -> NormTuning:
-    """The forward's entries: rows held, the weight reloaded per row (registers go to the row)."""
-    return NormTuning(values=values, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0, persistent=persistent,
-                      even=even)
+def _fwd(values: int, min_threads: int = 128, persistent: bool = False) -> NormTuning:
+    """The forward's entries: rows held, the weight reloaded per row (registers go to the row), EVEN."""
+    return NormTuning(values=values, min_threads=min_threads, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0,
+                      persistent=persistent)
 
 
+# Last revised from the sweeps of bench/results/2026-11-30-h200-run11 (b-: each entry with EVEN off and on, the
+# forward's block sizes; e-: the backward's at 128 to 8192 rows of 4096 columns).
 FWD_TABLE: dict[int, Tuning] = {
-    128: ((None, _fwd(32)),),
-    4096: ((128, _fwd(8, persistent=True)), (2048, _fwd(64, even=True)), (8192, _fwd(32)), (None, _fwd(64))),
+    128: ((None, _fwd(32, min_threads=64)),),
+    4096: ((128, _fwd(8, min_threads=64)), (2048, _fwd(64)), (None, _fwd(32))),
     8192: ((None, _fwd(32)),),
-    32768: ((None, _fwd(64, persistent=True, even=True)),),
+    32768: ((None, _fwd(64, persistent=True)),),
     65536: ((None, _fwd(32, persistent=True)),),
 }
 BWD_TABLE: dict[int, Tuning] = {
-    128: ((None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, even=False)),),
-    4096: ((128, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True)),
-           (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4)),
-           (8192, NormTuning(hold_max_p=_H, partial_blocks_per_sm=8)),
+    128: ((None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8)),),
+    4096: ((128, NormTuning(values=64, min_threads=256, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True)),
+           (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4, even=False)),
+           (8192, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8)),
            (None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=8))),
     8192: ((None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4)),),
-    32768: ((None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4)),),
+    32768: ((None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4, even=False)),),
     # rows read twice: held, the backward spills at this length (392-byte stack with 1024 threads)
-    65536: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8)),),
+    65536: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8, even=False)),),
 }
 
 

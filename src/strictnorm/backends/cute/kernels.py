@@ -115,14 +115,17 @@ def forward_shape(n: int, threads_min: int = 128, values: int = 16, hold: bool =
 def tuned_shape(n: int, backward: bool) -> ForwardShape:
     """The block shape of the CUDA backend's table entry for N's padded length at its largest row counts
     (../cuda/backend.py: the same mapping of a row onto threads, swept on an H200), holding at most
-    _HOLD_MAX_VALUES lanes a thread; rows past the entry's hold_max_p, or longer than 1024 threads holding
+    _HOLD_MAX_VALUES lanes a thread; rows past the entry's hold_max_p, or longer than 256 threads holding
     that many, are read twice."""
     from ..cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
 
     t = tuning_for(BWD_TABLE if backward else FWD_TABLE, n)
     p = next_pow2(n)
+    # held only where 256 threads a row can hold it: on an H200 rows held by 512 or 1024 threads lost to rows read
+    # twice by 256 (bench/results/2026-11-30-h200-run11, d-sweep-cute: 2048 x 18432 forward 56.5 -> 72.3 us,
+    # 8192 x 8192 backward 156.6 -> 162.2), where at 4096 columns holding won (32768 rows forward 152.4 -> 132.4)
     hold = (HOLD["backward" if backward else "forward"] and p <= t.hold_max_p
-            and p // 1024 <= _HOLD_MAX_VALUES[backward])
+            and p // 256 <= _HOLD_MAX_VALUES[backward])
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     shape = forward_shape(n, t.min_threads, values, hold, t.persistent or backward)
