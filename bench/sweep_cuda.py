@@ -3,11 +3,11 @@
 Every configuration must give the reference's bits (checked here: y, rstd and dx against the torch
 backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
 Kernels are compiled first, in parallel, into the disk cache. Rows of N below a power of two also try
-each configuration untrimmed too (`trim=False`; trimmed is the default). SWEEP_SHAPES=MxN,MxN limits the shapes;
-SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes; SWEEP_LEAN=1 keeps held rows only (the forward's
-weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the block-shape
-grid by the tables' entry per shape with EVEN off and on (16-byte aligned rows: only the 16-byte paths);
-SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction.
+each configuration untrimmed (`trim=False`; trimmed is the default). SWEEP_SHAPES=MxN,MxN limits the shapes;
+SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes; SWEEP_LEAN=1 keeps held rows only (the
+forward's weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the block-shape grid by the tables' entry
+per shape with EVEN off, on with predicated loads and on with unpredicated ones (16-byte aligned rows: only the
+16-byte paths); SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction.
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
 """
@@ -79,7 +79,8 @@ def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
     """The configurations swept at one shape and direction."""
     if VARIANTS:
         base = tuning_for(FWD_TABLE if direction == "fwd" else BWD_TABLE, n, m)
-        return [dataclasses.replace(base, even=even) for even in (False, True)]
+        return [dataclasses.replace(base, even=even, unpredicated=unpred)
+                for even, unpred in ((False, True), (True, False), (True, True))]
     return tunings_for(n, FWD_TUNINGS if direction == "fwd" else BWD_TUNINGS)
 
 
@@ -103,33 +104,59 @@ def precompile() -> None:
     print(f"compiled {len(unique)} kernels", flush=True)
 
 
+@dataclasses.dataclass
+class Case:
+    """One shape's bf16 inputs, the reference's outputs and the bytes each direction moves at least."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    dy: torch.Tensor
+    spec: object
+    y: torch.Tensor
+    rstd: torch.Tensor
+    dx: torch.Tensor
+    fwd_bytes: int
+    bwd_bytes: int
+
+    @classmethod
+    def make(cls, ref, dev: torch.device, m: int, n: int, spec) -> Case:
+        g = torch.Generator(device=dev).manual_seed(m + n)
+        x = torch.randn(m, n, device=dev, generator=g).bfloat16()
+        w = (1 + 0.1 * torch.randn(n, device=dev, generator=g)).bfloat16()
+        dy = torch.randn(m, n, device=dev, generator=g).bfloat16()
+        y, rstd, _ = ref.rms_norm_fwd(x, w, None, spec)
+        dx, _ = ref.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", False, None)
+        return cls(x, w, dy, spec, y, rstd, dx, *norm_bytes(m, n))
+
+
+def measure(timer: Timer, backend, case: Case, direction: str, ceiling: float) -> dict:
+    """A backend's kernel-only time on one case and direction, and whether it gave the reference's bits (y and
+    rstd; dx, and for the fast dW the same bits twice); an error's message instead where it raised."""
+    c, row = case, {}
+    try:
+        if direction == "fwd":
+            fn = lambda: backend.rms_norm_fwd(c.x, c.w, None, c.spec)  # noqa: E731
+            y, rstd, _ = fn()
+            row["bitwise"] = bool(torch.equal(y, c.y) and torch.equal(rstd, c.rstd))
+        else:
+            fn = lambda: backend.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "fast", True, None)  # noqa: E731
+            dx, dw = fn()
+            row["bitwise"] = bool(torch.equal(dx, c.dx) and torch.equal(dw, fn()[1]))
+        row["us"] = timer.kernel_us(fn)
+        row["frac_copy"] = (c.fwd_bytes if direction == "fwd" else c.bwd_bytes) / row["us"] / 1e3 / ceiling
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    return row
+
+
 def _sweep_shape(timer: Timer, cb, ref, spec, m: int, n: int, ceiling: float) -> list[dict]:
-    dev = timer.device
-    g = torch.Generator(device=dev).manual_seed(m + n)
-    x = torch.randn(m, n, device=dev, generator=g).bfloat16()
-    w = (1 + 0.1 * torch.randn(n, device=dev, generator=g)).bfloat16()
-    dy = torch.randn(m, n, device=dev, generator=g).bfloat16()
-    y_ref, rstd_ref, _ = ref.rms_norm_fwd(x, w, None, spec)
-    dx_ref, _ = ref.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", False, None)
-    fb, bb = norm_bytes(m, n)
+    case = Case.make(ref, timer.device, m, n, spec)
     rows = []
     for direction in DIRECTIONS:
         for tu in shape_tunings(direction, m, n):
             cb.fwd_tuning = cb.bwd_tuning = tu
             row = dict(M=m, N=n, direction=direction, **dataclasses.asdict(tu))
-            try:
-                if direction == "fwd":
-                    fn = lambda: cb.rms_norm_fwd(x, w, None, spec)  # noqa: E731
-                    y, rstd, _ = fn()
-                    row["bitwise"] = bool(torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref))
-                else:
-                    fn = lambda: cb.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", True, None)  # noqa: E731
-                    dx, dw = fn()
-                    row["bitwise"] = bool(torch.equal(dx, dx_ref) and torch.equal(dw, fn()[1]))
-                row["us"] = timer.kernel_us(fn)
-                row["frac_copy"] = (fb if direction == "fwd" else bb) / row["us"] / 1e3 / ceiling
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            row.update(measure(timer, cb, case, direction, ceiling))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -185,12 +212,12 @@ def main() -> None:
                 line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
         print(line)
     if VARIANTS:
-        print("\nper variant (EVEN 0 / 1): us")
+        print("\nper variant (EVEN off / predicated / unpredicated): us")
         for m, n in SHAPES:
             for key in DIRECTIONS:
                 ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
                 print(f"{m:>7d}x{n:<6d} {key} " + " ".join(
-                    f"{int(r['even'])}:{r['us']:.1f}" for r in ok))
+                    f"{int(r['even']) + int(r['even'] and r['unpredicated'])}:{r['us']:.1f}" for r in ok))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ import os
 import sys
 
 import torch
+from sweep_cuda import Case, measure
 
 from strictnorm.backends.cute import kernels as K
 from strictnorm.backends.registry import get_backend
-from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps, norm_bytes
+from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps
 from strictnorm.contract import make_spec
 
 VARIANTS = {"read twice": {"forward": False, "backward": False, "backward_weight": False},
@@ -35,14 +36,7 @@ def use(variant: dict) -> None:
 
 
 def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) -> list[dict]:
-    dev = timer.device
-    g = torch.Generator(device=dev).manual_seed(m + n)
-    x = torch.randn(m, n, device=dev, generator=g).bfloat16()
-    w = (1 + 0.1 * torch.randn(n, device=dev, generator=g)).bfloat16()
-    dy = torch.randn(m, n, device=dev, generator=g).bfloat16()
-    y_ref, rstd_ref, _ = ref.rms_norm_fwd(x, w, None, spec)
-    dx_ref, _ = ref.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", False, None)
-    fb, bb = norm_bytes(m, n)
+    case = Case.make(ref, timer.device, m, n, spec)
     rows = []
     for name, variant in VARIANTS.items():
         use(variant)
@@ -51,19 +45,7 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
                 continue  # the forward's kernel is the "hold" one
             row = {"M": m, "N": n, "direction": direction, "variant": name,
                    "shape": str(K.tuned_shape(n, direction == "bwd"))}
-            try:
-                if direction == "fwd":
-                    fn = lambda: cute.rms_norm_fwd(x, w, None, spec)  # noqa: E731
-                    y, rstd, _ = fn()
-                    row["bitwise"] = bool(torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref))
-                else:
-                    fn = lambda: cute.rms_norm_bwd(dy, x, w, rstd_ref, None, spec, "fast", True, None)  # noqa: E731
-                    dx, dw = fn()
-                    row["bitwise"] = bool(torch.equal(dx, dx_ref) and torch.equal(dw, fn()[1]))
-                row["us"] = timer.kernel_us(fn)
-                row["frac_copy"] = (fb if direction == "fwd" else bb) / row["us"] / 1e3 / ceiling
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            row.update(measure(timer, cute, case, direction, ceiling))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

@@ -72,7 +72,7 @@ def _inputs(rows: int, n: int, seed: int) -> dict:
 # (N, tuning, aligned): the tables' shapes at N below its power of two, with and without trimmed padding
 # pieces, and rows read twice instead of held; aligned: compiled as for 16-byte aligned rows (EVEN: only the
 # 16-byte paths, pieces whole or wholly padding; N = 1000 leaves pieces wholly in the padding; untrimmed, pieces
-# before the last one lie wholly in the padding)
+# before the last one lie wholly in the padding; unpredicated=False: EVEN's loads through load_raw)
 CASES = [(5120, None, False), (5120, NormTuning(values=32, trim=True), False),
          (18432, NormTuning(values=64, trim=True), False), (7, None, False), (1000, NormTuning(values=8), False),
          (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True), False),
@@ -80,7 +80,8 @@ CASES = [(5120, None, False), (5120, NormTuning(values=32, trim=True), False),
          (5120, NormTuning(values=32, trim=True), True), (1000, NormTuning(values=8), True),
          (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True), True),
          (5120, NormTuning(values=64, trim=False), True),
-         (5120, NormTuning(hold_max_p=0, stream_threads=256, trim=False), True)]
+         (5120, NormTuning(hold_max_p=0, stream_threads=256, trim=False), True),
+         (5120, NormTuning(values=64, unpredicated=False), True)]
 
 
 def test_even_cases_compile_even():

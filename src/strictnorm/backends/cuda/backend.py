@@ -214,6 +214,9 @@ class NormTuning:
     # 8192 x 8192 (136 -> 131) and 262144 x 128, and loses where N is not a power of two or is 65536
     # (2048 x 18432 111 -> 119, 1024 x 65536 271 -> 327) and at 8192 x 4096 in its entry's shape
     even: bool = True
+    # with EVEN, its loads without predicates (rms_norm.cu's UNPREDICATED; same bits): on an H200 (run 11) the
+    # forward gained at 8192 x 8192 and 262144 x 128, the backward lost at 2048 x 18432 and 1024 x 65536
+    unpredicated: bool = True
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (first
@@ -249,9 +252,12 @@ BWD_TABLE: dict[int, Tuning] = {
            (8192, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8)),
            (None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=8))),
     8192: ((None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4)),),
-    32768: ((None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4, even=False)),),
+    # EVEN's predicated loads here: run 10's sweep measured them (2048 x 18432 110.0 -> 101.4 us, 1024 x 65536
+    # 270.5 -> 263.0), where the unpredicated ones lost (run 11: 118.9, 326.8)
+    32768: ((None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4,
+                              unpredicated=False)),),
     # rows read twice: held, the backward spills at this length (392-byte stack with 1024 threads)
-    65536: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8, even=False)),),
+    65536: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8, unpredicated=False)),),
 }
 
 
@@ -307,6 +313,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     sizes = (x_dtype.itemsize, norm_dtype.itemsize, y_dtype.itemsize, (w_dtype or x_dtype).itemsize)
     if tuning.even and aligned and n % piece == 0 and all(piece * size % 16 == 0 for size in sizes):
         defines["EVEN"] = 1
+        if tuning.unpredicated:
+            defines["UNPREDICATED"] = 1
     pieces_with_data = max(1, -(-n // (piece * tpr)))
     if tuning.trim and pieces_with_data < k:  # else KR = K: the untrimmed kernel (same cubin, same cache key)
         defines["KR"] = pieces_with_data

@@ -31,7 +31,8 @@
 // shape of the tables: bench/results/2026-11-30-h200-run10.)
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
-// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN, UNTRIMMED;
+// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN, UNTRIMMED,
+// UNPREDICATED;
 // BACKWARD selects the backward kernel (below) instead of the forward.
 #include "common.cuh"
 
@@ -58,6 +59,10 @@ typedef Elem<YC>::T y_t;
 #ifndef UNTRIMMED  // host-set with EVEN where KR = K although pieces before the last lie wholly in the padding
 #define UNTRIMMED 0
 #endif
+#ifndef UNPREDICATED  // host-set with EVEN: its loads without predicates (load_even), else those of load_raw
+#define UNPREDICATED 0
+#endif
+constexpr bool EVEN_UNPREDICATED = EVEN && UNPREDICATED;
 static_assert(KR >= 1 && KR <= K, "pieces with data");
 constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
 constexpr int THREADS = TPR * RPB;
@@ -165,13 +170,15 @@ struct Held {
     unsigned int w[KR][Raw<CODE>::WORDS];
 };
 
-// EVEN: piece k of a row (`row` its first lane; `left` as piece_left gives it, or 0) through an unpredicated
-// 16-byte load. Predicated, ptxas -- NVRTC
-// 13.0, sm_90 -- issued a held row's last load after pass 1's arithmetic on the others (two memory round trips a
-// row; bench/NOTES.md, run 10) and each of pass 2's weight loads just before its use. Every piece before the last
-// one with data is whole (known at compile time unless UNTRIMMED: then pieces k < KR - 1 may lie in the padding
-// too, and each is checked); a padding piece reads the row's first piece and is zeroed. A row past
-// the end is read as row 0 (the callers point it there; nothing of it is stored or summed into dW).
+// EVEN with UNPREDICATED: piece k of a row (`row` its first lane; `left` as piece_left gives it, or 0) through an
+// unpredicated 16-byte load. Predicated, ptxas -- NVRTC 13.0, sm_90 -- issued a held row's last load after pass 1's
+// arithmetic on the others (two memory round trips a row; bench/NOTES.md, run 10) and each of pass 2's weight loads
+// just before its use; unpredicated, the forward gained on an H200 (8192 x 8192 75 -> 67 us, 262144 x 128 38 -> 36)
+// but some backward entries lost (2048 x 18432 101 -> 119; bench/results/2026-11-30-h200-run11), hence a knob per
+// table entry. Every piece before the last one with data is whole (known at compile time unless UNTRIMMED: then
+// pieces k < KR - 1 may lie in the padding too, and each is checked); a padding piece reads the row's first piece
+// and is zeroed. A row past the end is read as row 0 (the callers point it there; nothing of it is stored or
+// summed into dW).
 template <int CODE>
 __device__ __forceinline__ void load_even(unsigned int* w, const typename Elem<CODE>::T* row, int k, int t, int left) {
     const bool whole = (!UNTRIMMED && k + 1 < KR) || left >= PIECE;
@@ -186,7 +193,7 @@ __device__ __forceinline__ void load_held(Held<CODE>& h, const typename Elem<COD
                                           bool aligned) {
 #pragma unroll
     for (int k = 0; k < KR; ++k) {
-        if constexpr (EVEN) load_even<CODE>(h.w[k], row, k, t, piece_left(k, t, n));
+        if constexpr (EVEN_UNPREDICATED) load_even<CODE>(h.w[k], row, k, t, piece_left(k, t, n));
         else load_raw<CODE>(h.w[k], row + piece_col(k, t), live ? piece_left(k, t, n) : 0, aligned);
     }
 }
@@ -264,7 +271,7 @@ __device__ __forceinline__ void fetch_piece(float* a, const Held<CODE>& held, in
     if constexpr (HELD) {
         (void)row, (void)left, (void)aligned;
         unpack<CODE>(a, held.w[k]);
-    } else if constexpr (EVEN) {
+    } else if constexpr (EVEN_UNPREDICATED) {
         (void)aligned;
         unsigned int w[Raw<CODE>::WORDS];
         load_even<CODE>(w, row, k, threadIdx.x % TPR, left);
