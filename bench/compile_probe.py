@@ -1,5 +1,6 @@
 """Compile strictnorm's Triton kernels for sm_90 without a GPU and report what costs no device time:
-compile seconds, PTX size, shared-memory traffic, barriers, local-memory spills, per N.
+compile seconds, PTX size, shared-memory traffic, barriers, local-memory spills, and ptxas's registers and
+stack per thread (cuobjdump -res-usage, where triton ships cuobjdump), per N.
 
 A pathological compile shows here before it burns device time (Triton 3.6 turned a tl.split tree
 into 25x more PTX than a reshape + sum tree). Usage: python bench/compile_probe.py [N ...]
@@ -7,8 +8,11 @@ into 25x more PTX than a reshape + sum tree). Usage: python bench/compile_probe.
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -28,10 +32,24 @@ def _compile(fn, sig: dict, const: dict, num_warps: int):
     return c, time.perf_counter() - t0
 
 
+def _resources(cubin: bytes) -> str:
+    """ptxas's registers and stack bytes per thread ("REG:64 STACK:184": a stack is spilled registers)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    fields = next((line.split() for line in out.splitlines() if "REG:" in line), [])
+    return " ".join(v for v in fields if v.startswith(("REG:", "STACK:")))
+
+
 def _stats(c) -> str:
     ptx = c.asm["ptx"]
     return (f"ptx {len(ptx.splitlines()):6d} lines  bar.sync {ptx.count('bar.sync'):3d}  "
-            f"ld.shared {ptx.count('ld.shared'):4d}  local {ptx.count('ld.local') + ptx.count('st.local'):3d}")
+            f"ld.shared {ptx.count('ld.shared'):4d}  local {ptx.count('ld.local') + ptx.count('st.local'):3d}  "
+            f"{_resources(c.asm['cubin'])}")
 
 
 def main(ns: list[int]) -> None:
