@@ -1,73 +1,99 @@
-"""Tuning sweep for the Triton row kernels: elements per program and warps, at the PERF.md shapes.
+"""Tuning sweep for the Triton row kernels: rows per program and warps, forward and backward apart.
 
-Any configuration gives the same bits (checked here too); only the speed changes. Kernel-only
-time as in strictnorm.bench. Run on the GPU machine: python3 bench/sweep_triton.py [out.json]
+Each configuration replaces the backend's tile choice (backend._row_tile: the column tiles stay as the backend
+splits them; ROWS rows a program and num_warps change) and clears its cached plans. Every result is checked
+against the torch reference's bits (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and
+timed kernel-only as in strictnorm.bench. SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the
+time: about 2 s per configuration and direction on an H200 machine). Run on the GPU machine:
+    python3 bench/sweep_triton.py [out.json]
+(On a machine without a GPU, under TRITON_INTERPRET=1, it runs on the CPU: a smoke test, not a measurement.)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
+from sweep_cuda import Case, measure
 
-import strictnorm as sn
+from strictnorm.backends.registry import get_backend
 from strictnorm.backends.triton import backend as tb
-from strictnorm.bench import NORM_SHAPES, Timer
+from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps
+from strictnorm.contract import make_spec
 from strictnorm.reference import next_pow2
 
+SHAPES = NORM_SHAPES
+if os.environ.get("SWEEP_SHAPES"):
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SWEEP_SHAPES"].split(",")]
+MAX_TILE = 16384  # lanes a program (rows x padded row) beyond one row
+MAX_LANES_PER_THREAD = 64
 
-def _measure(timer: Timer, x, w, xg, wg, dy) -> tuple[float, float]:
-    fwd = timer.kernel_us(lambda: sn.rms_norm(x, w, backend="triton"))
-    fb = timer.kernel_us(lambda: torch.autograd.grad(sn.rms_norm(xg, wg, backend="triton"), (xg, wg), dy))
-    return fwd, fb
+
+def configs(n: int) -> list[tuple[int, int]]:
+    """(rows a program, warps): up to MAX_TILE lanes a program (one row at least), every thread at least one
+    lane and at most MAX_LANES_PER_THREAD."""
+    p = next_pow2(n)
+    out = []
+    for rows in (1, 2, 4, 8, 16, 32):
+        if rows > 1 and rows * p > MAX_TILE:
+            break
+        lanes = rows * p
+        out += [(rows, w) for w in (1, 2, 4, 8, 16, 32) if 32 * w <= lanes and lanes <= 32 * w * MAX_LANES_PER_THREAD]
+    return out
+
+
+ORIGINAL_ROW_TILE = tb._row_tile
+
+
+def use(rows: int | None, warps: int | None, backend) -> None:
+    """The backend's tiles with `rows` rows a program and `warps` warps (None: the backend's own choice); its
+    cached plans cleared (a plan keeps the tile it was made with)."""
+
+    def row_tile(n: int, split: bool) -> tb.RowTile:
+        t = ORIGINAL_ROW_TILE(n, split)
+        return tb.RowTile(rows, t.pa, t.t, warps)
+
+    tb._row_tile = ORIGINAL_ROW_TILE if warps is None else row_tile
+    backend._fwd_plans.clear()
+    backend._bwd_plans.clear()
 
 
 def main() -> None:
-    timer = Timer(torch.device("cuda"), 9)
-    original = tb._row_tile
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    timer = Timer(dev, iters=int(os.environ.get("SWEEP_ITERS", "9")))
+    ceiling = copy_ceiling_gbps(dev)
+    triton, ref = get_backend("triton"), get_backend("torch")
+    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
     results = []
-    for m, n in NORM_SHAPES:
-        x = torch.randn(m, n, device="cuda").bfloat16()
-        w = torch.randn(n, device="cuda").bfloat16()
-        dy = torch.randn(m, n, device="cuda").bfloat16()
-        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        want = None
-        for tile in (2048, 4096, 8192, 16384):
-            for elems_per_warp in (256, 512, 1024, 2048, 4096, 8192):  # 8192: 4 warps at P = 32768
-                def row_tile(n_, split=None, tile=tile, epw=elems_per_warp):
-                    t = original(n_, split)  # the column tiles as the backend splits them
-                    rows = max(1, tile // next_pow2(n_))
-                    warps = 1 << max(0, min(5, (rows * (t.pa + t.t) // epw).bit_length() - 1))
-                    return tb.RowTile(rows, t.pa, t.t, warps)
-
-                tb._row_tile = row_tile
-                try:
-                    y = sn.rms_norm(x, w, backend="triton")
-                    dx, dw = torch.autograd.grad(sn.rms_norm(xg, wg, backend="triton"), (xg, wg), dy)
-                    if want is None:
-                        want = (y, dx)
-                    same = bool(torch.equal(y, want[0]) and torch.equal(dx, want[1]))
-                    fwd, fb = _measure(timer, x, w, xg, wg, dy)
-                    row = dict(M=m, N=n, tile=tile, elems_per_warp=elems_per_warp, fwd_us=fwd, bwd_us=fb - fwd,
-                               same_bits=same)
-                except Exception as e:  # e.g. out of registers / shared memory
-                    row = dict(M=m, N=n, tile=tile, elems_per_warp=elems_per_warp, error=repr(e)[:200])
-                finally:
-                    tb._row_tile = original
+    for m, n in SHAPES:
+        case = Case.make(ref, dev, m, n, spec)
+        for rows, warps in [(None, None)] + configs(n):
+            use(rows, warps, triton)
+            for direction in ("fwd", "bwd"):
+                tile = tb._row_tile(n, tb.SPLIT_TILES[direction])
+                row = dict(M=m, N=n, direction=direction, default=warps is None, rows=tile.rows,
+                           num_warps=tile.num_warps)
+                row.update(measure(timer, triton, case, direction, ceiling))
                 results.append(row)
                 print(json.dumps(row), flush=True)
+        use(None, None, triton)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
-            json.dump(results, f, indent=1)
-    print("\nbest per shape (fwd, bwd):")
-    for m, n in NORM_SHAPES:
-        ok = [r for r in results if r["M"] == m and r["N"] == n and "fwd_us" in r]
-        bf = min(ok, key=lambda r: r["fwd_us"])
-        bb = min(ok, key=lambda r: r["bwd_us"])
-        print(f"{m:>7d}x{n:<6d} fwd {bf['fwd_us']:7.1f} (tile {bf['tile']}, epw {bf['elems_per_warp']})"
-              f"  bwd {bb['bwd_us']:7.1f} (tile {bb['tile']}, epw {bb['elems_per_warp']})"
-              f"  all same bits: {all(r['same_bits'] for r in ok)}")
+            json.dump({"copy_GBps": ceiling, "rows": results}, f, indent=1)
+    print(f"\nbest per shape (all rows bitwise: {all(r.get('bitwise') for r in results)}): us (rows, warps); "
+          "the backend's own choice")
+    for m, n in SHAPES:
+        line = f"{m:>7d}x{n:<6d}"
+        for direction in ("fwd", "bwd"):
+            ok = [r for r in results if (r["M"], r["N"], r["direction"]) == (m, n, direction) and "us" in r]
+            if ok:
+                b = min(ok, key=lambda r: r["us"])
+                own = next((r for r in ok if r["default"]), None)
+                line += (f"  {direction} {b['us']:7.1f} ({b['rows']}, {b['num_warps']})"
+                         f" own {own['us'] if own else float('nan'):7.1f}")
+        print(line)
 
 
 if __name__ == "__main__":
