@@ -208,14 +208,14 @@ class NormTuning:
     # the same code where N is a power of two
     trim: bool = True
     # where every row segment is 16-byte aligned and N a multiple of a 16-byte piece: only the 16-byte paths
-    # compiled, every load unpredicated (rms_norm.cu's EVEN; the same arithmetic, so the same bits). Per table
-    # entry, as measured on an H200 (bench/results/2026-11-30-h200-run11, b-sweep-variants): the forward gains
-    # at 2048 x 4096 (12.0 -> 10.2 us) and is level elsewhere; the backward gains at 32768 x 4096 (234 -> 221),
-    # 8192 x 8192 (136 -> 131) and 262144 x 128, and loses where N is not a power of two or is 65536
-    # (2048 x 18432 111 -> 119, 1024 x 65536 271 -> 327) and at 8192 x 4096 in its entry's shape
+    # compiled (rms_norm.cu's EVEN; the same arithmetic, so the same bits). Per table entry, as measured on an H200
+    # (bench/results/2026-11-30-h200-run10 and -run11, b-sweep-variants): the backward 235 -> 221 us at
+    # 32768 x 4096, 136 -> 131 at 8192 x 8192, 110 -> 101 at 2048 x 18432 (predicated loads); the forward
+    # 12.0 -> 10.2 at 2048 x 4096, level elsewhere (unpredicated loads)
     even: bool = True
-    # with EVEN, its loads without predicates (rms_norm.cu's UNPREDICATED; same bits): on an H200 (run 11) the
-    # forward gained at 8192 x 8192 and 262144 x 128, the backward lost at 2048 x 18432 and 1024 x 65536
+    # with EVEN, its loads without predicates (rms_norm.cu's UNPREDICATED; same bits): in run 11 the forward
+    # gained at 8192 x 8192 (75 -> 67 us) and 262144 x 128, the backward lost at 2048 x 18432 (101 -> 119) and
+    # 1024 x 65536 (263 -> 327) against run 10's predicated loads
     unpredicated: bool = True
 
 
@@ -318,7 +318,7 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
     pieces_with_data = max(1, -(-n // (piece * tpr)))
     if tuning.trim and pieces_with_data < k:  # else KR = K: the untrimmed kernel (same cubin, same cache key)
         defines["KR"] = pieces_with_data
-    elif pieces_with_data < k and "EVEN" in defines:  # EVEN must check every piece for padding
+    elif pieces_with_data < k and "UNPREDICATED" in defines:  # its loads must check every piece for padding
         defines["UNTRIMMED"] = 1
     return NormLaunch(defines, rpb, tpr * rpb, tuning.partial_blocks_per_sm, tuning.persistent)
 

@@ -101,14 +101,13 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 HOLD = {"forward": True, "backward": True, "backward_weight": False}
 
 
-def forward_shape(n: int, threads_min: int = 128, values: int = 16, hold: bool = False,
-                  persistent: bool = True) -> ForwardShape:
+def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardShape:
     """PIECE = 8 lanes; TPR = P / values threads per row (1 to 1024), RPB rows per block up to threads_min."""
     p = next_pow2(n)
     piece = min(p, 8)
     tpr = max(1, min(1024, p // max(piece, values)))
     k = p // (piece * tpr)
-    return ForwardShape(piece, tpr, k, max(1, threads_min // tpr), hold, persistent)
+    return ForwardShape(piece, tpr, k, max(1, threads_min // tpr))
 
 
 @cache
@@ -128,8 +127,8 @@ def tuned_shape(n: int, backward: bool) -> ForwardShape:
             and p // 256 <= _HOLD_MAX_VALUES[backward])
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
-    shape = forward_shape(n, t.min_threads, values, hold, t.persistent or backward)
-    return replace(shape, hold_weight=hold and backward and HOLD["backward_weight"])
+    return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
+                   hold_weight=hold and backward and HOLD["backward_weight"])
 
 
 @dataclass

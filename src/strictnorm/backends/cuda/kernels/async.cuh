@@ -67,6 +67,7 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
                      : "=r"(d) : "r"(s), "r"(parity) : "memory");
         return d != 0;
     };
+#undef STRICTNORM_MBAR_TEST
     if (done()) return;
     const unsigned long long start = global_ns();
     while (!done())

@@ -27,9 +27,9 @@
 // EVEN (host-checked: every row segment 16-byte aligned, N a multiple of PIECE, PIECE lanes of the narrowest
 // streamed dtype 16 bytes) compiles only the 16-byte paths: every piece is then whole or wholly padding, and the
 // per-lane fallbacks (half the code) are gone; with UNPREDICATED its loads also drop their predicates (load_even).
-// (Cache hints on the streamed loads and the row stores -- L1
-// no-allocate, L2 256-byte prefetch, evict-first stores -- were measured slower or equal on an H200 at every
-// shape of the tables: bench/results/2026-11-30-h200-run10.)
+// (Cache hints on the streamed loads and the row stores -- L1 no-allocate, L2 256-byte prefetch, evict-first
+// stores -- were measured slower or equal on an H200 at every shape of the tables:
+// bench/results/2026-11-30-h200-run10.)
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
 // 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN,
@@ -56,7 +56,7 @@ typedef Elem<YC>::T y_t;
 #ifndef EVEN
 #define EVEN 0
 #endif
-#ifndef UNTRIMMED  // host-set with EVEN where KR = K although pieces before the last lie wholly in the padding
+#ifndef UNTRIMMED  // host-set with UNPREDICATED where KR = K although pieces before the last lie in the padding
 #define UNTRIMMED 0
 #endif
 #ifndef UNPREDICATED  // host-set with EVEN: its loads without predicates (load_even), else those of load_raw
