@@ -67,7 +67,7 @@ def main(ns: list[int]) -> None:
     print(f"triton {triton.__version__}, sm_90")
     for n in ns:
         def tiled(direction: str, n: int = n) -> tuple[dict, int]:
-            tile = tb._row_tile(n, tb.SPLIT_TILES[direction])
+            tile = tb.row_tile(n, direction)
             return dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False), tile.num_warps
 
         common, warps = tiled("fwd")

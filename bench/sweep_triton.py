@@ -1,11 +1,11 @@
 """Tuning sweep for the Triton row kernels: rows per program and warps, forward and backward apart.
 
-Each configuration replaces the backend's tile choice (backend._row_tile: the column tiles stay as the backend
-splits them; ROWS rows a program and num_warps change) and clears its cached plans. Every result is checked
-against the torch reference's bits (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and
-timed kernel-only as in strictnorm.bench. SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the
-time: about 2 s per configuration and direction on an H200 machine). Run on the GPU machine:
-    python3 bench/sweep_triton.py [out.json]
+Each configuration replaces the backend's tile choice for the shape's padded length (backend.TILE_TABLE: rows a
+program, warps, and whether rows well below their padded length take two column tiles) and clears its cached
+plans. Every result is checked against the torch reference's bits (y and rstd; dx, and the fast dW the same twice;
+sweep_cuda.measure), and timed kernel-only as in strictnorm.bench. SWEEP_SHAPES=MxN,MxN limits the shapes
+(compiling is most of the time: about 2 s per configuration and direction on an H200 machine). Run on the GPU machine:
+    python3 bench/sweep_triton.py [out.json [tuning.json]]
 (On a machine without a GPU, under TRITON_INTERPRET=1, it runs on the CPU: a smoke test, not a measurement.)
 """
 
@@ -31,33 +31,68 @@ MAX_TILE = 16384  # lanes a program (rows x padded row) beyond one row
 MAX_LANES_PER_THREAD = 64
 
 
-def configs(n: int) -> list[tuple[int, int]]:
-    """(rows a program, warps): up to MAX_TILE lanes a program (one row at least), every thread at least one
-    lane and at most MAX_LANES_PER_THREAD."""
-    p = next_pow2(n)
+def configs(n: int) -> list[tb.TileChoice]:
+    """Rows a program, warps and (where N <= 3/4 of its padded length) the column split: up to MAX_TILE lanes a
+    program (one row at least), every thread at least one lane and at most MAX_LANES_PER_THREAD."""
     out = []
-    for rows in (1, 2, 4, 8, 16, 32):
-        if rows > 1 and rows * p > MAX_TILE:
-            break
-        lanes = rows * p
-        out += [(rows, w) for w in (1, 2, 4, 8, 16, 32) if 32 * w <= lanes and lanes <= 32 * w * MAX_LANES_PER_THREAD]
+    for split in sorted({False, tb.column_tiles(n, True) != tb.column_tiles(n, False)}):
+        pa, t = tb.column_tiles(n, split)
+        for rows in (1, 2, 4, 8, 16, 32):
+            lanes = rows * (pa + t)
+            if rows > 1 and lanes > MAX_TILE:
+                break
+            out += [tb.TileChoice(rows, w, split) for w in (1, 2, 4, 8, 16, 32)
+                    if 32 * w <= lanes <= 32 * w * MAX_LANES_PER_THREAD]
     return out
 
 
-ORIGINAL_ROW_TILE = tb._row_tile
-
-
-def use(rows: int | None, warps: int | None, backend) -> None:
-    """The backend's tiles with `rows` rows a program and `warps` warps (None: the backend's own choice); its
-    cached plans cleared (a plan keeps the tile it was made with)."""
-
-    def row_tile(n: int, split: bool) -> tb.RowTile:
-        t = ORIGINAL_ROW_TILE(n, split)
-        return tb.RowTile(rows, t.pa, t.t, warps)
-
-    tb._row_tile = ORIGINAL_ROW_TILE if warps is None else row_tile
+def use(choice: tb.TileChoice | None, n: int, backend) -> None:
+    """The backend's tiles for N's padded length set to `choice` in both directions (None: the backend's own
+    table); its cached plans cleared (a plan keeps the tile it was made with)."""
+    p = next_pow2(n)
+    for direction, table in tb.TILE_TABLE.items():
+        if choice is None:
+            table.pop(p, None)
+            if p in ORIGINAL_TABLE[direction]:
+                table[p] = ORIGINAL_TABLE[direction][p]
+        else:
+            table[p] = choice
     backend._fwd_plans.clear()
     backend._bwd_plans.clear()
+
+
+ORIGINAL_TABLE = {direction: dict(table) for direction, table in tb.TILE_TABLE.items()}
+
+
+def best_tunings(results: list[dict]) -> dict:
+    """Per direction and padded length, the configuration with the least mean slowdown against each shape's
+    fastest (over the shapes of that length where it ran bitwise at all), as STRICTNORM_TRITON_TUNING reads it:
+    the table has one entry per length, whatever the row count."""
+    best: dict[str, dict[str, dict]] = {"fwd": {}, "bwd": {}}
+    for direction in best:
+        ok = [r for r in results if r["direction"] == direction and r.get("bitwise") and "us" in r]
+        for p in sorted({next_pow2(r["N"]) for r in ok}):
+            mine = [r for r in ok if next_pow2(r["N"]) == p]
+            shapes = {(r["M"], r["N"]) for r in mine}
+            fastest = {s: min(r["us"] for r in mine if (r["M"], r["N"]) == s) for s in shapes}
+            ratios: dict[tuple, list[float]] = {}
+            for r in mine:
+                ratios.setdefault((r["rows"], r["num_warps"], r["split"]), []).append(
+                    r["us"] / fastest[(r["M"], r["N"])])
+            full = {k: sum(v) / len(v) for k, v in ratios.items() if len(v) == len(shapes)}
+            if full:
+                rows, warps, split = min(full, key=full.get)
+                best[direction][str(p)] = {"rows": rows, "num_warps": warps, "split": split}
+    return best
+
+
+def _write(ceiling: float, results: list[dict]) -> None:
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"copy_GBps": ceiling, "rows": results, "best": best_tunings(results)}, f, indent=1)
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            json.dump(best_tunings(results), f, indent=1)
 
 
 def main() -> None:
@@ -69,20 +104,18 @@ def main() -> None:
     results = []
     for m, n in SHAPES:
         case = Case.make(ref, dev, m, n, spec)
-        for rows, warps in [(None, None)] + configs(n):
-            use(rows, warps, triton)
+        for choice in [None] + configs(n):
+            use(choice, n, triton)
             for direction in ("fwd", "bwd"):
-                tile = tb._row_tile(n, tb.SPLIT_TILES[direction])
-                row = dict(M=m, N=n, direction=direction, default=warps is None, rows=tile.rows,
-                           num_warps=tile.num_warps)
+                tile = tb.row_tile(n, direction)
+                row = dict(M=m, N=n, direction=direction, default=choice is None, rows=tile.rows,
+                           num_warps=tile.num_warps, split=tile.t > 0)
                 row.update(measure(timer, triton, case, direction, ceiling))
                 results.append(row)
                 print(json.dumps(row), flush=True)
-        use(None, None, triton)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump({"copy_GBps": ceiling, "rows": results}, f, indent=1)
-    print(f"\nbest per shape (all rows bitwise: {all(r.get('bitwise') for r in results)}): us (rows, warps); "
+        use(None, n, triton)
+        _write(ceiling, results)  # after each shape: a run cut by a time limit keeps what it measured
+    print(f"\nbest per shape (all rows bitwise: {all(r.get('bitwise') for r in results)}): us (rows, warps, split); "
           "the backend's own choice")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
@@ -91,7 +124,7 @@ def main() -> None:
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 own = next((r for r in ok if r["default"]), None)
-                line += (f"  {direction} {b['us']:7.1f} ({b['rows']}, {b['num_warps']})"
+                line += (f"  {direction} {b['us']:7.1f} ({b['rows']}, {b['num_warps']}, {int(b['split'])})"
                          f" own {own['us'] if own else float('nan'):7.1f}")
         print(line)
 

@@ -3,6 +3,8 @@ interpreter (TRITON_INTERPRET=1, set by conftest.py); on a GPU they run the comp
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import HAS_CUDA
@@ -294,16 +296,33 @@ def test_random_configurations_bitwise(seed):
 
 def test_row_tiles_split_only_rows_well_below_their_padded_length():
     """Two column tiles (PA = P / 2 and T = next_pow2(N - PA) lanes) where T < PA, i.e. N <= 3/4 P, when
-    asked (the backward); one tile of P lanes otherwise."""
-    from strictnorm.backends.triton.backend import SPLIT_TILES, _row_tile
+    asked (by default the backward); one tile of P lanes otherwise."""
+    from strictnorm.backends.triton.backend import DEFAULT_SPLIT, column_tiles, row_tile
 
-    assert SPLIT_TILES == {"fwd": False, "bwd": True}
+    assert DEFAULT_SPLIT == {"fwd": False, "bwd": True}
     for n, pa, t in ((1, 1, 0), (5, 4, 1), (7, 8, 0), (40, 32, 8), (100, 128, 0), (5120, 4096, 1024),
                      (6144, 4096, 2048), (6145, 8192, 0), (18432, 16384, 2048), (65536, 65536, 0)):
-        tile = _row_tile(n, True)
-        assert (tile.pa, tile.t) == (pa, t), n
-        assert tile.pa + tile.t >= n and tile.num_warps & (tile.num_warps - 1) == 0
-        assert (_row_tile(n, False).pa, _row_tile(n, False).t) == (next_pow2(n), 0)
+        assert column_tiles(n, True) == (pa, t), n
+        assert column_tiles(n, False) == (next_pow2(n), 0)
+        for direction in ("fwd", "bwd"):
+            tile = row_tile(n, direction)
+            assert tile.pa + tile.t >= n and tile.num_warps & (tile.num_warps - 1) == 0
+
+
+def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
+    """A TILE_TABLE entry sets rows, warps and split for its padded length only; STRICTNORM_TRITON_TUNING's
+    file fills the table when the backend module loads."""
+    from strictnorm.backends.triton import backend as tb
+
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {}})
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"fwd": {"32768": {"rows": 2, "num_warps": 16, "split": True}}}))
+    monkeypatch.setenv("STRICTNORM_TRITON_TUNING", str(path))
+    tb._load_tuning_file()
+    assert tb.row_tile(18432, "fwd") == tb.RowTile(2, 16384, 2048, 16)
+    assert tb.row_tile(30000, "fwd") == tb.RowTile(2, 32768, 0, 16)  # N > 3/4 P: one tile
+    assert tb.row_tile(18432, "bwd") == tb.RowTile(1, 16384, 2048, 32)  # the defaults
+    assert tb.row_tile(4096, "fwd") == tb.RowTile(1, 4096, 0, 8)
 
 
 @pytest.mark.parametrize("n", [5, 40])
@@ -319,7 +338,7 @@ def test_one_and_two_column_tiles_give_the_same_bits(n, seed, monkeypatch):
     w = randn(n, gen=g)
     outs = []
     for split in (True, False):
-        monkeypatch.setattr(tb, "SPLIT_TILES", {"fwd": split, "bwd": split})
+        monkeypatch.setattr(tb, "DEFAULT_SPLIT", {"fwd": split, "bwd": split})
         monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
         monkeypatch.setattr(get_backend("triton"), "_bwd_plans", {})
         outs.append(_run("triton", x, w, dy, mode="gemma", offset=-0.5, dw="strict", res=res, dres=dres,

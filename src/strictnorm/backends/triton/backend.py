@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,17 +50,45 @@ def _store_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-# Rows of N <= 3/4 of their padded length P in two column tiles (kernels.py, tiled_canon_sum): the same
-# bits with fewer lanes. On an H200 (bench/results/2026-11-30-h200-run7, call i; 2048 x 18432) the backward
-# went 282 -> 177 us, the forward 80 -> 84 us: split in the backward only.
-SPLIT_TILES = {"fwd": False, "bwd": True}
+@dataclass(frozen=True)
+class TileChoice:
+    """How a row kernel tiles rows of one padded length P (any choice gives the same bits; the tree is fixed by N).
+    rows: rows a program (None: _TILE_ELEMS // P, at least one); num_warps (None: one warp per 512 lanes, 1 to
+    32); split: rows of N <= 3/4 P in two column tiles (kernels.py, tiled_canon_sum), the same bits with fewer
+    lanes."""
+
+    rows: int | None = None
+    num_warps: int | None = None
+    split: bool = False
+
+
+# Choices per direction and padded length P; a P not listed takes TileChoice(split=DEFAULT_SPLIT[direction]).
+# Split by default in the backward only: on an H200 (bench/results/2026-11-30-h200-run7, call i; 2048 x 18432)
+# the backward went 282 -> 177 us, the forward 80 -> 84 us. A JSON file named by STRICTNORM_TRITON_TUNING
+# replaces entries: {"fwd": {"4096": {"rows": 1, "num_warps": 16, "split": false}, ...}, "bwd": {...}}, as
+# bench/sweep_triton.py writes it.
+DEFAULT_SPLIT = {"fwd": False, "bwd": True}
+TILE_TABLE: dict[str, dict[int, TileChoice]] = {"fwd": {}, "bwd": {}}
+
+
+def _load_tuning_file() -> None:
+    path = os.environ.get("STRICTNORM_TRITON_TUNING")
+    if not path:
+        return
+    with open(path) as f:
+        data = json.load(f)
+    for direction, table in TILE_TABLE.items():
+        for p, knobs in data.get(direction, {}).items():
+            table[int(p)] = TileChoice(**knobs)
+
+
+_load_tuning_file()
 
 
 @dataclass(frozen=True)
 class RowTile:
     """A row kernel's tile: ROWS rows of one column tile of PA lanes, or of two (PA = P / 2 and T lanes,
-    T > 0); num_warps. A function of N alone, so that one compiled kernel serves every row count (any
-    choice gives the same bits; the tree is fixed by N)."""
+    T > 0); num_warps. A function of N alone, so that one compiled kernel serves every row count."""
 
     rows: int
     pa: int
@@ -75,17 +104,23 @@ class RowTile:
         return {**self.constexprs(), **_launch_opts(self.num_warps)}
 
 
-def _row_tile(n: int, split: bool) -> RowTile:
+def column_tiles(n: int, split: bool) -> tuple[int, int]:
+    """(PA, T): one tile of P = next_pow2(N) lanes (T = 0), or with split and N <= 3/4 P, PA = P / 2 and
+    T = next_pow2(N - PA)."""
     p = next_pow2(n)
-    rows_per_prog = max(1, _TILE_ELEMS // p)
-    pa, t = p, 0
-    if split:
-        tail = next_pow2(n - p // 2) if n > p // 2 else 0
-        if 0 < tail < p // 2:
-            pa, t = p // 2, tail
-    lanes = rows_per_prog * (pa + t)
-    num_warps = 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
-    return RowTile(rows_per_prog, pa, t, num_warps)
+    tail = next_pow2(n - p // 2) if split and n > p // 2 else 0
+    return (p // 2, tail) if 0 < tail < p // 2 else (p, 0)
+
+
+def row_tile(n: int, direction: str) -> RowTile:
+    """The tile of rows of N columns for direction "fwd" or "bwd" (TILE_TABLE)."""
+    p = next_pow2(n)
+    choice = TILE_TABLE[direction].get(p) or TileChoice(split=DEFAULT_SPLIT[direction])
+    pa, t = column_tiles(n, choice.split)
+    rows = choice.rows or max(1, _TILE_ELEMS // p)
+    lanes = rows * (pa + t)
+    num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
+    return RowTile(rows, pa, t, num_warps)
 
 
 @dataclass(frozen=True)
@@ -149,7 +184,7 @@ class TritonBackend:
         views, lay, w = ForwardPlan.of(v, x, weight, residual), v.lay, v.weight
         if lay.rows == 0:
             return _Plan(views, (), 0, (), {})
-        tile = _row_tile(lay.n, SPLIT_TILES["fwd"])
+        tile = row_tile(lay.n, "fwd")
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None, **tile.meta())
@@ -202,7 +237,7 @@ class TritonBackend:
         # than the strict fold: 701 vs 291 us at 2048 x 18432 on an H200 (bench/results/2026-11-29-h200-run2);
         # the fold is deterministic too, so it serves dw="fast" there.
         partials = need_dw and dw_mode == "fast" and not views.per_head and next_pow2(n) <= _PARTIALS_MAX_P
-        tile = _row_tile(n, SPLIT_TILES["bwd"])
+        tile = row_tile(n, "bwd")
         blocks = _cdiv(rows, tile.rows)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
