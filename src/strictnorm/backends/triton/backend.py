@@ -68,7 +68,16 @@ class TileChoice:
 # replaces entries: {"fwd": {"4096": {"rows": 1, "num_warps": 16, "split": false}, ...}, "bwd": {...}}, as
 # bench/sweep_triton.py writes it.
 DEFAULT_SPLIT = {"fwd": False, "bwd": True}
-TILE_TABLE: dict[str, dict[int, TileChoice]] = {"fwd": {}, "bwd": {}}
+# From bench/sweep_triton.py on an H200 (bench/results/2026-11-30-h200-run12, call a; every configuration
+# bitwise; the least mean slowdown over the shapes of each P, kernel-only us against the formula's choice):
+# forward 32768 x 4096 135.7 -> 129.1, 8192 x 8192 75.7 -> 67.8, 262144 x 128 34.8 -> 34.0, 2048 x 18432
+# 78.9 -> 74.9; backward 2048 x 18432 172.4 -> 156.2, 262144 x 128 63.0 -> 59.9.
+TILE_TABLE: dict[str, dict[int, TileChoice]] = {
+    "fwd": {128: TileChoice(rows=8, num_warps=2), 4096: TileChoice(rows=2, num_warps=8),
+            8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=16)},
+    "bwd": {128: TileChoice(rows=16, num_warps=8), 4096: TileChoice(rows=1, num_warps=8),
+            8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=16, split=True)},
+}
 
 
 def _load_tuning_file() -> None:
