@@ -7,9 +7,11 @@ each configuration untrimmed (`trim=False`; trimmed is the default). SWEEP_SHAPE
 SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes; SWEEP_LEAN=1 keeps held rows only (the
 forward's weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the block-shape grid by the tables' entry
 per shape with EVEN off, on with predicated loads and on with unpredicated ones (16-byte aligned rows: only the
-16-byte paths); SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction.
+16-byte paths); SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction; SWEEP_STAGED=1 tries each backward
+configuration also with the next row copied ahead into shared memory (`staged`; held rows with EVEN only).
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
+    python3 bench/sweep_cuda.py --merge OUT_DIR NAME...   (the best of several sweeps' results as a tuning file)
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ if os.environ.get("SWEEP_MIN_THREADS"):
 
 DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
 VARIANTS = os.environ.get("SWEEP_VARIANTS") == "1"
+STAGED = os.environ.get("SWEEP_STAGED") == "1"
 
 
 def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
@@ -79,9 +82,14 @@ def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
     """The configurations swept at one shape and direction."""
     if VARIANTS:
         base = tuning_for(FWD_TABLE if direction == "fwd" else BWD_TABLE, n, m)
-        return [dataclasses.replace(base, even=even, unpredicated=unpred)
-                for even, unpred in ((False, True), (True, False), (True, True))]
-    return tunings_for(n, FWD_TUNINGS if direction == "fwd" else BWD_TUNINGS)
+        out = [dataclasses.replace(base, even=even, unpredicated=unpred)
+               for even, unpred in ((False, True), (True, False), (True, True))]
+    else:
+        out = tunings_for(n, FWD_TUNINGS if direction == "fwd" else BWD_TUNINGS)
+    if STAGED and direction == "bwd":  # staged needs EVEN, held rows, no dw_smem (else it compiles the same kernel)
+        out = out + [dataclasses.replace(t, staged=True) for t in out
+                     if t.even and t.hold_max_p >= next_pow2(n) and not t.dw_smem]
+    return out
 
 
 def _compile(defines: dict) -> None:
@@ -174,7 +182,7 @@ def best_tunings(results: list[dict]) -> dict:
             entries = []
             for m in ms:
                 top = min((r for r in ok if r["M"] == m), key=lambda r: r["us"])
-                entries.append([m if m != ms[-1] else None, {f: top[f] for f in fields}])
+                entries.append([m if m != ms[-1] else None, {f: top[f] for f in fields if f in top}])
             if entries:
                 out[key][str(next_pow2(n))] = entries
     return out
@@ -202,7 +210,7 @@ def main() -> None:
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
     knobs = ("values", "min_threads", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm",
-             "dw_smem", "persistent", "trim", "even")
+             "dw_smem", "persistent", "trim", "even", "unpredicated", "staged")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):
@@ -212,13 +220,42 @@ def main() -> None:
                 line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
         print(line)
     if VARIANTS:
-        print("\nper variant (EVEN off / predicated / unpredicated): us")
+        print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged): us")
         for m, n in SHAPES:
             for key in DIRECTIONS:
                 ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
                 print(f"{m:>7d}x{n:<6d} {key} " + " ".join(
-                    f"{int(r['even']) + int(r['even'] and r['unpredicated'])}:{r['us']:.1f}" for r in ok))
+                    f"{int(r['even']) + int(r['even'] and r['unpredicated'])}{'s' * r['staged']}:{r['us']:.1f}"
+                    for r in ok))
+
+
+def merge(out_dir: str, names: list[str]) -> None:
+    """The fastest configuration per entry over several sweeps' results ($OUT/<name>.json, or the rows logged in
+    <name>.log where a time limit cut the sweep before it wrote its JSON), as a tuning file: out_dir/tuning.json
+    and /tmp/strictnorm-tuning.json (for a later call on the same machine)."""
+    rows = []
+    for name in names:
+        try:
+            with open(f"{out_dir}/{name}.json") as f:
+                rows += json.load(f)["rows"]
+        except (OSError, ValueError):
+            with open(f"{out_dir}/{name}.log") as f:
+                logged = [json.loads(line) for line in f if line.startswith('{"M"')]
+            print(f"{name}: no JSON, {len(logged)} rows from its log")
+            rows += logged
+    best = best_tunings(rows)
+    for path in (f"{out_dir}/tuning.json", "/tmp/strictnorm-tuning.json"):
+        with open(path, "w") as f:
+            json.dump(best, f, indent=1)
+    shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "partial_blocks_per_sm",
+             "hold_weight", "dw_smem")
+    for key in ("fwd", "bwd"):
+        for p, entries in best[key].items():
+            print(key, p, [(b, {k: v for k, v in t.items() if k in shown}) for b, t in entries])
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--merge"]:  # python3 bench/sweep_cuda.py --merge OUT_DIR NAME...
+        merge(sys.argv[2], sys.argv[3:])
+    else:
+        main()

@@ -25,25 +25,5 @@ SWEEP_LEAN=1 SWEEP_DIRECTIONS=bwd SWEEP_MIN_THREADS=${BWD_MIN_THREADS:-128} \
   timeout "${BWD_TIMEOUT:-150}" python3 bench/sweep_cuda.py "$OUT/sweep-bwd-blocks.json" \
   > "$OUT/sweep-bwd-blocks.log" 2>&1
 tail -n 5 "$OUT/sweep-bwd-blocks.log"
-python3 - "$OUT" <<'PY'
-import json, sys
-from sweep_cuda import best_tunings
-out = sys.argv[1]
-rows = []
-for name in ("sweep-variants", "sweep-fwd-blocks", "sweep-bwd-blocks"):
-    try:
-        rows += json.load(open(f"{out}/{name}.json"))["rows"]
-    except (OSError, ValueError):  # cut by its time limit: the rows its log holds
-        logged = [json.loads(line) for line in open(f"{out}/{name}.log") if line.startswith('{"M"')]
-        print(f"{name}: no JSON, {len(logged)} rows from its log")
-        rows += logged
-best = best_tunings(rows)
-for path in (f"{out}/tuning.json", "/tmp/strictnorm-tuning.json"):
-    json.dump(best, open(path, "w"), indent=1)
-for key in ("fwd", "bwd"):
-    for p, entries in best[key].items():
-        print(key, p, [(b, {k: v for k, v in t.items() if k in ("values", "min_threads", "persistent", "even",
-                                                                "partial_blocks_per_sm", "hold_weight", "dw_smem")})
-                       for b, t in entries])
-PY
+python3 bench/sweep_cuda.py --merge "$OUT" sweep-variants sweep-fwd-blocks sweep-bwd-blocks
 bash bench/device_cache.sh save

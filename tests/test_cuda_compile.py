@@ -135,6 +135,14 @@ def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
             span = d["PIECE"] * d["TPR"]  # lanes of one piece index k over the row's threads
             assert 1 <= d["KR"] < d["K"] and (d["KR"] - 1) * span < n <= d["KR"] * span
             assert nvrtc.compile_cubin("rms_norm.cu", arch, d, use_cache=False)[:4] == b"\x7fELF"
+    # the backward with each row's z and dy staged ahead in shared memory (held rows, EVEN): mixed dtypes (two 16-byte
+    # chunks a piece of fp32), per-head weights, a residual gradient
+    for n, values, z, dy, w, ph in ((1000, 32, bf16, bf16, bf16, False), (18432, 64, bf16, bf16, f32, False),
+                                    (4096, 32, f32, f16, f32, True)):
+        bl = norm_bwd_launch(n, z, dy, w, "gemma", ph, has_dres=True, dw_partials=not ph, aligned=True,
+                             tuning=NormTuning(values=values, hold_max_p=65536, staged=True))
+        assert bl.defines.get("STAGED") == 1
+        assert nvrtc.compile_cubin("rms_norm.cu", arch, bl.defines, use_cache=False)[:4] == b"\x7fELF"
 
 
 def _emulate_row_sum(row: torch.Tensor, piece: int, tpr: int, k: int) -> torch.Tensor:
@@ -374,3 +382,22 @@ def test_no_predicated_min_max_in_the_sass(n, tuning, tmp_path, monkeypatch):
             assert "LDG" in sass, "disassembly without loads"
             hits = _PREDICATED_MIN_MAX.findall(sass)
             assert not hits, f"{mode} {defines}: {hits}"
+
+
+def test_staged_only_where_it_applies_and_fits():
+    """STAGED takes held rows with EVEN and no dw_smem, and at most 160 KB of stages a block (sm_80 allows 164)."""
+    from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, staged_smem
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    held = NormTuning(values=64, hold_max_p=65536, staged=True)
+
+    def launch(z=bf16, dy=bf16, tuning=held, aligned=True, n=18432):
+        return norm_bwd_launch(n, z, dy, bf16, "llama", False, False, True, tuning, aligned).defines
+
+    d = launch()
+    assert d.get("STAGED") == 1 and staged_smem(d, bf16, bf16) == 2 * 512 * 5 * 8 * 4 == 160 * 1024
+    assert "STAGED" not in launch(z=f32, dy=f32)  # 320 KB of stages
+    assert "STAGED" not in launch(aligned=False)  # no EVEN
+    assert "STAGED" not in launch(tuning=NormTuning(values=64, hold_max_p=0, staged=True))  # rows read twice
+    assert "STAGED" not in launch(tuning=NormTuning(values=32, dw_smem=True, staged=True), n=4096)
+    assert staged_smem(launch(tuning=NormTuning(values=64, hold_max_p=65536)), bf16, bf16) == 0

@@ -455,11 +455,13 @@ def _cuda_fwd_cases():
 # registers, 8 lanes a thread with the weight and the dW partials in registers too; held, 32 lanes a thread,
 # weight reloaded per row, dW partials in shared memory and one block per row group (no grid-stride loop);
 # held, 64 lanes a thread, the pieces wholly in the padding loaded and held too (untrimmed; every other family
-# trims them).
+# trims them); held, 32 lanes a thread, the backward's next row copied ahead into shared memory (staged, where
+# EVEN: N a multiple of 8 here).
 CUDA_TUNINGS = {"tables": {}, "stream": {"hold_max_p": 0, "stream_threads": 256},
                 "hold8": {"values": 8},
                 "hold32-smem": {"values": 32, "hold_weight": False, "dw_smem": True, "persistent": False},
-                "hold64-untrimmed": {"values": 64, "hold_weight": False, "trim": False}}
+                "hold64-untrimmed": {"values": 64, "hold_weight": False, "trim": False},
+                "hold32-staged": {"values": 32, "staged": True}}
 
 
 @pytest.fixture(params=list(CUDA_TUNINGS))

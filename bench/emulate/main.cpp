@@ -1,8 +1,10 @@
 // Runs rms_norm.cu's backward (BACKWARD) or forward on the CPU through shim.h, on buffers of exactly the
 // sizes a launch passes (so AddressSanitizer sees any access past them), row group by row group.
-// Usage: emulate ROWS N [DIR [OFFSET]]. Dtypes: bf16 rows and weight (XC = NC = WC = DYC = 1); see run.sh for
-// the macros. With DIR, the inputs are read from DIR/{x,res,w,dy,rstd}.bin (raw little-endian bits; the
-// backward reads x as its z and res as its dres) and the outputs written to DIR/{out,rstd_out,z}.bin.
+// Usage: emulate ROWS N [DIR [OFFSET]] (built with -DEMU_WALK, one block walks every row group). Dtypes: bf16
+// rows and weight (XC = NC = WC = DYC = 1); see run.sh for the macros. With DIR, the inputs are read from
+// DIR/{x,res,w,dy,rstd}.bin (raw little-endian bits; the backward reads x as its z and res as its dres) and the
+// outputs written to DIR/{out,rstd_out,z}.bin.
+#define STRICTNORM_EMULATED 1
 #include "shim.h"
 #include "host.h"
 #include "rms_norm.cu"
@@ -37,21 +39,30 @@ int main(int argc, char** argv) {
         load("dy.bin", dy, rows * n * 2), load("rstd.bin", rstd, rows * 4);
     }
     const int threads = TPR * RPB;
+#if defined(BACKWARD) && STAGED
+    EmuBlock blk(threads, 2LL * STAGE_CHUNKS * THREADS * 16);
+#else
     EmuBlock blk(threads, 0);
-    for (long long b = 0; b * RPB < rows; ++b) {  // each row group as a launch of one block
-        const long long off = b * RPB * n, live = std::min<long long>(RPB, rows - b * RPB);
+#endif
+#ifdef EMU_WALK
+    const long long per_launch = rows;  // one block striding over every row group, as a persistent grid's blocks do
+#else
+    const long long per_launch = RPB;  // each row group as a launch of one block
+#endif
+    for (long long b = 0; b * per_launch < rows; ++b) {
+        const long long off = b * per_launch * n, live = std::min<long long>(per_launch, rows - b * per_launch);
         std::vector<std::thread> ts;
         for (int t = 0; t < threads; ++t)
             ts.emplace_back([&, t] {
                 emu_enter(blk, 0, t);
 #ifdef BACKWARD
                 rms_bwd(reinterpret_cast<const dy_t*>(dy + off), n, 0, 0, reinterpret_cast<const n_t*>(x + off), n, 0, 0,
-                        reinterpret_cast<const w_t*>(w), 0, rstd + b * RPB, reinterpret_cast<const n_t*>(res + off), n,
+                        reinterpret_cast<const w_t*>(w), 0, rstd + b * per_launch, reinterpret_cast<const n_t*>(res + off), n,
                         0, 0, reinterpret_cast<n_t*>(out + off), n, 0, 0, rstd, live, n, 1, 1, offset, 1);
 #else
                 rms_fwd(reinterpret_cast<const x_t*>(x + off), n, 0, 0, reinterpret_cast<const r_t*>(res + off), n, 0, 0,
                         reinterpret_cast<n_t*>(z + off), reinterpret_cast<const w_t*>(w), 0,
-                        reinterpret_cast<y_t*>(out + off), rstd + b * RPB, live, n, 1, 1, 1e-6f, offset, 1);
+                        reinterpret_cast<y_t*>(out + off), rstd + b * per_launch, live, n, 1, 1, 1e-6f, offset, 1);
 #endif
             });
         for (auto& th : ts) th.join();

@@ -38,6 +38,7 @@ from .nvrtc import current_stream
 _SOURCE = "fold.cu"
 _THREADS = 256
 _SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
+_STAGED_SMEM_MAX = 160 * 1024  # a STAGED backward block's stages: within what sm_80 (164 KB) and sm_90 (227 KB) allow
 _MIN_ARCH = (8, 0)  # cp.async
 _MAX_GRID_X = 2**31 - 1  # the kernels stride over rows, so a capped grid is still complete
 _CHAIN_COLS = 8  # fold_chain's columns an item, unless a FoldTuning says otherwise
@@ -217,6 +218,9 @@ class NormTuning:
     # gained at 8192 x 8192 (75 -> 67 us) and 262144 x 128, the backward lost at 2048 x 18432 (101 -> 119) and
     # 1024 x 65536 (263 -> 327) against run 10's predicated loads
     unpredicated: bool = True
+    # backward with held rows and EVEN (not dw_smem): the next row's z and dy copied into shared memory (cp.async)
+    # while a row is computed (rms_norm.cu's STAGED; same arithmetic, same bits)
+    staged: bool = False
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (first
@@ -331,10 +335,22 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
     narrowest = dy_dtype if dy_dtype.itemsize < z_dtype.itemsize else z_dtype
     tuning = tuning or tuning_for(BWD_TABLE, n)
     fl = norm_launch(n, z_dtype, None, w_dtype, narrowest, mode, per_head, tuning, aligned)
+    dw_smem = dw_partials and fl.defines["HOLD"] and tuning.dw_smem
     defines = dict(fl.defines, YC=DTYPE_CODES[z_dtype], BACKWARD=1, DYC=DTYPE_CODES[dy_dtype], HAS_DRES=int(has_dres),
-                   DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_partials and fl.defines["HOLD"] and tuning.dw_smem),
-                   PADDED=int(n < next_pow2(n)))
+                   DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_smem), PADDED=int(n < next_pow2(n)))
+    if tuning.staged and fl.defines["HOLD"] and fl.defines.get("EVEN") and not dw_smem:
+        defines["STAGED"] = 1
+        if staged_smem(defines, z_dtype, dy_dtype) > _STAGED_SMEM_MAX:
+            del defines["STAGED"]
     return NormLaunch(defines, fl.rows_per_block, fl.threads, fl.partial_blocks_per_sm, fl.persistent)
+
+
+def staged_smem(defines: dict[str, int], z_dtype: torch.dtype, dy_dtype: torch.dtype) -> int:
+    """Dynamic shared memory of a STAGED backward: two stages of every thread's pieces of z and dy."""
+    if not defines.get("STAGED"):
+        return 0
+    threads = defines["TPR"] * defines["RPB"]
+    return 2 * threads * defines.get("KR", defines["K"]) * defines["PIECE"] * (z_dtype.itemsize + dy_dtype.itemsize)
 
 
 @dataclass(frozen=True)
@@ -750,6 +766,7 @@ class CudaBackend:
             partials, shmem = False, 0
             fl = norm_bwd_launch(n, z.dtype, dy.dtype, w_dtype, spec.mode, v.per_head, dres is not None, False, tuning,
                                  aligned)
+        shmem += staged_smem(fl.defines, z.dtype, dy.dtype)
         if rows == 0:
             return _BwdPlan(views, 0, None, None, 0, 0, 0, 0, (), 0, ())
         dev = _device_index(z)
@@ -764,6 +781,8 @@ class CudaBackend:
             strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
                                      _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype)
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
+        if shmem > _SMEM_LIMIT:
+            kernel.allow_dynamic_shared(shmem)
         groups = -(-rows // fl.rows_per_block)
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
                           persistent=fl.persistent or partials)  # one partial row per block

@@ -33,8 +33,9 @@
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
 // 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN,
-// UNTRIMMED, UNPREDICATED; BACKWARD selects the backward kernel (below) instead of the forward.
+// UNTRIMMED, UNPREDICATED, STAGED; BACKWARD selects the backward kernel (below) instead of the forward.
 #include "common.cuh"
+#include "async.cuh"
 
 typedef Elem<XC>::T x_t;
 typedef Elem<RC>::T r_t;
@@ -61,6 +62,9 @@ typedef Elem<YC>::T y_t;
 #endif
 #ifndef UNPREDICATED  // host-set with EVEN: its loads without predicates (load_even), else those of load_raw
 #define UNPREDICATED 0
+#endif
+#ifndef STAGED  // host-set in the backward with HOLD and EVEN (not DW_SMEM): the next row copied ahead (stage_row)
+#define STAGED 0
 #endif
 constexpr bool EVEN_UNPREDICATED = EVEN && UNPREDICATED;
 static_assert(KR >= 1 && KR <= K, "pieces with data");
@@ -323,6 +327,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     RowWalk walk(rows);
     Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
     if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
+#if STAGED
+#ifdef STRICTNORM_EMULATED
+    uint4* const mine = reinterpret_cast<uint4*>(g_dynamic_smem) + threadIdx.x;
+#else
+    extern __shared__ uint4 stage_smem[];  // 2 stages of STAGE_CHUNKS * THREADS chunks
+    uint4* const mine = stage_smem + threadIdx.x;
+#endif
+    auto stage = [&](int s, long long row, bool lv) {  // one commit group per call, empty ones included
+        const long long rs = lv ? row : 0;
+        uint4* slot = mine + s * STAGE_CHUNKS * THREADS;
+        stage_row<NC>(slot, zin + offset_of(rs, zs0, zs1, zsg, r1, g), t, n, lv);
+        stage_row<DYC>(slot + KR * CHUNKS<NC> * THREADS, dy + offset_of(rs, ds0, ds1, dsg, r1, g), t, n, lv);
+        cp_async_commit();
+    };
+    stage(0, walk.row, walk.iters > 0 && walk.row < rows);
+#endif
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
@@ -409,14 +429,49 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 #endif  // !BACKWARD
 
 #ifdef BACKWARD
+// STAGED: while a thread computes one row, cp.async copies its pieces of the slot's next row (z and dy) into
+// shared memory, two stages: the loads of the next row are in flight during this row's reduction and output
+// pass without holding registers (a register prefetch cost resident blocks; see the top). Each thread copies
+// and later reads only its own 16-byte chunks, so its own cp.async waits order them: no barrier. A stage holds
+// STAGE_CHUNKS chunks a thread, chunk c of thread i at c * THREADS + i (consecutive threads, consecutive
+// chunks). With EVEN a piece is whole or wholly padding: padding pieces and rows past the end are zero-filled
+// copies of nothing.
+template <int CODE>
+constexpr int CHUNKS = Raw<CODE>::WORDS / 4;  // 16-byte chunks a piece
+
+template <int CODE>
+__device__ __forceinline__ void stage_row(uint4* slot, const typename Elem<CODE>::T* row, int t, int n, bool live) {
+#pragma unroll
+    for (int k = 0; k < KR; ++k) {
+        const bool whole = live && piece_left(k, t, n) >= PIECE;
+        const uint4* src = reinterpret_cast<const uint4*>(row + (whole ? piece_col(k, t) : 0));
+#pragma unroll
+        for (int q = 0; q < CHUNKS<CODE>; ++q)
+            cp_async16(slot + (k * CHUNKS<CODE> + q) * THREADS, src + q, whole ? 16 : 0);
+    }
+}
+
+template <int CODE>
+__device__ __forceinline__ void unstage_row(Held<CODE>& h, const uint4* slot) {
+#pragma unroll
+    for (int k = 0; k < KR; ++k)
+#pragma unroll
+        for (int q = 0; q < CHUNKS<CODE>; ++q) {
+            const uint4 u = slot[(k * CHUNKS<CODE> + q) * THREADS];
+            h.w[k][4 * q] = u.x, h.w[k][4 * q + 1] = u.y, h.w[k][4 * q + 2] = u.z, h.w[k][4 * q + 3] = u.w;
+        }
+}
+
 // Backward: dx = rd((g - xh * c) * rstd [+ f32(dres)], NC) per row with g = f32(dy) * wf,
 // xh = z * rstd, c = canon_sum(xh * g) / N (contract, backward). With DW_PARTIALS each row slot of a
 // block also sums its rows' dW contributions (in row order) into dw_part[block * RPB + slot], reduced
 // afterwards in a fixed order ("fast" dW): in registers with HOLD (unless DW_SMEM), else in dynamic shared
 // memory (RPB * n floats). dx may alias dy (in place): a row's lanes are read and written by the same
 // thread, reads first.
-// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM, PADDED (N below P: padded lanes exist).
+// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM, PADDED (N below P: padded lanes exist), STAGED.
 typedef Elem<DYC>::T dy_t;
+static_assert(!STAGED || (HOLD && EVEN && !DW_SMEM), "STAGED: held rows of whole pieces, shared memory for them");
+constexpr int STAGE_CHUNKS = KR * (CHUNKS<NC> + CHUNKS<DYC>);  // a thread's chunks in one stage (z, then dy)
 
 extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
     const dy_t* dy, long long ds0, long long ds1, long long dsg,
@@ -445,6 +500,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #endif
     Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
     if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
+#if STAGED
+#ifdef STRICTNORM_EMULATED
+    uint4* const mine = reinterpret_cast<uint4*>(g_dynamic_smem) + threadIdx.x;
+#else
+    extern __shared__ uint4 stage_smem[];  // 2 stages of STAGE_CHUNKS * THREADS chunks
+    uint4* const mine = stage_smem + threadIdx.x;
+#endif
+    auto stage = [&](int s, long long row, bool lv) {  // one commit group per call, empty ones included
+        const long long rs = lv ? row : 0;
+        uint4* slot = mine + s * STAGE_CHUNKS * THREADS;
+        stage_row<NC>(slot, zin + offset_of(rs, zs0, zs1, zsg, r1, g), t, n, lv);
+        stage_row<DYC>(slot + KR * CHUNKS<NC> * THREADS, dy + offset_of(rs, ds0, ds1, dsg, r1, g), t, n, lv);
+        cp_async_commit();
+    };
+    stage(0, walk.row, walk.iters > 0 && walk.row < rows);
+#endif
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
@@ -454,7 +525,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         (void)wrow;
         Held<NC> zh;  // HOLD: this thread's lanes of z and dy
         Held<DYC> dh;
-#if HOLD
+#if STAGED
+        {
+            const long long next = walk.row + walk.stride;
+            asm volatile("" ::: "memory");  // the previous row's reads of the stage refilled here come first
+            stage(static_cast<int>((it + 1) & 1), next, it + 1 < walk.iters && next < rows);
+            cp_async_wait<1>();  // this thread's copies of this row landed (the next row's may be in flight)
+            asm volatile("" ::: "memory");  // and the compiler reads them after the wait
+            const uint4* slot = mine + static_cast<int>(it & 1) * STAGE_CHUNKS * THREADS;
+            unstage_row<NC>(zh, slot);
+            unstage_row<DYC>(dh, slot + KR * CHUNKS<NC> * THREADS);
+        }
+#elif HOLD
         load_held<NC>(zh, zrow, t, n, live, aligned);
         load_held<DYC>(dh, drow, t, n, live, aligned);
 #endif
@@ -528,6 +610,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #endif
         }
     }
+#if STAGED
+    cp_async_wait<0>();  // the last (empty) stage: no copy outlives the kernel
+#endif
 #if DW_PARTIALS
     const long long part_row = static_cast<long long>(blockIdx.x) * RPB + threadIdx.x / TPR;
 #pragma unroll
