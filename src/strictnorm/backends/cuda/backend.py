@@ -241,7 +241,11 @@ def _fwd(values: int, min_threads: int = 128, persistent: bool = False) -> NormT
 
 
 # Last revised from the sweeps of bench/results/2026-11-30-h200-run11 (b-: each entry with EVEN off and on, the
-# forward's block sizes; e-: the backward's at 128 to 8192 rows of 4096 columns).
+# forward's block sizes; e-: the backward's at 128 to 8192 rows of 4096 columns) and, for the backward, run12 (d-:
+# each entry with EVEN off / predicated / unpredicated, each staged or not; the block shapes staged or not at 2048
+# and 8192 rows of 4096): staged 2048 x 4096 31.5 -> 30.0 us, 2048 x 18432 100.9 -> 98.9, 32768 x 4096 221.5 ->
+# 219.9, 8192 x 8192 130.5 -> 129.5 (a percent or two: what a row's loads in flight during the last one's
+# arithmetic buy here).
 FWD_TABLE: dict[int, Tuning] = {
     128: ((None, _fwd(32, min_threads=64)),),
     4096: ((128, _fwd(8, min_threads=64)), (2048, _fwd(64)), (None, _fwd(32))),
@@ -251,15 +255,16 @@ FWD_TABLE: dict[int, Tuning] = {
 }
 BWD_TABLE: dict[int, Tuning] = {
     128: ((None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8)),),
-    4096: ((128, NormTuning(values=64, min_threads=256, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True)),
-           (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4, even=False)),
-           (8192, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8)),
-           (None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=8))),
-    8192: ((None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4)),),
+    4096: ((128, NormTuning(values=64, min_threads=256, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True,
+                            unpredicated=False)),
+           (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4, staged=True)),
+           (8192, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, unpredicated=False)),
+           (None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=8, staged=True))),
+    8192: ((None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4, unpredicated=False, staged=True)),),
     # EVEN's predicated loads here: run 10's sweep measured them (2048 x 18432 110.0 -> 101.4 us, 1024 x 65536
-    # 270.5 -> 263.0), where the unpredicated ones lost (run 11: 118.9, 326.8)
+    # 270.5 -> 263.0), where the unpredicated ones lost (run 11: 118.9, 326.8; run 12: 119.4, 323.8)
     32768: ((None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4,
-                              unpredicated=False)),),
+                              unpredicated=False, staged=True)),),
     # rows read twice: held, the backward spills at this length (392-byte stack with 1024 threads)
     65536: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8, unpredicated=False)),),
 }
@@ -781,7 +786,7 @@ class CudaBackend:
             strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
                                      _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype)
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
-        if shmem > _SMEM_LIMIT:
+        if shmem:  # opted in whatever the size: 48 KB of dynamic shared memory plus the static scratch exceed 48 KB
             kernel.allow_dynamic_shared(shmem)
         groups = -(-rows // fl.rows_per_block)
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,

@@ -262,23 +262,21 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
         if HAS_DRES:
             e_offs, _ = row_offsets(rows, R1, G, es0, es1, esg)
         rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
-        # the dW contributions right after the loads: x and dy are then dead across the row's reduction (only
-        # xh and g live on), fewer registers; the same values, summed over rows in the same order
         xa, dya, xha, gra = _bwd_input(DY, d_offs, Z, z_offs, W, wsg, wf_a, g, rows, rstd, M, N, cols_a, offset,
                                        MODE, XDT, HAS_W, PER_HEAD)
-        if DW_PARTIALS:
-            dw_a += dya * normalized_as_used(xa, rstd, MODE, XDT)
         pb = xha * gra
         if T > 0:
             xb, dyb, xhb, grb = _bwd_input(DY, d_offs, Z, z_offs, W, wsg, wf_b, g, rows, rstd, M, N, cols_b,
                                            offset, MODE, XDT, HAS_W, PER_HEAD)
-            if DW_PARTIALS:
-                dw_b += dyb * normalized_as_used(xb, rstd, MODE, XDT)
             pb = xhb * grb
         c = tl.div_rn(tiled_canon_sum(xha * gra, pb, ROWS, PA, LOG2PA, T, LOG2T), tl.full((ROWS,), N, tl.float32))
         _bwd_output(xha, gra, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols_a, XDT, HAS_DRES)
+        if DW_PARTIALS:
+            dw_a += dya * normalized_as_used(xa, rstd, MODE, XDT)
         if T > 0:
             _bwd_output(xhb, grb, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols_b, XDT, HAS_DRES)
+            if DW_PARTIALS:
+                dw_b += dyb * normalized_as_used(xb, rstd, MODE, XDT)
     if DW_PARTIALS:
         tl.store(DW_PART + pid.to(tl.int64) * N + cols_a, tl.sum(dw_a, axis=0), mask=cols_a < N)
         if T > 0:
