@@ -4,7 +4,8 @@ Every configuration must give the reference's bits (checked here: y, rstd and dx
 backend); only the speed changes. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
 Kernels are compiled first, in parallel, into the disk cache. Rows of N below a power of two also try
 each configuration untrimmed (`trim=False`; trimmed is the default). SWEEP_SHAPES=MxN,MxN limits the shapes;
-SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes; SWEEP_LEAN=1 keeps held rows only (the
+SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes (SWEEP_VALUES=a,b: the lanes a thread holds,
+SWEEP_PBS=a,b: the backward's partial blocks per SM); SWEEP_LEAN=1 keeps held rows only (the
 forward's weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the block-shape grid by the tables' entry
 per shape with EVEN off, on with predicated loads and on with unpredicated ones (16-byte aligned rows: only the
 16-byte paths); SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction; SWEEP_STAGED=1 tries each backward
@@ -46,13 +47,15 @@ if os.environ.get("SWEEP_SHAPES"):
 
 # Rows held in registers (values per thread, weight held or reloaded) or read twice (threads per row);
 # the backward adds where the fast dW partials live and how many blocks per SM produce them.
-_HOLD = [NormTuning(values=v, hold_weight=hw, hold_max_p=65536) for v in (8, 16, 32, 64) for hw in (True, False)]
+_VALUES = [int(v) for v in os.environ.get("SWEEP_VALUES", "8,16,32,64").split(",")]
+_PBS = [int(v) for v in os.environ.get("SWEEP_PBS", "4,8").split(",")]  # the backward's partial blocks per SM
+_HOLD = [NormTuning(values=v, hold_weight=hw, hold_max_p=65536) for v in _VALUES for hw in (True, False)]
 _STREAM = [NormTuning(hold_max_p=0, stream_threads=s) for s in (128, 256, 512, 1024)]
 FWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=0, persistent=p) for t in _HOLD + _STREAM
                for p in (True, False)]
 BWD_TUNINGS = [dataclasses.replace(t, partial_blocks_per_sm=b, dw_smem=d)
-               for t in _HOLD for b in (4, 8) for d in (False, True)]
-BWD_TUNINGS += [dataclasses.replace(t, partial_blocks_per_sm=b) for t in _STREAM[:3] for b in (4, 8)]
+               for t in _HOLD for b in _PBS for d in (False, True)]
+BWD_TUNINGS += [dataclasses.replace(t, partial_blocks_per_sm=b) for t in _STREAM[:3] for b in _PBS]
 # SWEEP_LEAN=1: rows held only; the forward's weight reloaded per row (the tables' forms up to P = 32768)
 if os.environ.get("SWEEP_LEAN") == "1":
     FWD_TUNINGS = [t for t in FWD_TUNINGS if t.hold_max_p and not t.hold_weight]
