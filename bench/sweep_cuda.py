@@ -9,7 +9,8 @@ SWEEP_PBS=a,b: the backward's partial blocks per SM); SWEEP_LEAN=1 keeps held ro
 forward's weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the block-shape grid by the tables' entry
 per shape with EVEN off, on with predicated loads and on with unpredicated ones (16-byte aligned rows: only the
 16-byte paths); SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction; SWEEP_STAGED=1 tries each backward
-configuration also with the next row copied ahead into shared memory (`staged`; held rows with EVEN only).
+configuration also with the next row copied ahead into shared memory (`staged`; held rows with EVEN only);
+SWEEP_F32=1 each held backward configuration also with xh and g kept in fp32 between the passes (`hold_f32`).
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
     python3 bench/sweep_cuda.py --merge OUT_DIR NAME...   (the best of several sweeps' results as a tuning file)
@@ -71,6 +72,7 @@ if os.environ.get("SWEEP_MIN_THREADS"):
 DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
 VARIANTS = os.environ.get("SWEEP_VARIANTS") == "1"
 STAGED = os.environ.get("SWEEP_STAGED") == "1"
+HOLD_F32 = os.environ.get("SWEEP_F32") == "1"
 
 
 def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
@@ -92,6 +94,8 @@ def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
     if STAGED and direction == "bwd":  # staged needs EVEN, held rows, no dw_smem (else it compiles the same kernel)
         out = out + [dataclasses.replace(t, staged=True) for t in out
                      if t.even and t.hold_max_p >= next_pow2(n) and not t.dw_smem]
+    if HOLD_F32 and direction == "bwd":  # held rows only
+        out = out + [dataclasses.replace(t, hold_f32=True) for t in out if t.hold_max_p >= next_pow2(n)]
     return out
 
 
@@ -213,7 +217,7 @@ def main() -> None:
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
     knobs = ("values", "min_threads", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm",
-             "dw_smem", "persistent", "trim", "even", "unpredicated", "staged")
+             "dw_smem", "persistent", "trim", "even", "unpredicated", "staged", "hold_f32")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):
@@ -223,12 +227,13 @@ def main() -> None:
                 line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
         print(line)
     if VARIANTS:
-        print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged): us")
+        print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged, f: hold_f32): us")
         for m, n in SHAPES:
             for key in DIRECTIONS:
                 ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
                 print(f"{m:>7d}x{n:<6d} {key} " + " ".join(
-                    f"{int(r['even']) + int(r['even'] and r['unpredicated'])}{'s' * r['staged']}:{r['us']:.1f}"
+                    f"{int(r['even']) + int(r['even'] and r['unpredicated'])}{'s' * r['staged']}"
+                    f"{'f' * r.get('hold_f32', False)}:{r['us']:.1f}"
                     for r in ok))
 
 
@@ -250,8 +255,8 @@ def merge(out_dir: str, names: list[str]) -> None:
     for path in (f"{out_dir}/tuning.json", "/tmp/strictnorm-tuning.json"):
         with open(path, "w") as f:
             json.dump(best, f, indent=1)
-    shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "partial_blocks_per_sm",
-             "hold_weight", "dw_smem")
+    shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "hold_f32",
+             "partial_blocks_per_sm", "hold_weight", "dw_smem")
     for key in ("fwd", "bwd"):
         for p, entries in best[key].items():
             print(key, p, [(b, {k: v for k, v in t.items() if k in shown}) for b, t in entries])

@@ -129,22 +129,28 @@ def test_emulated_backward_bitwise(n, tuning, aligned, seed, tmp_path):
 
 @pytest.mark.parametrize("n, tuning", [(5120, NormTuning(values=32, staged=True)),
                                        (1000, NormTuning(values=8, staged=True)),
-                                       (4096, NormTuning(values=32, min_threads=256, staged=True))])
+                                       (4096, NormTuning(values=32, min_threads=256, staged=True)),
+                                       (5120, NormTuning(values=32, staged=True, hold_f32=True)),
+                                       (1000, NormTuning(values=16, staged=True, hold_f32=True))])
 def test_emulated_staged_backward_bitwise(n, tuning, seed, tmp_path):
     """STAGED: each row's z and dy copied ahead into shared memory, one block walking every row group (the
     stages alternate from row to row; rows past the end and padding pieces are zero-filled copies), with special
-    values, a zero dy row and a residual gradient."""
+    values, a zero dy row and a residual gradient; HOLD_F32 (xh and g kept in fp32 between the passes) too."""
     bf16 = torch.bfloat16
     bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, True, False, tuning, True)
     assert bl.defines.get("STAGED") == 1
     rows = 3 * bl.rows_per_block + 2  # several groups, the last one partial
     t = _inputs(rows, n, seed)
+    # an ordinary weight (the largest values there make every row's dx NaN, which would hide any error)
+    t["w"] = (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.5).bfloat16()
     t["dy"][2] = 0.0
     spec = make_spec(bf16, 1e-6, -0.5, "gemma", bf16)
     ref = TorchBackend()
     _, t["rstd"], _ = ref.rms_norm_fwd(t["x"], t["w"], None, spec)
     want, _ = ref.rms_norm_bwd(t["dy"], t["x"], t["w"], t["rstd"], t["res"], spec, "strict", False, None)
+    assert bool(want[0::2].isfinite().all())  # the rows without special values
     bl = norm_bwd_launch(n, bf16, bf16, bf16, "gemma", False, True, False, tuning, True)
+    assert bl.defines.get("HOLD_F32", 0) == int(tuning.hold_f32)
     assert bits_equal(want, _emulate(dict(bl.defines, EMU_WALK=1), rows, n, spec.offset, t, tmp_path)["out"])
 
 

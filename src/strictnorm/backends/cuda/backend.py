@@ -221,6 +221,9 @@ class NormTuning:
     # backward with held rows and EVEN (not dw_smem): the next row's z and dy copied into shared memory (cp.async)
     # while a row is computed (rms_norm.cu's STAGED; same arithmetic, same bits)
     staged: bool = False
+    # backward with held rows: each lane's xh and g kept in fp32 between the passes, the dW contributions added in
+    # the first (rms_norm.cu's HOLD_F32; same arithmetic, same bits): fewer instructions, more registers
+    hold_f32: bool = False
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (first
@@ -343,6 +346,8 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
     dw_smem = dw_partials and fl.defines["HOLD"] and tuning.dw_smem
     defines = dict(fl.defines, YC=DTYPE_CODES[z_dtype], BACKWARD=1, DYC=DTYPE_CODES[dy_dtype], HAS_DRES=int(has_dres),
                    DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_smem), PADDED=int(n < next_pow2(n)))
+    if tuning.hold_f32 and fl.defines["HOLD"]:
+        defines["HOLD_F32"] = 1
     if tuning.staged and fl.defines["HOLD"] and fl.defines.get("EVEN") and not dw_smem:
         defines["STAGED"] = 1
         if staged_smem(defines, z_dtype, dy_dtype) > _STAGED_SMEM_MAX:

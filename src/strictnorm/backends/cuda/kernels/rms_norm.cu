@@ -33,7 +33,7 @@
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
 // 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN,
-// UNTRIMMED, UNPREDICATED, STAGED; BACKWARD selects the backward kernel (below) instead of the forward.
+// UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32; BACKWARD selects the backward kernel (below) instead of the forward.
 #include "common.cuh"
 #include "async.cuh"
 
@@ -65,6 +65,9 @@ typedef Elem<YC>::T y_t;
 #endif
 #ifndef STAGED  // host-set in the backward with HOLD and EVEN (not DW_SMEM): the next row copied ahead (stage_row)
 #define STAGED 0
+#endif
+#ifndef HOLD_F32  // host-set in the backward with HOLD: a row's xh and g kept as fp32 between the passes
+#define HOLD_F32 0
 #endif
 constexpr bool EVEN_UNPREDICATED = EVEN && UNPREDICATED;
 static_assert(KR >= 1 && KR <= K, "pieces with data");
@@ -468,9 +471,14 @@ __device__ __forceinline__ void unstage_row(Held<CODE>& h, const uint4* slot) {
 // afterwards in a fixed order ("fast" dW): in registers with HOLD (unless DW_SMEM), else in dynamic shared
 // memory (RPB * n floats). dx may alias dy (in place): a row's lanes are read and written by the same
 // thread, reads first.
-// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM, PADDED (N below P: padded lanes exist), STAGED.
+// HOLD_F32: pass 1 keeps each lane's xh and g in fp32 registers and adds the row's dW contributions (rstd is an
+// input: they need not wait for the row's sum), so pass 2 only computes dx from them: about half the instructions
+// an element of widening z, dy and the weight twice, for twice the registers of the packed rows.
+// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM, PADDED (N below P: padded lanes exist), STAGED,
+// HOLD_F32.
 typedef Elem<DYC>::T dy_t;
 static_assert(!STAGED || (HOLD && EVEN && !DW_SMEM), "STAGED: held rows of whole pieces, shared memory for them");
+static_assert(!HOLD_F32 || HOLD, "HOLD_F32: held rows");
 constexpr int STAGE_CHUNKS = KR * (CHUNKS<NC> + CHUNKS<DYC>);  // a thread's chunks in one stage (z, then dy)
 
 extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
@@ -554,13 +562,45 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             for (int i = 0; i < PIECE; ++i) wp[i] = 1.0f;
 #endif
         };
+        // the row's dW contributions of piece k, summed into this thread's partials (in row order)
+        auto add_dw = [&](int k, const float* zp, const float* dp) {
+#if DW_PARTIALS
+            if (live) {
+                const int c0 = piece_col(k, t), left = piece_left(k, t, n);
+#pragma unroll
+                for (int i = 0; i < PIECE; ++i) {
+                    const float contrib = __fmul_rn(dp[i], normalized(zp[i], rstd));
+#if HOLD && !DW_SMEM
+                    dw_acc.v[k][i] = __fadd_rn(dw_acc.v[k][i], contrib);
+                    (void)c0, (void)left;
+#else
+                    if (i < left) dw_row[c0 + i] = __fadd_rn(dw_row[c0 + i], contrib);
+#endif
+                }
+            }
+#else
+            (void)k, (void)zp, (void)dp;
+#endif
+        };
+#if HOLD_F32
+        Lanes xhl, gl;  // xh and g of this thread's lanes
+#endif
         float part[K] = {};  // pieces k >= KR: +0.0 subtrees
 #pragma unroll
         for (int k = 0; k < KR; ++k) {
             float zp[PIECE], dp[PIECE], wp[PIECE], prod[PIECE];
             get(k, zp, dp, wp);
 #pragma unroll
-            for (int i = 0; i < PIECE; ++i) prod[i] = __fmul_rn(__fmul_rn(zp[i], rstd), gscale<HAS_W>(dp[i], wp[i]));
+            for (int i = 0; i < PIECE; ++i) {
+                const float xh = __fmul_rn(zp[i], rstd), gv = gscale<HAS_W>(dp[i], wp[i]);
+                prod[i] = __fmul_rn(xh, gv);
+#if HOLD_F32
+                xhl.v[k][i] = xh, gl.v[k][i] = gv;
+#endif
+            }
+#if HOLD_F32
+            add_dw(k, zp, dp);
+#endif
 #if PADDED
             // padded lanes add +0.0, as canon_sum pads: computed from the zero-filled lanes they would be
             // 0 * (0 * (0 + offset)), -0.0 for a negative offset
@@ -571,23 +611,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             part[k] = pair_tree<PIECE>(prod);
         }
         const float c = __fdiv_rn(row_sum(part, scratch, it & 1), static_cast<float>(n));
-#if HOLD
+#if HOLD && !HOLD_F32
         launder(zh), launder(dh);
+#endif
+#if HOLD
         if constexpr (HOLD_WEIGHT) launder(wh);
 #endif
         n_t* xrow = dx + offset_of(r, xs0, xs1, xsg, r1, g);
 #pragma unroll
         for (int k = 0; k < KR; ++k) {
             const int c0 = piece_col(k, t), left = live ? piece_left(k, t, n) : 0;
-            float zp[PIECE], dp[PIECE], wp[PIECE], out[PIECE];
+            float out[PIECE];
+#if !HOLD_F32
+            float zp[PIECE], dp[PIECE], wp[PIECE];
             get(k, zp, dp, wp);
+#endif
 #if HAS_DRES
             load_piece<NC>(out, dres + offset_of(r, es0, es1, esg, r1, g) + c0, left, aligned);
 #endif
 #pragma unroll
             for (int i = 0; i < PIECE; ++i) {
-                const float xh = __fmul_rn(zp[i], rstd);
-                const float o = __fmul_rn(__fsub_rn(gscale<HAS_W>(dp[i], wp[i]), __fmul_rn(xh, c)), rstd);
+#if HOLD_F32
+                const float xh = xhl.v[k][i], gv = gl.v[k][i];
+#else
+                const float xh = __fmul_rn(zp[i], rstd), gv = gscale<HAS_W>(dp[i], wp[i]);
+#endif
+                const float o = __fmul_rn(__fsub_rn(gv, __fmul_rn(xh, c)), rstd);
 #if HAS_DRES
                 out[i] = __fadd_rn(o, out[i]);
 #else
@@ -595,18 +644,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #endif
             }
             store_piece<NC>(xrow + c0, out, left, aligned);
-#if DW_PARTIALS
-            if (live) {
-#pragma unroll
-                for (int i = 0; i < PIECE; ++i) {
-                    const float contrib = __fmul_rn(dp[i], normalized(zp[i], rstd));
-#if HOLD && !DW_SMEM
-                    dw_acc.v[k][i] = __fadd_rn(dw_acc.v[k][i], contrib);
-#else
-                    if (i < left) dw_row[c0 + i] = __fadd_rn(dw_row[c0 + i], contrib);
-#endif
-                }
-            }
+#if !HOLD_F32
+            add_dw(k, zp, dp);
 #endif
         }
     }
