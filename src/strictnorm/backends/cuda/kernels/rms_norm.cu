@@ -330,22 +330,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     RowWalk walk(rows);
     Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
     if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
-#if STAGED
-#ifdef STRICTNORM_EMULATED
-    uint4* const mine = reinterpret_cast<uint4*>(g_dynamic_smem) + threadIdx.x;
-#else
-    extern __shared__ uint4 stage_smem[];  // 2 stages of STAGE_CHUNKS * THREADS chunks
-    uint4* const mine = stage_smem + threadIdx.x;
-#endif
-    auto stage = [&](int s, long long row, bool lv) {  // one commit group per call, empty ones included
-        const long long rs = lv ? row : 0;
-        uint4* slot = mine + s * STAGE_CHUNKS * THREADS;
-        stage_row<NC>(slot, zin + offset_of(rs, zs0, zs1, zsg, r1, g), t, n, lv);
-        stage_row<DYC>(slot + KR * CHUNKS<NC> * THREADS, dy + offset_of(rs, ds0, ds1, dsg, r1, g), t, n, lv);
-        cp_async_commit();
-    };
-    stage(0, walk.row, walk.iters > 0 && walk.row < rows);
-#endif
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
@@ -562,11 +546,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             for (int i = 0; i < PIECE; ++i) wp[i] = 1.0f;
 #endif
         };
-        // the row's dW contributions of piece k, summed into this thread's partials (in row order)
-        auto add_dw = [&](int k, const float* zp, const float* dp) {
+        // the row's dW contributions of piece k (its first column c0, `left` as piece_left gives it for live rows),
+        // summed into this thread's partials (in row order)
+        auto add_dw = [&](int k, int c0, int left, const float* zp, const float* dp) {
 #if DW_PARTIALS
             if (live) {
-                const int c0 = piece_col(k, t), left = piece_left(k, t, n);
 #pragma unroll
                 for (int i = 0; i < PIECE; ++i) {
                     const float contrib = __fmul_rn(dp[i], normalized(zp[i], rstd));
@@ -579,7 +563,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
                 }
             }
 #else
-            (void)k, (void)zp, (void)dp;
+            (void)k, (void)c0, (void)left, (void)zp, (void)dp;
 #endif
         };
 #if HOLD_F32
@@ -599,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #endif
             }
 #if HOLD_F32
-            add_dw(k, zp, dp);
+            add_dw(k, piece_col(k, t), live ? piece_left(k, t, n) : 0, zp, dp);
 #endif
 #if PADDED
             // padded lanes add +0.0, as canon_sum pads: computed from the zero-filled lanes they would be
@@ -645,7 +629,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             }
             store_piece<NC>(xrow + c0, out, left, aligned);
 #if !HOLD_F32
-            add_dw(k, zp, dp);
+            add_dw(k, c0, left, zp, dp);
 #endif
         }
     }
