@@ -222,7 +222,9 @@ class NormTuning:
     # while a row is computed (rms_norm.cu's STAGED; same arithmetic, same bits)
     staged: bool = False
     # backward with held rows: each lane's xh and g kept in fp32 between the passes, the dW contributions added in
-    # the first (rms_norm.cu's HOLD_F32; same arithmetic, same bits): fewer instructions, more registers
+    # the first (rms_norm.cu's HOLD_F32; same arithmetic, same bits): fewer instructions, more registers. On an
+    # H200 slower where rows are long (8192 x 8192 130 -> 168 us), level or 2% faster elsewhere (run 12, call i):
+    # in no table
     hold_f32: bool = False
 
 
