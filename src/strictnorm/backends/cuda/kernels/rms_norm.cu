@@ -33,7 +33,8 @@
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
 // 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN,
-// UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32; BACKWARD selects the backward kernel (below) instead of the forward.
+// UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32, W_SMEM; BACKWARD selects the backward kernel (below) instead of
+// the forward.
 #include "common.cuh"
 #include "async.cuh"
 
@@ -69,9 +70,13 @@ typedef Elem<YC>::T y_t;
 #ifndef HOLD_F32  // host-set in the backward with HOLD: a row's xh and g kept as fp32 between the passes
 #define HOLD_F32 0
 #endif
+#ifndef W_SMEM  // host-set with a shared weight: its effective fp32 values in shared memory, once a block
+#define W_SMEM 0
+#endif
 constexpr bool EVEN_UNPREDICATED = EVEN && UNPREDICATED;
 static_assert(KR >= 1 && KR <= K, "pieces with data");
 constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
+static_assert(!W_SMEM || (HAS_W && !PER_HEAD && !HOLD_WEIGHT), "W_SMEM: one shared weight, not held in registers");
 constexpr int THREADS = TPR * RPB;
 constexpr int WARP_SIZE = 32;
 constexpr int ROW_WARPS = TPR > WARP_SIZE ? TPR / WARP_SIZE : 1;
@@ -288,11 +293,40 @@ __device__ __forceinline__ void fetch_piece(float* a, const Held<CODE>& held, in
     }
 }
 
-// Piece k of the effective weight, from the held weight (HOLD_WEIGHT) or the weight row.
+#if W_SMEM
+// W_SMEM: the effective weight (f32(w) + offset, rounded in mode none) of every padded lane, computed once a block
+// before its rows: a row then reads it with 16-byte shared-memory loads instead of loading, widening and adding the
+// offset again (lanes past N hold what a zero-filled lane gives; nothing uses them).
+constexpr int W_LANES = PIECE * TPR * K;
+__align__(16) __shared__ float w_smem[W_LANES];
+
+__device__ __forceinline__ void fill_weight_smem(const w_t* w, int n, float offset) {
+    for (int c = threadIdx.x; c < W_LANES; c += THREADS)
+        w_smem[c] = effective_weight_of<MODE, NC>(c < n ? Elem<WC>::widen(w[c]) : 0.0f, offset);
+    __syncthreads();
+}
+#endif
+
+// Piece k of the effective weight: from shared memory (W_SMEM), the held weight (HOLD_WEIGHT) or the weight row.
 __device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, int k, const w_t* row, int left,
                                              bool aligned, float offset) {
+#if W_SMEM
+    (void)held, (void)row, (void)left, (void)aligned, (void)offset;
+    const float* src = w_smem + piece_col(k, threadIdx.x % TPR);
+    if constexpr (PIECE % 4 == 0) {
+#pragma unroll
+        for (int q = 0; q < PIECE / 4; ++q) {
+            const float4 v = reinterpret_cast<const float4*>(src)[q];
+            wp[4 * q] = v.x, wp[4 * q + 1] = v.y, wp[4 * q + 2] = v.z, wp[4 * q + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < PIECE; ++i) wp[i] = src[i];
+    }
+#else
     fetch_piece<WC, HOLD_WEIGHT>(wp, held, k, row, left, aligned);
     effective_weight(wp, offset);
+#endif
 }
 
 // Rows of the grid-stride loop: blocks take groups of RPB rows, blockIdx.x + j * gridDim.x.
@@ -330,6 +364,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     RowWalk walk(rows);
     Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
     if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
+#if W_SMEM
+    fill_weight_smem(w, n, offset);
+#endif
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
@@ -492,6 +529,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #endif
     Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
     if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
+#if W_SMEM
+    fill_weight_smem(w, n, offset);
+#endif
 #if STAGED
 #ifdef STRICTNORM_EMULATED
     uint4* const mine = reinterpret_cast<uint4*>(g_dynamic_smem) + threadIdx.x;
