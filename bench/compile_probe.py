@@ -71,7 +71,7 @@ def main(ns: list[int]) -> None:
             return dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False), tile.num_warps
 
         common, warps = tiled("fwd")
-        c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False}, warps)
+        c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False, "W_FIRST": False}, warps)
         print(f"N={n:6d} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
         common, warps = tiled("bwd")
         c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True}, warps)

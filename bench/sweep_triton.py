@@ -2,15 +2,18 @@
 
 Each configuration replaces the backend's tile choice for the shape's padded length (backend.TILE_TABLE: rows a
 program, warps, and whether rows well below their padded length take two column tiles) and clears its cached
-plans. Every result is checked against the torch reference's bits (y and rstd; dx, and the fast dW the same twice;
-sweep_cuda.measure), and timed kernel-only as in strictnorm.bench. SWEEP_SHAPES=MxN,MxN limits the shapes
-(compiling is most of the time: about 2 s per configuration and direction on an H200 machine). Run on the GPU machine:
+plans. SWEEP_WFIRST=1 tries each configuration also with the forward's weight loaded before the row sum;
+SWEEP_DIRECTIONS=fwd (or bwd) measures one direction. Every result is checked against the torch reference's bits
+(y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and timed kernel-only as in strictnorm.bench.
+SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the time: about 2 s per configuration and direction on
+an H200 machine). Run on the GPU machine:
     python3 bench/sweep_triton.py [out.json [tuning.json]]
 (On a machine without a GPU, under TRITON_INTERPRET=1, it runs on the CPU: a smoke test, not a measurement.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -27,6 +30,7 @@ from strictnorm.reference import next_pow2
 SHAPES = NORM_SHAPES
 if os.environ.get("SWEEP_SHAPES"):
     SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SWEEP_SHAPES"].split(",")]
+DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
 MAX_TILE = 16384  # lanes a program (rows x padded row) beyond one row
 MAX_LANES_PER_THREAD = 64
 
@@ -43,6 +47,8 @@ def configs(n: int) -> list[tb.TileChoice]:
                 break
             out += [tb.TileChoice(rows, w, split) for w in (1, 2, 4, 8, 16, 32)
                     if 32 * w <= lanes <= 32 * w * MAX_LANES_PER_THREAD]
+    if os.environ.get("SWEEP_WFIRST") == "1":  # each also with the forward's weight loaded before the sum
+        out += [dataclasses.replace(c, w_first=True) for c in out]
     return out
 
 
@@ -78,12 +84,12 @@ def best_tunings(results: list[dict]) -> dict:
             fastest = {s: min(r["us"] for r in mine if (r["M"], r["N"]) == s) for s in shapes}
             ratios: dict[tuple, list[float]] = {}
             for r in mine:
-                ratios.setdefault((r["rows"], r["num_warps"], r["split"]), []).append(
+                ratios.setdefault((r["rows"], r["num_warps"], r["split"], r.get("w_first", False)), []).append(
                     r["us"] / fastest[(r["M"], r["N"])])
             full = {k: sum(v) / len(v) for k, v in ratios.items() if len(v) == len(shapes)}
             if full:
-                rows, warps, split = min(full, key=full.get)
-                best[direction][str(p)] = {"rows": rows, "num_warps": warps, "split": split}
+                rows, warps, split, w_first = min(full, key=full.get)
+                best[direction][str(p)] = {"rows": rows, "num_warps": warps, "split": split, "w_first": w_first}
     return best
 
 
@@ -107,10 +113,10 @@ def main() -> None:
         case = Case.make(ref, dev, m, n, spec)
         for choice in [None] + configs(n):
             use(choice, n, triton)
-            for direction in ("fwd", "bwd"):
+            for direction in DIRECTIONS:
                 tile = tb.row_tile(n, direction)
                 row = dict(M=m, N=n, direction=direction, default=choice is None, rows=tile.rows,
-                           num_warps=tile.num_warps, split=tile.t > 0)
+                           num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first)
                 row.update(measure(timer, triton, case, direction, ceiling))
                 results.append(row)
                 print(json.dumps(row), flush=True)

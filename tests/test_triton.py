@@ -325,6 +325,28 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
     assert tb.row_tile(4096, "fwd") == tb.RowTile(1, 4096, 0, 8)
 
 
+@pytest.mark.parametrize("n, split, qk", [(5, True, False), (40, False, False), (40, True, True)])
+def test_forward_weight_loaded_first_gives_the_reference_bits(n, split, qk, seed, monkeypatch):
+    """TileChoice.w_first (the forward's weight loaded with the rows, before their sum) against the reference: one
+    or two column tiles, fused add, per-head weights, a negative offset."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    p = next_pow2(n)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {p: tb.TileChoice(rows=2, w_first=True, split=split)}, "bwd": {}})
+    monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+    assert tb.row_tile(n, "fwd").w_first
+    if qk:
+        x, dy = randn(3, 4, 2, n, dtype=torch.bfloat16, gen=g), randn(3, 4, 2, n, dtype=torch.bfloat16, gen=g)
+        w = randn(2, n, gen=g)
+        kw = dict(mode="gemma", offset=-0.5, dw="strict", qk=True, device=DEV)
+    else:
+        x, res, dy, dres = (randn(5, n, dtype=torch.bfloat16, gen=g) for _ in range(4))
+        w = randn(n, gen=g)
+        kw = dict(mode="none", offset=-0.5, dw="strict", res=res, dres=dres, device=DEV)
+    _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+
+
 @pytest.mark.parametrize("n", [5, 40])
 def test_one_and_two_column_tiles_give_the_same_bits(n, seed, monkeypatch):
     """The split rows' tree(tile 1) + (tree(tile 2) + 0.0) against the one-tile kernel, forward and backward

@@ -55,11 +55,12 @@ class TileChoice:
     """How a row kernel tiles rows of one padded length P (any choice gives the same bits; the tree is fixed by N).
     rows: rows a program (None: _TILE_ELEMS // P, at least one); num_warps (None: one warp per 512 lanes, 1 to
     32); split: rows of N <= 3/4 P in two column tiles (kernels.py, tiled_canon_sum), the same bits with fewer
-    lanes."""
+    lanes; w_first: see below."""
 
     rows: int | None = None
     num_warps: int | None = None
     split: bool = False
+    w_first: bool = False  # forward: the weight loaded with the rows, before their sum (kernels.py, W_FIRST)
 
 
 # Choices per direction and padded length P; a P not listed takes TileChoice(split=DEFAULT_SPLIT[direction]).
@@ -103,6 +104,7 @@ class RowTile:
     pa: int
     t: int
     num_warps: int
+    w_first: bool = False
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -129,7 +131,7 @@ def row_tile(n: int, direction: str) -> RowTile:
     rows = choice.rows or max(1, _TILE_ELEMS // p)
     lanes = rows * (pa + t)
     num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
-    return RowTile(rows, pa, t, num_warps)
+    return RowTile(rows, pa, t, num_warps, choice.w_first)
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,8 @@ class TritonBackend:
         tile = row_tile(lay.n, "fwd")
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
-                    HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None, **tile.meta())
+                    HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None, W_FIRST=tile.w_first,
+                    **tile.meta())
         return _Plan(views, (_cdiv(lay.rows, tile.rows),), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta)
 

@@ -162,14 +162,21 @@ def _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT: tl.constexpr, H
 
 
 @triton.jit
-def _fwd_output(xf, rstd, g, W, wsg, Y, rows, M, N, cols, offset, MODE: tl.constexpr, XDT: tl.constexpr,
-                YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr):
-    """y of one column tile."""
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+def _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
+                PER_HEAD: tl.constexpr):
+    """The effective weight of one column tile: (ROWS, lanes) per head, else (1, lanes)."""
     if PER_HEAD:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
         wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
     else:
         wf = effective_weight(W, cols, cols < N, offset, MODE, XDT, HAS_W)[None, :]
+    return wf
+
+
+@triton.jit
+def _fwd_output(xf, rstd, wf, Y, rows, M, N, cols, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr):
+    """y of one column tile."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
     y = normalized_as_used(xf, rstd, MODE, XDT) * wf
     if MODE == NONE:
         y = round_f32(y, XDT)
@@ -183,7 +190,9 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    M, N, R1, G, eps, offset,
                    ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
                    LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
-                   HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr):
+                   HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, W_FIRST: tl.constexpr):
+    """y and rstd for blocks of ROWS rows, in one or two column tiles (T). W_FIRST: the weight is loaded with the
+    rows, before their sum (else after it, where y needs it); the same bits either way."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
     r_offs = x_offs
@@ -192,16 +201,25 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     cols_a = tl.arange(0, PA)
     xa = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols_a, XDT, HAS_RES)
     xb = xa
+    cols_b = PA + tl.arange(0, T if T > 0 else 1)
     if T > 0:
-        cols_b = PA + tl.arange(0, T)
         xb = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols_b, XDT, HAS_RES)
+    if W_FIRST:
+        wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD)
+        wf_b = wf_a
+        if T > 0:
+            wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD)
     ss = tiled_canon_sum(xa * xa, xb * xb, ROWS, PA, LOG2PA, T, LOG2T)
     mean = tl.div_rn(ss, tl.full((ROWS,), N, tl.float32))
     rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))
     tl.store(RSTD + rows, rstd, mask=rows < M)
-    _fwd_output(xa, rstd, g, W, wsg, Y, rows, M, N, cols_a, offset, MODE, XDT, YDT, HAS_W, PER_HEAD)
+    if not W_FIRST:
+        wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD)
+    _fwd_output(xa, rstd, wf_a, Y, rows, M, N, cols_a, MODE, XDT, YDT)
     if T > 0:
-        _fwd_output(xb, rstd, g, W, wsg, Y, rows, M, N, cols_b, offset, MODE, XDT, YDT, HAS_W, PER_HEAD)
+        if not W_FIRST:
+            wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD)
+        _fwd_output(xb, rstd, wf_b, Y, rows, M, N, cols_b, MODE, XDT, YDT)
 
 
 @triton.jit
