@@ -242,10 +242,10 @@ def main() -> None:
                     for r in ok))
 
 
-def merge(out_dir: str, names: list[str]) -> None:
+def merge(out_dir: str, names: list[str], copies: tuple[str, ...] = ("/tmp/strictnorm-tuning.json",)) -> None:
     """The fastest configuration per entry over several sweeps' results ($OUT/<name>.json, or the rows logged in
     <name>.log where a time limit cut the sweep before it wrote its JSON), as a tuning file: out_dir/tuning.json
-    and /tmp/strictnorm-tuning.json (for a later call on the same machine)."""
+    and `copies` (by default /tmp/strictnorm-tuning.json, for a later call on the same machine)."""
     rows = []
     for name in names:
         try:
@@ -257,7 +257,7 @@ def merge(out_dir: str, names: list[str]) -> None:
             print(f"{name}: no JSON, {len(logged)} rows from its log")
             rows += logged
     best = best_tunings(rows)
-    for path in (f"{out_dir}/tuning.json", "/tmp/strictnorm-tuning.json"):
+    for path in (f"{out_dir}/tuning.json", *copies):
         with open(path, "w") as f:
             json.dump(best, f, indent=1)
     shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "hold_f32", "w_smem",

@@ -129,3 +129,67 @@ def test_cli_dtype_mode_and_op_options_on_cpu(tmp_path):
     assert data["case"] == {"op": "qk_norm", "dtype": "fp16", "mode": "gemma"}
     assert {r["dtype"] for r in data["norm"]} == {"float16"}
     assert "HF gemma eager" in {r["provider"] for r in data["norm"]}
+
+
+def _bench_scripts(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+
+
+def test_triton_sweep_choice_loads_as_tiles(tmp_path, monkeypatch):
+    """bench/sweep_triton.best_tunings: per direction and padded length the configuration with the least mean
+    slowdown over that length's shapes (the backend's own choice, measured twice, counted once; configurations
+    missing a shape or not bitwise left out), in the file format STRICTNORM_TRITON_TUNING loads."""
+    _bench_scripts(monkeypatch)
+    import sweep_triton
+
+    from strictnorm.backends.triton import backend as tb
+
+    def row(m, rows, warps, us, default=False, bitwise=True, w_first=False):
+        return dict(M=m, N=4096, direction="fwd", default=default, rows=rows, num_warps=warps, split=False,
+                    w_first=w_first, bitwise=bitwise, us=us)
+
+    results = [row(128, 1, 8, 3.0, default=True), row(128, 1, 8, 3.0), row(32768, 1, 8, 140.0),
+               row(128, 2, 8, 3.3), row(32768, 2, 8, 129.0),  # mean slowdown 1.07 against (1, 8)'s 1.06
+               row(128, 1, 4, 2.0, bitwise=False), row(32768, 1, 4, 100.0, bitwise=False),
+               row(128, 1, 16, 2.9, w_first=True)]  # fastest at 128 rows, not measured at 32768
+    best = sweep_triton.best_tunings(results)
+    assert best == {"fwd": {"4096": {"rows": 1, "num_warps": 8, "split": False, "w_first": False}}, "bwd": {}}
+    results.append(row(32768, 1, 16, 129.5, w_first=True))
+    best = sweep_triton.best_tunings(results)
+    assert best["fwd"]["4096"] == {"rows": 1, "num_warps": 16, "split": False, "w_first": True}
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(best))
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {}})
+    monkeypatch.setenv("STRICTNORM_TRITON_TUNING", str(path))
+    tb._load_tuning_file()
+    assert tb.row_tile(4096, "fwd") == tb.RowTile(1, 4096, 0, 16, True)
+
+
+def test_cuda_sweeps_merge_into_a_loadable_tuning_file(tmp_path, monkeypatch):
+    """bench/sweep_cuda.merge: the fastest bitwise configuration per row count over several sweeps (one of them
+    cut before its JSON: its logged rows), as the tuning file STRICTNORM_CUDA_TUNING loads."""
+    import dataclasses
+
+    _bench_scripts(monkeypatch)
+    import sweep_cuda
+
+    from strictnorm.backends.cuda import backend as cb
+
+    def row(m, us, **knobs):
+        return dict(M=m, N=4096, direction="bwd", bitwise=True, us=us,
+                    **dataclasses.asdict(cb.NormTuning(**knobs)))
+
+    (tmp_path / "a.json").write_text(json.dumps({"rows": [row(2048, 31.0, values=8), row(32768, 221.0, values=32)]}))
+    (tmp_path / "b.log").write_text("\n".join(json.dumps(r) for r in (
+        row(2048, 30.0, values=8, staged=True), row(32768, 225.0, values=32, staged=True),
+        dict(row(32768, 100.0, values=16), bitwise=False))) + "\nnot a row\n")
+    sweep_cuda.merge(str(tmp_path), ["a", "b"], copies=())
+    data = json.loads((tmp_path / "tuning.json").read_text())
+    monkeypatch.setattr(cb, "BWD_TABLE", dict(cb.BWD_TABLE))
+    monkeypatch.setenv("STRICTNORM_CUDA_TUNING", str(tmp_path / "tuning.json"))
+    cb._load_tuning_file()
+    assert data["bwd"]["4096"][0][0] == 2048 and data["bwd"]["4096"][1][0] is None
+    assert cb.tuning_for(cb.BWD_TABLE, 4096, 2048) == cb.NormTuning(values=8, staged=True)
+    assert cb.tuning_for(cb.BWD_TABLE, 4096, 32768) == cb.NormTuning(values=32)
