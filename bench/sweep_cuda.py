@@ -42,11 +42,16 @@ from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps, norm_bytes
 from strictnorm.contract import make_spec
 from strictnorm.reference import next_pow2
 
+
 # The PERF.md shapes, and the longest rows (P = 65536 takes the P = 32768 entry unless it has its own: its
 # backward there compiles to 1024 threads capped at 64 registers with a 392-byte stack per thread)
-SHAPES = NORM_SHAPES + [(1024, 65536)]
-if os.environ.get("SWEEP_SHAPES"):
-    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SWEEP_SHAPES"].split(",")]
+def shapes_from_env(default: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """SWEEP_SHAPES=MxN,MxN, else `default` (the sweep scripts' shared shape option)."""
+    given = os.environ.get("SWEEP_SHAPES")
+    return [tuple(int(v) for v in s.split("x")) for s in given.split(",")] if given else default
+
+
+SHAPES = shapes_from_env(NORM_SHAPES + [(1024, 65536)])
 
 # Rows held in registers (values per thread, weight held or reloaded) or read twice (threads per row);
 # the backward adds where the fast dW partials live and how many blocks per SM produce them.
@@ -149,6 +154,25 @@ class Case:
         return cls(x, w, dy, spec, y, rstd, dx, *norm_bytes(m, n))
 
 
+@dataclasses.dataclass
+class Sweep:
+    """What every sweep script measures with: the timer (SWEEP_ITERS iterations), the copy ceiling of this run,
+    the backend swept, the torch reference and the bf16 llama spec of the cases."""
+
+    timer: Timer
+    ceiling: float
+    backend: object
+    ref: object
+    spec: object
+
+    @classmethod
+    def make(cls, backend: str, iters: int, device: torch.device | None = None) -> Sweep:
+        dev = device or torch.device("cuda")
+        return cls(Timer(dev, iters=int(os.environ.get("SWEEP_ITERS", str(iters)))), copy_ceiling_gbps(dev),
+                   get_backend(backend), get_backend("torch"), make_spec(torch.bfloat16, 1e-6, 0.0, "llama",
+                                                                        torch.bfloat16))
+
+
 def measure(timer: Timer, backend, case: Case, direction: str, ceiling: float) -> dict:
     """A backend's kernel-only time on one case and direction, and whether it gave the reference's bits (y and
     rstd; dx, and for the fast dW the same bits twice); an error's message instead where it raised."""
@@ -202,14 +226,11 @@ def best_tunings(results: list[dict]) -> dict:
 
 def main() -> None:
     precompile()
-    dev = torch.device("cuda")
-    timer = Timer(dev, iters=int(os.environ.get("SWEEP_ITERS", "7")))
-    ceiling = copy_ceiling_gbps(dev)
-    cb, ref = get_backend("cuda"), get_backend("torch")
-    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    sw = Sweep.make("cuda", iters=7)
+    ceiling = sw.ceiling
     results = []
     for m, n in SHAPES:
-        results += _sweep_shape(timer, cb, ref, spec, m, n, ceiling)
+        results += _sweep_shape(sw.timer, sw.backend, sw.ref, sw.spec, m, n, ceiling)
         torch.cuda.empty_cache()
     best = best_tunings(results)
     if len(sys.argv) > 1:

@@ -10,23 +10,18 @@ its partial-row sum. Run on the GPU machine (nvidia-cutlass-dsl installed):
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
-from sweep_cuda import Case, measure
+from sweep_cuda import Case, Sweep, measure, shapes_from_env
 
 from strictnorm.backends.cute import kernels as K
-from strictnorm.backends.registry import get_backend
-from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps
-from strictnorm.contract import make_spec
+from strictnorm.bench import NORM_SHAPES, Timer
 
 VARIANTS = {"read twice": {"forward": False, "backward": False, "backward_weight": False},
             "hold": {"forward": True, "backward": True, "backward_weight": False},
             "hold + weight": {"forward": True, "backward": True, "backward_weight": True}}
-SHAPES = NORM_SHAPES
-if os.environ.get("SWEEP_SHAPES"):
-    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SWEEP_SHAPES"].split(",")]
+SHAPES = shapes_from_env(NORM_SHAPES)
 
 
 def use(variant: dict) -> None:
@@ -52,14 +47,11 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
 
 
 def main() -> None:
-    dev = torch.device("cuda")
-    timer = Timer(dev, iters=int(os.environ.get("SWEEP_ITERS", "10")))
-    ceiling = copy_ceiling_gbps(dev)
-    cute, ref = get_backend("cute"), get_backend("torch")
-    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    sw = Sweep.make("cute", iters=10)
+    ceiling = sw.ceiling
     rows = []
     for m, n in SHAPES:
-        rows += _sweep_shape(timer, cute, ref, spec, m, n, ceiling)
+        rows += _sweep_shape(sw.timer, sw.backend, sw.ref, sw.spec, m, n, ceiling)
         torch.cuda.empty_cache()
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:

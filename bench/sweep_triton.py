@@ -19,17 +19,13 @@ import os
 import sys
 
 import torch
-from sweep_cuda import Case, measure
+from sweep_cuda import Case, Sweep, measure, shapes_from_env
 
-from strictnorm.backends.registry import get_backend
 from strictnorm.backends.triton import backend as tb
-from strictnorm.bench import NORM_SHAPES, Timer, copy_ceiling_gbps
-from strictnorm.contract import make_spec
+from strictnorm.bench import NORM_SHAPES
 from strictnorm.reference import next_pow2
 
-SHAPES = NORM_SHAPES
-if os.environ.get("SWEEP_SHAPES"):
-    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SWEEP_SHAPES"].split(",")]
+SHAPES = shapes_from_env(NORM_SHAPES)
 DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
 MAX_TILE = 16384  # lanes a program (rows x padded row) beyond one row
 MAX_LANES_PER_THREAD = 64
@@ -103,14 +99,11 @@ def _write(ceiling: float, results: list[dict]) -> None:
 
 
 def main() -> None:
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    timer = Timer(dev, iters=int(os.environ.get("SWEEP_ITERS", "9")))
-    ceiling = copy_ceiling_gbps(dev)
-    triton, ref = get_backend("triton"), get_backend("torch")
-    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    sw = Sweep.make("triton", iters=9, device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    timer, ceiling, triton = sw.timer, sw.ceiling, sw.backend
     results = []
     for m, n in SHAPES:
-        case = Case.make(ref, dev, m, n, spec)
+        case = Case.make(sw.ref, timer.device, m, n, sw.spec)
         for choice in [None] + configs(n):
             use(choice, n, triton)
             for direction in DIRECTIONS:
