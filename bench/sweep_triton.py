@@ -3,7 +3,9 @@
 Each configuration replaces the backend's tile choice for the shape's padded length (backend.TILE_TABLE: rows a
 program, warps, and whether rows well below their padded length take two column tiles) and clears its cached
 plans. SWEEP_WFIRST=1 tries each configuration also with the forward's weight loaded before the row sum;
-SWEEP_DIRECTIONS=fwd (or bwd) measures one direction. Every result is checked against the torch reference's bits
+SWEEP_CHUNKS=1024,2048 adds the forward in column chunks of those lanes (rows longer than a chunk; one row a
+program; the backward ignores chunks: sweep the forward alone); SWEEP_DIRECTIONS=fwd (or bwd) measures one
+direction. Every result is checked against the torch reference's bits
 (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and timed kernel-only as in strictnorm.bench.
 SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the time: about 2 s per configuration and direction on
 an H200 machine). Run on the GPU machine:
@@ -45,6 +47,9 @@ def configs(n: int) -> list[tb.TileChoice]:
                     if 32 * w <= lanes <= 32 * w * MAX_LANES_PER_THREAD]
     if os.environ.get("SWEEP_WFIRST") == "1":  # each also with the forward's weight loaded before the sum
         out += [dataclasses.replace(c, w_first=True) for c in out]
+    chunks = [int(v) for v in os.environ.get("SWEEP_CHUNKS", "").split(",") if v]
+    out += [tb.TileChoice(1, w, chunk=c) for c in chunks if c < next_pow2(n) for w in (1, 2, 4, 8, 16)
+            if 32 * w <= c <= 32 * w * MAX_LANES_PER_THREAD]
     return out
 
 
@@ -66,10 +71,14 @@ def use(choice: tb.TileChoice | None, n: int, backend) -> None:
 ORIGINAL_TABLE = {direction: dict(table) for direction, table in tb.TILE_TABLE.items()}
 
 
+BOUND_GAIN = 1.05  # a smaller row count gets its own (bounded) entry where its fastest beats the general one by this
+
+
 def best_tunings(results: list[dict]) -> dict:
     """Per direction and padded length, the configuration with the least mean slowdown against each shape's
-    fastest (over the shapes of that length where it ran bitwise at all), as STRICTNORM_TRITON_TUNING reads it:
-    the table has one entry per length, whatever the row count."""
+    fastest (over the shapes of that length where it ran bitwise at all), as STRICTNORM_TRITON_TUNING reads it;
+    where a shape with fewer rows than the length's largest runs its fastest configuration BOUND_GAIN times faster
+    than that one, the entry is bounded: [[M, its fastest], ..., [null, the least mean slowdown]]."""
     best: dict[str, dict[str, dict]] = {"fwd": {}, "bwd": {}}
     for direction in best:
         # the backend's own choice is measured twice (as itself and as one of configs()): once counts
@@ -80,13 +89,28 @@ def best_tunings(results: list[dict]) -> dict:
             fastest = {s: min(r["us"] for r in mine if (r["M"], r["N"]) == s) for s in shapes}
             ratios: dict[tuple, list[float]] = {}
             for r in mine:
-                ratios.setdefault((r["rows"], r["num_warps"], r["split"], r.get("w_first", False)), []).append(
-                    r["us"] / fastest[(r["M"], r["N"])])
+                ratios.setdefault(_key(r), []).append(r["us"] / fastest[(r["M"], r["N"])])
             full = {k: sum(v) / len(v) for k, v in ratios.items() if len(v) == len(shapes)}
-            if full:
-                rows, warps, split, w_first = min(full, key=full.get)
-                best[direction][str(p)] = {"rows": rows, "num_warps": warps, "split": split, "w_first": w_first}
+            if not full:
+                continue
+            general = min(full, key=full.get)
+            entries = []
+            for m, n in sorted(shapes)[:-1]:  # ascending rows; the largest takes the general choice
+                here = {_key(r): r["us"] for r in mine if (r["M"], r["N"]) == (m, n)}
+                if here.get(general, float("inf")) > BOUND_GAIN * fastest[(m, n)]:
+                    entries.append([m, _knobs(min(here, key=here.get))])
+            best[direction][str(p)] = entries + [[None, _knobs(general)]] if entries else _knobs(general)
     return best
+
+
+def _key(r: dict) -> tuple:
+    return r["rows"], r["num_warps"], r["split"], r.get("w_first", False), r.get("chunk", 0)
+
+
+def _knobs(key: tuple) -> dict:
+    rows, warps, split, w_first, chunk = key
+    knobs = {"rows": rows, "num_warps": warps, "split": split, "w_first": w_first}
+    return {**knobs, "chunk": chunk} if chunk else knobs
 
 
 def _write(ceiling: float, results: list[dict]) -> None:
@@ -107,15 +131,16 @@ def main() -> None:
         for choice in [None] + configs(n):
             use(choice, n, triton)
             for direction in DIRECTIONS:
-                tile = tb.row_tile(n, direction)
+                tile = tb.row_tile(n, direction, m)
                 row = dict(M=m, N=n, direction=direction, default=choice is None, rows=tile.rows,
-                           num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first)
+                           num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk)
                 row.update(measure(timer, triton, case, direction, ceiling))
                 results.append(row)
                 print(json.dumps(row), flush=True)
         use(None, n, triton)
         _write(ceiling, results)  # after each shape: a run cut by a time limit keeps what it measured
-    print(f"\nbest per shape (all rows bitwise: {all(r.get('bitwise') for r in results)}): us (rows, warps, split); "
+    print(f"\nbest per shape (all rows bitwise: {all(r.get('bitwise') for r in results)}): us (rows, warps, split, "
+          "w_first, chunk); "
           "the backend's own choice")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
@@ -124,7 +149,8 @@ def main() -> None:
             if ok:
                 b = min(ok, key=lambda r: r["us"])
                 own = next((r for r in ok if r["default"]), None)
-                line += (f"  {direction} {b['us']:7.1f} ({b['rows']}, {b['num_warps']}, {int(b['split'])})"
+                line += (f"  {direction} {b['us']:7.1f} ({b['rows']}, {b['num_warps']}, {int(b['split'])}, "
+                         f"{int(b['w_first'])}, {b['chunk']})"
                          f" own {own['us'] if own else float('nan'):7.1f}")
         print(line)
 

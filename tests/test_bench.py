@@ -165,6 +165,18 @@ def test_triton_sweep_choice_loads_as_tiles(tmp_path, monkeypatch):
     monkeypatch.setenv("STRICTNORM_TRITON_TUNING", str(path))
     tb._load_tuning_file()
     assert tb.row_tile(4096, "fwd") == tb.RowTile(1, 4096, 0, 16, True)
+    # fewer rows whose fastest beats the general choice by more than BOUND_GAIN: a bounded entry ahead of it
+    results.append(row(128, 1, 2, 2.5, w_first=True))
+    best = sweep_triton.best_tunings(results)
+    assert best["fwd"]["4096"] == [[128, {"rows": 1, "num_warps": 2, "split": False, "w_first": True}],
+                                   [None, {"rows": 1, "num_warps": 16, "split": False, "w_first": True}]]
+    path.write_text(json.dumps(best))
+    tb._load_tuning_file()
+    assert tb.row_tile(4096, "fwd", 128) == tb.RowTile(1, 4096, 0, 2, True)
+    assert tb.row_tile(4096, "fwd", 129) == tb.row_tile(4096, "fwd") == tb.RowTile(1, 4096, 0, 16, True)
+    path.write_text(json.dumps({"fwd": {"4096": [[128, {"rows": 1}]]}}))
+    with pytest.raises(ValueError, match="unbounded"):
+        tb._load_tuning_file()
 
 
 def test_cuda_sweeps_merge_into_a_loadable_tuning_file(tmp_path, monkeypatch):

@@ -325,17 +325,22 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
     assert tb.row_tile(4096, "fwd") == tb.RowTile(1, 4096, 0, 8)
 
 
-@pytest.mark.parametrize("n, split, qk", [(5, True, False), (40, False, False), (40, True, True)])
-def test_forward_weight_loaded_first_gives_the_reference_bits(n, split, qk, seed, monkeypatch):
-    """TileChoice.w_first (the forward's weight loaded with the rows, before their sum) against the reference: one
-    or two column tiles, fused add, per-head weights, a negative offset."""
+@pytest.mark.parametrize("n, split, qk, chunk", [(5, True, False, 0), (40, False, False, 0), (40, True, True, 0),
+                                                 (5, False, False, 2), (40, False, False, 8), (40, False, True, 16),
+                                                 (64, False, False, 8)])
+def test_forward_weight_first_and_column_chunks_give_the_reference_bits(n, split, qk, chunk, seed, monkeypatch):
+    """TileChoice.w_first (the forward's weight loaded with the rows, before their sum) and TileChoice.chunk (rows in
+    column chunks, chunks past N all padding) against the reference: one or two column tiles, fused add, per-head
+    weights, a negative offset."""
     from strictnorm.backends.triton import backend as tb
 
     g = torch.Generator().manual_seed(seed)
     p = next_pow2(n)
-    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {p: tb.TileChoice(rows=2, w_first=True, split=split)}, "bwd": {}})
+    choice = tb.TileChoice(rows=2, w_first=not chunk, split=split, chunk=chunk)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {p: choice}, "bwd": {}})
     monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
-    assert tb.row_tile(n, "fwd").w_first
+    tile = tb.row_tile(n, "fwd")
+    assert tile.w_first != bool(chunk) and tile.chunk == chunk
     if qk:
         x, dy = randn(3, 4, 2, n, dtype=torch.bfloat16, gen=g), randn(3, 4, 2, n, dtype=torch.bfloat16, gen=g)
         w = randn(2, n, gen=g)

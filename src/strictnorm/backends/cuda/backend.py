@@ -38,7 +38,6 @@ from .nvrtc import current_stream
 _SOURCE = "fold.cu"
 _THREADS = 256
 _SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
-W_SMEM_MAX_P = 8192  # W_SMEM: 32 KB of static shared memory at the most
 _STAGED_SMEM_MAX = 160 * 1024  # a STAGED backward block's stages: within what sm_80 (164 KB) and sm_90 (227 KB) allow
 _MIN_ARCH = (8, 0)  # cp.async
 _MAX_GRID_X = 2**31 - 1  # the kernels stride over rows, so a capped grid is still complete
@@ -227,9 +226,9 @@ class NormTuning:
     # H200 slower where rows are long (8192 x 8192 130 -> 168 us), level or 2% faster elsewhere (run 12, call i):
     # in no table
     hold_f32: bool = False
-    # a shared weight's effective fp32 values (offset added) in shared memory, computed once a block, up to
-    # W_SMEM_MAX_P padded lanes (rms_norm.cu's W_SMEM; the weight is then not held in registers; same bits)
-    w_smem: bool = False
+    # held rows and one shared weight: the weight's effective fp32 values (offset added) held in registers, computed
+    # once a block (rms_norm.cu's HOLD_WF; instead of raw bits widened and offset a row and pass; same bits)
+    weight_f32: bool = False
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (first
@@ -328,8 +327,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
                "HOLD_W": int(hold and tuning.hold_weight)}
-    if tuning.w_smem and w_dtype is not None and not per_head and p <= W_SMEM_MAX_P:
-        defines.update(W_SMEM=1, HOLD_W=0)
+    if tuning.weight_f32 and hold and w_dtype is not None and not per_head:
+        defines.update(HOLD_WF=1, HOLD_W=0)
     sizes = (x_dtype.itemsize, norm_dtype.itemsize, y_dtype.itemsize, (w_dtype or x_dtype).itemsize)
     if tuning.even and aligned and n % piece == 0 and all(piece * size % 16 == 0 for size in sizes):
         defines["EVEN"] = 1

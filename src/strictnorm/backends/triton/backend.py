@@ -55,26 +55,34 @@ class TileChoice:
     """How a row kernel tiles rows of one padded length P (any choice gives the same bits; the tree is fixed by N).
     rows: rows a program (None: _TILE_ELEMS // P, at least one); num_warps (None: one warp per 512 lanes, 1 to
     32); split: rows of N <= 3/4 P in two column tiles (kernels.py, tiled_canon_sum), the same bits with fewer
-    lanes; w_first: see below."""
+    lanes; w_first, chunk: see below."""
 
     rows: int | None = None
     num_warps: int | None = None
     split: bool = False
     w_first: bool = False  # forward: the weight loaded with the rows, before their sum (kernels.py, W_FIRST)
+    # forward, rows of P > chunk lanes in one tile: summed and scaled in column chunks of `chunk` lanes, read twice
+    # (kernels.py, CHUNK; fewer registers a row, so more rows in flight); 0: held whole
+    chunk: int = 0
 
 
-# Choices per direction and padded length P; a P not listed takes TileChoice(split=DEFAULT_SPLIT[direction]).
-# Split by default in the backward only: on an H200 (bench/results/2026-11-30-h200-run7, call i; 2048 x 18432)
-# the backward went 282 -> 177 us, the forward 80 -> 84 us. A JSON file named by STRICTNORM_TRITON_TUNING
-# replaces entries: {"fwd": {"4096": {"rows": 1, "num_warps": 16, "split": false}, ...}, "bwd": {...}}, as
-# bench/sweep_triton.py writes it.
+# Choices per direction and padded length P: a TileChoice, or ((max rows, TileChoice), ..., (None, TileChoice)) where
+# the row count decides (the first bound at or above it; any choice gives the same bits). A P not listed takes
+# TileChoice(split=DEFAULT_SPLIT[direction]). Split by default in the backward only: on an H200
+# (bench/results/2026-11-30-h200-run7, call i; 2048 x 18432) the backward went 282 -> 177 us, the forward 80 -> 84 us.
+# A JSON file named by STRICTNORM_TRITON_TUNING replaces entries: {"fwd": {"4096": {"rows": 1, "num_warps": 16,
+# "split": false}, "128": [[128, {...}], [null, {...}]], ...}, "bwd": {...}}, as bench/sweep_triton.py writes it.
 DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 # From bench/sweep_triton.py on an H200 (bench/results/2026-11-30-h200-run12, call a; every configuration
 # bitwise; the least mean slowdown over the shapes of each P, kernel-only us against the formula's choice):
 # forward 32768 x 4096 135.7 -> 129.1, 8192 x 8192 75.7 -> 67.8, 262144 x 128 34.8 -> 34.0, 2048 x 18432
-# 78.9 -> 74.9; backward 2048 x 18432 172.4 -> 156.2, 262144 x 128 63.0 -> 59.9.
-TILE_TABLE: dict[str, dict[int, TileChoice]] = {
-    "fwd": {128: TileChoice(rows=8, num_warps=2), 4096: TileChoice(rows=2, num_warps=8),
+# 78.9 -> 74.9; backward 2048 x 18432 172.4 -> 156.2, 262144 x 128 63.0 -> 59.9. The forward at <= 128 rows of
+# P = 4096: the weight loaded first, one row of 8 warps a program (run 13: 128 x 4096 2.98 -> 2.56 us; slower from
+# 2048 rows on: 11.1 -> 12.2 at 2048, 130 -> 146 at 32768).
+TileEntry = TileChoice | tuple[tuple[int | None, TileChoice], ...]
+TILE_TABLE: dict[str, dict[int, TileEntry]] = {
+    "fwd": {128: TileChoice(rows=8, num_warps=2),
+            4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True)), (None, TileChoice(rows=2, num_warps=8))),
             8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=16)},
     "bwd": {128: TileChoice(rows=16, num_warps=8), 4096: TileChoice(rows=1, num_warps=8),
             8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=16, split=True)},
@@ -89,7 +97,12 @@ def _load_tuning_file() -> None:
         data = json.load(f)
     for direction, table in TILE_TABLE.items():
         for p, knobs in data.get(direction, {}).items():
-            table[int(p)] = TileChoice(**knobs)
+            if isinstance(knobs, dict):
+                table[int(p)] = TileChoice(**knobs)
+                continue
+            if not knobs or knobs[-1][0] is not None:
+                raise ValueError(f"{path}: the last {direction} entry for P = {p} must be unbounded (null)")
+            table[int(p)] = tuple((bound, TileChoice(**k)) for bound, k in knobs)
 
 
 _load_tuning_file()
@@ -98,13 +111,15 @@ _load_tuning_file()
 @dataclass(frozen=True)
 class RowTile:
     """A row kernel's tile: ROWS rows of one column tile of PA lanes, or of two (PA = P / 2 and T lanes,
-    T > 0); num_warps. A function of N alone, so that one compiled kernel serves every row count."""
+    T > 0); num_warps. A function of N and, where TILE_TABLE bounds rows, of the row count's range: one compiled
+    kernel serves every row count of a range."""
 
     rows: int
     pa: int
     t: int
     num_warps: int
     w_first: bool = False
+    chunk: int = 0  # the forward's column chunks (0: rows held whole)
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -113,6 +128,12 @@ class RowTile:
     def meta(self) -> dict:
         """The constexprs and the launch options."""
         return {**self.constexprs(), **_launch_opts(self.num_warps)}
+
+    def chunk_constexprs(self) -> dict:
+        """The forward's column-chunk constexprs (CHUNK = 0: none)."""
+        chunks = self.pa // self.chunk if self.chunk else 1
+        return dict(CHUNK=self.chunk, LOG2CHUNK=max(0, self.chunk.bit_length() - 1), NCH=chunks,
+                    LOG2NCH=chunks.bit_length() - 1)
 
 
 def column_tiles(n: int, split: bool) -> tuple[int, int]:
@@ -123,15 +144,19 @@ def column_tiles(n: int, split: bool) -> tuple[int, int]:
     return (p // 2, tail) if 0 < tail < p // 2 else (p, 0)
 
 
-def row_tile(n: int, direction: str) -> RowTile:
-    """The tile of rows of N columns for direction "fwd" or "bwd" (TILE_TABLE)."""
+def row_tile(n: int, direction: str, rows: int | None = None) -> RowTile:
+    """The tile for `rows` rows of N columns (None: the entry for any row count) in direction "fwd" or "bwd"
+    (TILE_TABLE)."""
     p = next_pow2(n)
     choice = TILE_TABLE[direction].get(p) or TileChoice(split=DEFAULT_SPLIT[direction])
+    if not isinstance(choice, TileChoice):
+        choice = next(c for bound, c in choice if bound is None or (rows is not None and rows <= bound))
     pa, t = column_tiles(n, choice.split)
-    rows = choice.rows or max(1, _TILE_ELEMS // p)
-    lanes = rows * (pa + t)
+    tile_rows = choice.rows or max(1, _TILE_ELEMS // p)
+    lanes = tile_rows * (pa + t)
     num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
-    return RowTile(rows, pa, t, num_warps, choice.w_first)
+    chunk = choice.chunk if direction == "fwd" and t == 0 and 0 < choice.chunk < pa else 0
+    return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk)
 
 
 @dataclass(frozen=True)
@@ -195,11 +220,11 @@ class TritonBackend:
         views, lay, w = ForwardPlan.of(v, x, weight, residual), v.lay, v.weight
         if lay.rows == 0:
             return _Plan(views, (), 0, (), {})
-        tile = row_tile(lay.n, "fwd")
+        tile = row_tile(lay.n, "fwd", lay.rows)
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None, W_FIRST=tile.w_first,
-                    **tile.meta())
+                    **tile.chunk_constexprs(), **tile.meta())
         return _Plan(views, (_cdiv(lay.rows, tile.rows),), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta)
 
@@ -249,7 +274,7 @@ class TritonBackend:
         # than the strict fold: 701 vs 291 us at 2048 x 18432 on an H200 (bench/results/2026-11-29-h200-run2);
         # the fold is deterministic too, so it serves dw="fast" there.
         partials = need_dw and dw_mode == "fast" and not views.per_head and next_pow2(n) <= _PARTIALS_MAX_P
-        tile = row_tile(n, "bwd")
+        tile = row_tile(n, "bwd", rows)
         blocks = _cdiv(rows, tile.rows)
         nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,

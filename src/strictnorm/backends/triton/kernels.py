@@ -17,6 +17,8 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
   T = next_pow2(N - PA) < PA. canon_sum over P is then tree(tile 1) + (tree(tile 2) + 0.0): every subtree
   of [PA + T, P) is padding and sums to +0.0, and adding +0.0 (once or more) only turns -0.0 into +0.0.
   N = 18432 then takes 18432 lanes instead of 32768 (5120 instead of 8192), the same bits.
+- Rows in column chunks (forward, CHUNK > 0): the aligned chunks of CHUNK lanes are subtrees of the tree over P,
+  so canon_sum over P is canon_sum over the NCH = P / CHUNK chunk sums, chunks past N (all padding) +0.0.
 """
 
 from __future__ import annotations
@@ -149,16 +151,50 @@ def normalized_as_used(xf, rstd, MODE: tl.constexpr, XDT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT: tl.constexpr, HAS_RES: tl.constexpr):
+def _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT: tl.constexpr, HAS_RES: tl.constexpr,
+               STORE_Z: tl.constexpr = True):
     """One column tile of the norm's input rows, widened: x, or z = rd(f32(x) + f32(residual), residual
-    dtype) (stored to Z)."""
+    dtype) (stored to Z unless STORE_Z is False)."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     xf = widen(tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0))
     if HAS_RES:
         rf = widen(tl.load(RES + r_offs[:, None] + cols[None, :], mask=mask, other=0.0))
         xf = round_f32(xf + rf, XDT)
-        store_rounded(Z + rows[:, None] * N + cols[None, :], xf, mask, XDT)
+        if STORE_Z:
+            store_rounded(Z + rows[:, None] * N + cols[None, :], xf, mask, XDT)
     return xf
+
+
+@triton.jit
+def _rstd(ss, N, eps, ROWS: tl.constexpr):
+    """rstd = 1 / sqrt(ss / N + eps), each step IEEE-rounded."""
+    mean = tl.div_rn(ss, tl.full((ROWS,), N, tl.float32))
+    return tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+
+
+@triton.jit
+def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
+                 CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr, NCH: tl.constexpr, LOG2NCH: tl.constexpr,
+                 MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
+                 HAS_RES: tl.constexpr):
+    """y and rstd of rows in column chunks of CHUNK lanes (the module's notes): each chunk's squares summed by
+    canon_sum, then the NCH chunk sums; y chunk by chunk, the rows read again (this program's own lanes, from L2;
+    with a residual, z recomputed rather than read back)."""
+    chunk_ids = tl.arange(0, NCH)
+    parts = tl.zeros((ROWS, NCH), tl.float32)
+    chunks = tl.cdiv(N, CHUNK)
+    for c in range(0, chunks):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        xf = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT, HAS_RES)
+        s = canon_sum(xf * xf, ROWS, CHUNK, LOG2CHUNK)
+        parts = tl.where(chunk_ids[None, :] == c, s[:, None], parts)
+    rstd = _rstd(canon_sum(parts, ROWS, NCH, LOG2NCH), N, eps, ROWS)
+    tl.store(RSTD + rows, rstd, mask=rows < M)
+    for c in range(0, chunks):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        xf = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT, HAS_RES, False)
+        wf = _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE, XDT, HAS_W, PER_HEAD)
+        _fwd_output(xf, rstd, wf, Y, rows, M, N, cols, MODE, XDT, YDT)
 
 
 @triton.jit
@@ -190,14 +226,31 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    M, N, R1, G, eps, offset,
                    ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
                    LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
-                   HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, W_FIRST: tl.constexpr):
-    """y and rstd for blocks of ROWS rows, in one or two column tiles (T). W_FIRST: the weight is loaded with the
-    rows, before their sum (else after it, where y needs it); the same bits either way."""
+                   HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, W_FIRST: tl.constexpr,
+                   CHUNK: tl.constexpr = 0, LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1,
+                   LOG2NCH: tl.constexpr = 0):
+    """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
+    > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
+    y needs it); the same bits either way."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
     r_offs = x_offs
     if HAS_RES:
         r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
+    if CHUNK > 0:
+        _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
+                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES)
+    else:
+        _fwd_tiles(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, PA, LOG2PA, T, LOG2T,
+                   MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST)
+
+
+@triton.jit
+def _fwd_tiles(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
+               PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr, LOG2T: tl.constexpr, MODE: tl.constexpr,
+               XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
+               HAS_RES: tl.constexpr, W_FIRST: tl.constexpr):
+    """y and rstd of rows held whole, in one or two column tiles."""
     cols_a = tl.arange(0, PA)
     xa = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols_a, XDT, HAS_RES)
     xb = xa
@@ -209,9 +262,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
         wf_b = wf_a
         if T > 0:
             wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD)
-    ss = tiled_canon_sum(xa * xa, xb * xb, ROWS, PA, LOG2PA, T, LOG2T)
-    mean = tl.div_rn(ss, tl.full((ROWS,), N, tl.float32))
-    rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+    rstd = _rstd(tiled_canon_sum(xa * xa, xb * xb, ROWS, PA, LOG2PA, T, LOG2T), N, eps, ROWS)
     tl.store(RSTD + rows, rstd, mask=rows < M)
     if not W_FIRST:
         wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD)

@@ -33,7 +33,7 @@
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
 // 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN,
-// UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32, W_SMEM; BACKWARD selects the backward kernel (below) instead of
+// UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32, HOLD_WF; BACKWARD selects the backward kernel (below) instead of
 // the forward.
 #include "common.cuh"
 #include "async.cuh"
@@ -70,13 +70,13 @@ typedef Elem<YC>::T y_t;
 #ifndef HOLD_F32  // host-set in the backward with HOLD: a row's xh and g kept as fp32 between the passes
 #define HOLD_F32 0
 #endif
-#ifndef W_SMEM  // host-set with a shared weight: its effective fp32 values in shared memory, once a block
-#define W_SMEM 0
+#ifndef HOLD_WF  // host-set with HOLD and one shared weight (HOLD_W then 0): its effective fp32 values held
+#define HOLD_WF 0
 #endif
 constexpr bool EVEN_UNPREDICATED = EVEN && UNPREDICATED;
 static_assert(KR >= 1 && KR <= K, "pieces with data");
 constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
-static_assert(!W_SMEM || (HAS_W && !PER_HEAD && !HOLD_WEIGHT), "W_SMEM: one shared weight, not held in registers");
+static_assert(!HOLD_WF || (HOLD && HAS_W && !PER_HEAD && !HOLD_WEIGHT), "HOLD_WF: one shared weight, held as fp32");
 constexpr int THREADS = TPR * RPB;
 constexpr int WARP_SIZE = 32;
 constexpr int ROW_WARPS = TPR > WARP_SIZE ? TPR / WARP_SIZE : 1;
@@ -220,7 +220,7 @@ __device__ __forceinline__ void launder(Held<CODE>& h) {
         for (int j = 0; j < Raw<CODE>::WORDS; ++j) asm volatile("" : "+r"(h.w[k][j]));
 }
 
-// fp32 accumulators, one per lane a thread serves (the backward's dW partials with HOLD).
+// fp32 values, one per lane a thread serves (the backward's dW partials with HOLD; HOLD_WF's weight).
 struct Lanes {
     float v[KR][PIECE];
 };
@@ -293,38 +293,39 @@ __device__ __forceinline__ void fetch_piece(float* a, const Held<CODE>& held, in
     }
 }
 
-#if W_SMEM
-// W_SMEM: the effective weight (f32(w) + offset, rounded in mode none) of every padded lane, computed once a block
-// before its rows: a row then reads it with 16-byte shared-memory loads instead of loading, widening and adding the
-// offset again (lanes past N hold what a zero-filled lane gives; nothing uses them).
-constexpr int W_LANES = PIECE * TPR * K;
-__align__(16) __shared__ float w_smem[W_LANES];
-
-__device__ __forceinline__ void fill_weight_smem(const w_t* w, int n, float offset) {
-    for (int c = threadIdx.x; c < W_LANES; c += THREADS)
-        w_smem[c] = effective_weight_of<MODE, NC>(c < n ? Elem<WC>::widen(w[c]) : 0.0f, offset);
-    __syncthreads();
-}
+// The weight across rows: with HOLD_WEIGHT this thread's lanes as raw bits (widened and offset again a row), with
+// HOLD_WF as effective fp32 values (f32(w) + offset, rounded in mode none: computed once a block; twice the
+// registers of 16-bit raw bits, two fewer instructions a lane and pass), else nothing (read again a row).
+// (The effective weight in shared memory, computed once a block, was slower on an H200 in every table entry, both
+// directions: the forward 35 -> 44 us at 8192 x 4096, the backward 71 -> 79; bench/results/2026-11-30-h200-run13.)
+struct HeldWeight {
+    Held<WC> raw;
+#if HOLD_WF
+    Lanes wf;
 #endif
-
-// Piece k of the effective weight: from shared memory (W_SMEM), the held weight (HOLD_WEIGHT) or the weight row.
-__device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, int k, const w_t* row, int left,
-                                             bool aligned, float offset) {
-#if W_SMEM
-    (void)held, (void)row, (void)left, (void)aligned, (void)offset;
-    const float* src = w_smem + piece_col(k, threadIdx.x % TPR);
-    if constexpr (PIECE % 4 == 0) {
+    __device__ __forceinline__ void load(const w_t* w, int t, int n, bool aligned, float offset) {
+        if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(raw, w, t, n, true, aligned);
+#if HOLD_WF
 #pragma unroll
-        for (int q = 0; q < PIECE / 4; ++q) {
-            const float4 v = reinterpret_cast<const float4*>(src)[q];
-            wp[4 * q] = v.x, wp[4 * q + 1] = v.y, wp[4 * q + 2] = v.z, wp[4 * q + 3] = v.w;
+        for (int k = 0; k < KR; ++k) {
+            fetch_piece<WC, false>(wf.v[k], raw, k, w, piece_left(k, t, n), aligned);
+            effective_weight(wf.v[k], offset);
         }
-    } else {
-#pragma unroll
-        for (int i = 0; i < PIECE; ++i) wp[i] = src[i];
-    }
 #else
-    fetch_piece<WC, HOLD_WEIGHT>(wp, held, k, row, left, aligned);
+        (void)offset;
+#endif
+    }
+};
+
+// Piece k of the effective weight: from the held weight or the weight row.
+__device__ __forceinline__ void fetch_weight(float* wp, const HeldWeight& held, int k, const w_t* row, int left,
+                                             bool aligned, float offset) {
+#if HOLD_WF
+    (void)row, (void)left, (void)aligned, (void)offset;
+#pragma unroll
+    for (int i = 0; i < PIECE; ++i) wp[i] = held.wf.v[k][i];
+#else
+    fetch_piece<WC, HOLD_WEIGHT>(wp, held.raw, k, row, left, aligned);
     effective_weight(wp, offset);
 #endif
 }
@@ -362,11 +363,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     __shared__ float scratch[2][RPB][SUBTREES];
     const int t = threadIdx.x % TPR;
     RowWalk walk(rows);
-    Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
-    if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
-#if W_SMEM
-    fill_weight_smem(w, n, offset);
-#endif
+    HeldWeight wh;  // the weight's lanes, loaded once (per row for per-head weights) where held
+    wh.load(w, t, n, aligned, offset);
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
@@ -382,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         load_held<RC>(rh, rrow, t, n, live, aligned);
 #endif
 #endif
-        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
+        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh.raw, wrow, t, n, true, aligned);
         // piece k of the norm's input: x, or z = rd(x + residual) (recomputed from the held lanes in pass 2
         // with HOLD, read back from z, which pass 1 wrote, otherwise)
         auto input = [&](int k, float* a, int left, bool second_pass) {
@@ -421,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 #if HOLD
         launder(xh);
         if constexpr (HAS_RES) launder(rh);
-        if constexpr (HOLD_WEIGHT) launder(wh);
+        if constexpr (HOLD_WEIGHT) launder(wh.raw);
 #endif
         // pass 2: y. Without HOLD, the input is read again (this thread's own lanes: from L1/L2) and so is w.
 #pragma unroll
@@ -527,11 +525,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         for (int i = 0; i < PIECE; ++i)
             if (i < piece_left(k, t, n)) dw_row[piece_col(k, t) + i] = 0.0f;
 #endif
-    Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
-    if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
-#if W_SMEM
-    fill_weight_smem(w, n, offset);
-#endif
+    HeldWeight wh;  // the weight's lanes, loaded once (per row for per-head weights) where held
+    wh.load(w, t, n, aligned, offset);
 #if STAGED
 #ifdef STRICTNORM_EMULATED
     uint4* const mine = reinterpret_cast<uint4*>(g_dynamic_smem) + threadIdx.x;
@@ -572,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         load_held<NC>(zh, zrow, t, n, live, aligned);
         load_held<DYC>(dh, drow, t, n, live, aligned);
 #endif
-        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
+        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh.raw, wrow, t, n, true, aligned);
         const float rstd = live ? rstd_in[r] : 0.0f;
         // this thread's pieces of z, dy and the effective weight (1.0 without one)
         auto get = [&](int k, float* zp, float* dp, float* wp) {
@@ -639,7 +634,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         launder(zh), launder(dh);
 #endif
 #if HOLD
-        if constexpr (HOLD_WEIGHT) launder(wh);
+        if constexpr (HOLD_WEIGHT) launder(wh.raw);
 #endif
         n_t* xrow = dx + offset_of(r, xs0, xs1, xsg, r1, g);
 #pragma unroll
@@ -681,13 +676,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #pragma unroll
     for (int k = 0; k < KR; ++k) {
         const int c0 = piece_col(k, t), cols = piece_left(k, t, n);
-#pragma unroll
-        for (int i = 0; i < PIECE; ++i)
+        float* out = dw_part + part_row * n + c0;
 #if HOLD && !DW_SMEM
-            if (i < cols) dw_part[part_row * n + c0 + i] = dw_acc.v[k][i];
+        const float* acc = dw_acc.v[k];
 #else
-            if (i < cols) dw_part[part_row * n + c0 + i] = dw_row[c0 + i];
+        const float* acc = dw_row + c0;
 #endif
+        if constexpr (EVEN && PIECE % 4 == 0) {  // a piece is whole or wholly padding; n % 4 == 0: 16-byte rows
+            if (cols >= PIECE) {
+#pragma unroll
+                for (int q = 0; q < PIECE / 4; ++q)
+                    reinterpret_cast<float4*>(out)[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2],
+                                                                    acc[4 * q + 3]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < PIECE; ++i)
+                if (i < cols) out[i] = acc[i];
+        }
     }
 #endif
 }
