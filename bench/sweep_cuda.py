@@ -10,8 +10,7 @@ forward's weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the bloc
 per shape with EVEN off, on with predicated loads and on with unpredicated ones (16-byte aligned rows: only the
 16-byte paths); SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction; SWEEP_STAGED=1 tries each backward
 configuration also with the next row copied ahead into shared memory (`staged`; held rows with EVEN only);
-SWEEP_F32=1 each held backward configuration also with xh and g kept in fp32 between the passes (`hold_f32`);
-SWEEP_WF32=1 each held configuration (both directions) also with the effective weight held as fp32 (`weight_f32`).
+SWEEP_F32=1 each held backward configuration also with xh and g kept in fp32 between the passes (`hold_f32`).
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
     python3 bench/sweep_cuda.py --merge OUT_DIR NAME...   (the best of several sweeps' results as a tuning file)
@@ -79,7 +78,6 @@ DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
 VARIANTS = os.environ.get("SWEEP_VARIANTS") == "1"
 STAGED = os.environ.get("SWEEP_STAGED") == "1"
 HOLD_F32 = os.environ.get("SWEEP_F32") == "1"
-WEIGHT_F32 = os.environ.get("SWEEP_WF32") == "1"
 
 
 def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
@@ -103,8 +101,6 @@ def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
                      if t.even and t.hold_max_p >= next_pow2(n) and not t.dw_smem]
     if HOLD_F32 and direction == "bwd":  # held rows only
         out = out + [dataclasses.replace(t, hold_f32=True) for t in out if t.hold_max_p >= next_pow2(n)]
-    if WEIGHT_F32:  # held rows only
-        out = out + [dataclasses.replace(t, weight_f32=True) for t in out if t.hold_max_p >= next_pow2(n)]
     return out
 
 
@@ -242,7 +238,7 @@ def main() -> None:
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
     knobs = ("values", "min_threads", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm",
-             "dw_smem", "persistent", "trim", "even", "unpredicated", "staged", "hold_f32", "weight_f32")
+             "dw_smem", "persistent", "trim", "even", "unpredicated", "staged", "hold_f32")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):
@@ -252,13 +248,13 @@ def main() -> None:
                 line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
         print(line)
     if VARIANTS:
-        print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged, f: hold_f32, w: weight_f32): us")
+        print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged, f: hold_f32): us")
         for m, n in SHAPES:
             for key in DIRECTIONS:
                 ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
                 print(f"{m:>7d}x{n:<6d} {key} " + " ".join(
                     f"{int(r['even']) + int(r['even'] and r['unpredicated'])}{'s' * r['staged']}"
-                    f"{'f' * r.get('hold_f32', False)}{'w' * r.get('weight_f32', False)}:{r['us']:.1f}"
+                    f"{'f' * r.get('hold_f32', False)}:{r['us']:.1f}"
                     for r in ok))
 
 
@@ -280,7 +276,7 @@ def merge(out_dir: str, names: list[str], copies: tuple[str, ...] = ("/tmp/stric
     for path in (f"{out_dir}/tuning.json", *copies):
         with open(path, "w") as f:
             json.dump(best, f, indent=1)
-    shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "hold_f32", "weight_f32",
+    shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "hold_f32",
              "partial_blocks_per_sm", "hold_weight", "dw_smem")
     for key in ("fwd", "bwd"):
         for p, entries in best[key].items():

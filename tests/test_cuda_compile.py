@@ -143,19 +143,6 @@ def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
                              tuning=NormTuning(values=values, hold_max_p=65536, staged=True))
         assert bl.defines.get("STAGED") == 1
         assert nvrtc.compile_cubin("rms_norm.cu", arch, bl.defines, use_cache=False)[:4] == b"\x7fELF"
-    # the effective weight held as fp32: forward (fused add, mode none) and backward (xh and g in fp32 too), pieces of
-    # 4 and 8 lanes and of fewer (N = 3); not for per-head weights, nor for rows read twice
-    for n, x, w in ((4096, bf16, bf16), (1000, f32, f16), (3, bf16, f32)):
-        tuning = NormTuning(values=16, weight_f32=True, hold_f32=True)
-        fl = norm_launch(n, x, x, w, x, "none", False, tuning, True)
-        bl = norm_bwd_launch(n, x, x, w, "none", False, True, True, tuning, True)
-        for d in (fl.defines, bl.defines):
-            assert d.get("HOLD_WF") == 1 and d["HOLD_W"] == 0
-            assert nvrtc.compile_cubin("rms_norm.cu", arch, d, use_cache=False)[:4] == b"\x7fELF"
-    assert "HOLD_WF" not in norm_launch(4096, bf16, None, bf16, bf16, "llama", True, tuning).defines
-    assert "HOLD_WF" not in norm_launch(4096, bf16, None, None, bf16, "llama", False, tuning).defines
-    assert "HOLD_WF" not in norm_launch(4096, bf16, None, bf16, bf16, "llama", False,
-                                        NormTuning(hold_max_p=0, weight_f32=True)).defines
 
 
 def _emulate_row_sum(row: torch.Tensor, piece: int, tpr: int, k: int) -> torch.Tensor:

@@ -72,8 +72,7 @@ def _inputs(rows: int, n: int, seed: int) -> dict:
 # (N, tuning, aligned): the tables' shapes at N below its power of two, with and without trimmed padding
 # pieces, and rows read twice instead of held; aligned: compiled as for 16-byte aligned rows (EVEN: only the
 # 16-byte paths, pieces whole or wholly padding; N = 1000 leaves pieces wholly in the padding; untrimmed, pieces
-# before the last one lie wholly in the padding; unpredicated=False: EVEN's loads through load_raw; weight_f32: the
-# effective weight held as fp32)
+# before the last one lie wholly in the padding; unpredicated=False: EVEN's loads through load_raw)
 CASES = [(5120, None, False), (5120, NormTuning(values=32, trim=True), False),
          (18432, NormTuning(values=64, trim=True), False), (7, None, False), (1000, NormTuning(values=8), False),
          (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True), False),
@@ -82,8 +81,7 @@ CASES = [(5120, None, False), (5120, NormTuning(values=32, trim=True), False),
          (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True), True),
          (5120, NormTuning(values=64, trim=False), True),
          (5120, NormTuning(hold_max_p=0, stream_threads=256, trim=False), True),
-         (5120, NormTuning(values=64, unpredicated=False), True),
-         (5120, NormTuning(values=32, weight_f32=True), True), (1000, NormTuning(values=8, weight_f32=True), False)]
+         (5120, NormTuning(values=64, unpredicated=False), True)]
 
 
 def test_even_cases_compile_even():
@@ -133,8 +131,7 @@ def test_emulated_backward_bitwise(n, tuning, aligned, seed, tmp_path):
                                        (1000, NormTuning(values=8, staged=True)),
                                        (4096, NormTuning(values=32, min_threads=256, staged=True)),
                                        (5120, NormTuning(values=32, staged=True, hold_f32=True)),
-                                       (1000, NormTuning(values=16, staged=True, hold_f32=True)),
-                                       (4096, NormTuning(values=32, staged=True, hold_f32=True, weight_f32=True))])
+                                       (1000, NormTuning(values=16, staged=True, hold_f32=True))])
 def test_emulated_staged_backward_bitwise(n, tuning, seed, tmp_path):
     """STAGED: each row's z and dy copied ahead into shared memory, one block walking every row group (the
     stages alternate from row to row; rows past the end and padding pieces are zero-filled copies), with special
@@ -154,7 +151,6 @@ def test_emulated_staged_backward_bitwise(n, tuning, seed, tmp_path):
     assert bool(want[0::2].isfinite().all())  # the rows without special values
     bl = norm_bwd_launch(n, bf16, bf16, bf16, "gemma", False, True, False, tuning, True)
     assert bl.defines.get("HOLD_F32", 0) == int(tuning.hold_f32)
-    assert bl.defines.get("HOLD_WF", 0) == int(tuning.weight_f32)
     assert bits_equal(want, _emulate(dict(bl.defines, EMU_WALK=1), rows, n, spec.offset, t, tmp_path)["out"])
 
 

@@ -226,9 +226,6 @@ class NormTuning:
     # H200 slower where rows are long (8192 x 8192 130 -> 168 us), level or 2% faster elsewhere (run 12, call i):
     # in no table
     hold_f32: bool = False
-    # held rows and one shared weight: the weight's effective fp32 values (offset added) held in registers, computed
-    # once a block (rms_norm.cu's HOLD_WF; instead of raw bits widened and offset a row and pass; same bits)
-    weight_f32: bool = False
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (first
@@ -262,7 +259,8 @@ FWD_TABLE: dict[int, Tuning] = {
     65536: ((None, _fwd(32, persistent=True)),),
 }
 BWD_TABLE: dict[int, Tuning] = {
-    128: ((None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8)),),
+    # xh and g held in fp32 between the passes: 262144 x 128 60.2 -> 58.7 us (run 13, call c; run 12, i: 62.7 -> 61.7)
+    128: ((None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, hold_f32=True)),),
     4096: ((128, NormTuning(values=64, min_threads=256, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True,
                             unpredicated=False)),
            (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4, staged=True)),
@@ -327,8 +325,6 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
                "HOLD_W": int(hold and tuning.hold_weight)}
-    if tuning.weight_f32 and hold and w_dtype is not None and not per_head:
-        defines.update(HOLD_WF=1, HOLD_W=0)
     sizes = (x_dtype.itemsize, norm_dtype.itemsize, y_dtype.itemsize, (w_dtype or x_dtype).itemsize)
     if tuning.even and aligned and n % piece == 0 and all(piece * size % 16 == 0 for size in sizes):
         defines["EVEN"] = 1

@@ -95,9 +95,6 @@ class _Log:
         self.text += s
 
 
-_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
-
-
 class CudaLaunchError(RuntimeError):
     """The driver refused a kernel launch."""
 
@@ -116,23 +113,6 @@ def _slot_format(value: object) -> str:
         return "q"
     raise CudaLaunchError(f"kernel parameter {value!r} ({type(value).__name__}): pass numpy int32 or float32 "
                           "for 4-byte parameters, ints for pointers and long long")
-
-
-@cache
-def _ctypes_launch():
-    """libcuda's cuLaunchKernel through ctypes, or None where the library does not open that way. The driver
-    bindings' wrapper converts and checks each argument as a Python object: several microseconds of host time a
-    launch on an H200 machine's CPU (bench/host_breakdown.py times both). It is the library the bindings loaded,
-    so the same contexts and streams."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    fn = lib.cuLaunchKernel
-    u, p = ctypes.c_uint, ctypes.c_void_p
-    fn.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def _param_sizes(kernel) -> list[int] | None:
@@ -161,8 +141,6 @@ class LoadedKernel:
         self._context = _checked(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
         self._driver = driver
         self.function = _checked(driver.cuKernelGetFunction(kernel.handle), "cuKernelGetFunction")
-        self._function_handle = int(self.function)
-        self.raw_launch = _ctypes_launch()  # None: through the bindings (also for cooperative launches)
         self._sizes = _param_sizes(kernel)
         self._struct: struct.Struct | None = None
         self._lock = threading.Lock()  # one block per kernel: pack and launch together
@@ -197,13 +175,12 @@ class LoadedKernel:
                 self._build_block(args)
             self._struct.pack_into(self._block, 0, *args)
             err = self._launch(grid, block, shmem, stream, cooperative)
-            if err == _INVALID_CONTEXT:
+            if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
                 self.make_current()
                 err = self._launch(grid, block, shmem, stream, cooperative)
-        if err:
+        if err != driver.CUresult.CUDA_SUCCESS:
             what = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
-            raise CudaLaunchError(f"{what} failed: {driver.CUresult(err)!r} (grid {grid}, block {block}, "
-                                  f"shared {shmem} B)")
+            raise CudaLaunchError(f"{what} failed: {err!r} (grid {grid}, block {block}, shared {shmem} B)")
 
     def make_current(self) -> None:
         """Makes the kernel's context current where none is: torch's autograd engine runs a CUDA backward on
@@ -214,19 +191,15 @@ class LoadedKernel:
         if not int(_checked(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")):
             _checked(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
-    def _launch(self, grid: tuple[int, int, int], block: int, shmem: int, stream: int, cooperative: bool) -> int:
-        """The launch's CUresult as an int."""
+    def _launch(self, grid: tuple[int, int, int], block: int, shmem: int, stream: int, cooperative: bool):
         driver = self._driver
-        if self.raw_launch is not None and not cooperative:
-            return self.raw_launch(self._function_handle, grid[0], grid[1], grid[2], block, 1, 1, shmem, stream,
-                                   self._params, None)
         if cooperative:
             (err,) = driver.cuLaunchCooperativeKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem,
                                                       stream, self._params)
         else:
             (err,) = driver.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem, stream,
                                            self._params, 0)
-        return int(err)
+        return err
 
 
 def _checked(result: tuple, what: str):

@@ -33,7 +33,7 @@
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
 // 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN,
-// UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32, HOLD_WF; BACKWARD selects the backward kernel (below) instead of
+// UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32; BACKWARD selects the backward kernel (below) instead of
 // the forward.
 #include "common.cuh"
 #include "async.cuh"
@@ -70,13 +70,9 @@ typedef Elem<YC>::T y_t;
 #ifndef HOLD_F32  // host-set in the backward with HOLD: a row's xh and g kept as fp32 between the passes
 #define HOLD_F32 0
 #endif
-#ifndef HOLD_WF  // host-set with HOLD and one shared weight (HOLD_W then 0): its effective fp32 values held
-#define HOLD_WF 0
-#endif
 constexpr bool EVEN_UNPREDICATED = EVEN && UNPREDICATED;
 static_assert(KR >= 1 && KR <= K, "pieces with data");
 constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
-static_assert(!HOLD_WF || (HOLD && HAS_W && !PER_HEAD && !HOLD_WEIGHT), "HOLD_WF: one shared weight, held as fp32");
 constexpr int THREADS = TPR * RPB;
 constexpr int WARP_SIZE = 32;
 constexpr int ROW_WARPS = TPR > WARP_SIZE ? TPR / WARP_SIZE : 1;
@@ -220,7 +216,7 @@ __device__ __forceinline__ void launder(Held<CODE>& h) {
         for (int j = 0; j < Raw<CODE>::WORDS; ++j) asm volatile("" : "+r"(h.w[k][j]));
 }
 
-// fp32 values, one per lane a thread serves (the backward's dW partials with HOLD; HOLD_WF's weight).
+// fp32 accumulators, one per lane a thread serves (the backward's dW partials with HOLD).
 struct Lanes {
     float v[KR][PIECE];
 };
@@ -293,41 +289,15 @@ __device__ __forceinline__ void fetch_piece(float* a, const Held<CODE>& held, in
     }
 }
 
-// The weight across rows: with HOLD_WEIGHT this thread's lanes as raw bits (widened and offset again a row), with
-// HOLD_WF as effective fp32 values (f32(w) + offset, rounded in mode none: computed once a block; twice the
-// registers of 16-bit raw bits, two fewer instructions a lane and pass), else nothing (read again a row).
-// (The effective weight in shared memory, computed once a block, was slower on an H200 in every table entry, both
-// directions: the forward 35 -> 44 us at 8192 x 4096, the backward 71 -> 79; bench/results/2026-11-30-h200-run13.)
-struct HeldWeight {
-    Held<WC> raw;
-#if HOLD_WF
-    Lanes wf;
-#endif
-    __device__ __forceinline__ void load(const w_t* w, int t, int n, bool aligned, float offset) {
-        if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(raw, w, t, n, true, aligned);
-#if HOLD_WF
-#pragma unroll
-        for (int k = 0; k < KR; ++k) {
-            fetch_piece<WC, false>(wf.v[k], raw, k, w, piece_left(k, t, n), aligned);
-            effective_weight(wf.v[k], offset);
-        }
-#else
-        (void)offset;
-#endif
-    }
-};
-
-// Piece k of the effective weight: from the held weight or the weight row.
-__device__ __forceinline__ void fetch_weight(float* wp, const HeldWeight& held, int k, const w_t* row, int left,
+// Piece k of the effective weight: from the held weight (HOLD_WEIGHT) or the weight row. (Measured slower on an H200
+// in every table entry, both directions, bench/results/2026-11-30-h200-run13: the effective fp32 weight in shared
+// memory, computed once a block (the forward 35 -> 44 us at 8192 x 4096, the backward 71 -> 79), and held in
+// registers as fp32 instead of raw bits (the forward 10.1 -> 11.9 us at 2048 x 4096, the backward 117 -> 167 at
+// 8192 x 8192).)
+__device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, int k, const w_t* row, int left,
                                              bool aligned, float offset) {
-#if HOLD_WF
-    (void)row, (void)left, (void)aligned, (void)offset;
-#pragma unroll
-    for (int i = 0; i < PIECE; ++i) wp[i] = held.wf.v[k][i];
-#else
-    fetch_piece<WC, HOLD_WEIGHT>(wp, held.raw, k, row, left, aligned);
+    fetch_piece<WC, HOLD_WEIGHT>(wp, held, k, row, left, aligned);
     effective_weight(wp, offset);
-#endif
 }
 
 // Rows of the grid-stride loop: blocks take groups of RPB rows, blockIdx.x + j * gridDim.x.
@@ -363,8 +333,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     __shared__ float scratch[2][RPB][SUBTREES];
     const int t = threadIdx.x % TPR;
     RowWalk walk(rows);
-    HeldWeight wh;  // the weight's lanes, loaded once (per row for per-head weights) where held
-    wh.load(w, t, n, aligned, offset);
+    Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
+    if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
@@ -380,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         load_held<RC>(rh, rrow, t, n, live, aligned);
 #endif
 #endif
-        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh.raw, wrow, t, n, true, aligned);
+        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
         // piece k of the norm's input: x, or z = rd(x + residual) (recomputed from the held lanes in pass 2
         // with HOLD, read back from z, which pass 1 wrote, otherwise)
         auto input = [&](int k, float* a, int left, bool second_pass) {
@@ -419,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
 #if HOLD
         launder(xh);
         if constexpr (HAS_RES) launder(rh);
-        if constexpr (HOLD_WEIGHT) launder(wh.raw);
+        if constexpr (HOLD_WEIGHT) launder(wh);
 #endif
         // pass 2: y. Without HOLD, the input is read again (this thread's own lanes: from L1/L2) and so is w.
 #pragma unroll
@@ -525,8 +495,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         for (int i = 0; i < PIECE; ++i)
             if (i < piece_left(k, t, n)) dw_row[piece_col(k, t) + i] = 0.0f;
 #endif
-    HeldWeight wh;  // the weight's lanes, loaded once (per row for per-head weights) where held
-    wh.load(w, t, n, aligned, offset);
+    Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
+    if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
 #if STAGED
 #ifdef STRICTNORM_EMULATED
     uint4* const mine = reinterpret_cast<uint4*>(g_dynamic_smem) + threadIdx.x;
@@ -567,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         load_held<NC>(zh, zrow, t, n, live, aligned);
         load_held<DYC>(dh, drow, t, n, live, aligned);
 #endif
-        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh.raw, wrow, t, n, true, aligned);
+        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
         const float rstd = live ? rstd_in[r] : 0.0f;
         // this thread's pieces of z, dy and the effective weight (1.0 without one)
         auto get = [&](int k, float* zp, float* dp, float* wp) {
@@ -634,7 +604,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         launder(zh), launder(dh);
 #endif
 #if HOLD
-        if constexpr (HOLD_WEIGHT) launder(wh.raw);
+        if constexpr (HOLD_WEIGHT) launder(wh);
 #endif
         n_t* xrow = dx + offset_of(r, xs0, xs1, xsg, r1, g);
 #pragma unroll
