@@ -227,3 +227,20 @@ def check_random_case(backend, case: dict) -> None:
     got_dx, got_dw = backend.rms_norm_bwd(dy, z, w, want[1], None, spec, "strict", w is not None, None)
     assert bits_equal(want_dx, got_dx), f"dx: {case['what']}: {bits_diff(want_dx, got_dx)}"
     assert (want_dw is None and got_dw is None) or bits_equal(want_dw, got_dw), f"dw: {case['what']}"
+
+
+def partial_sum_model(part: torch.Tensor, seg_rows: int, groups: int) -> torch.Tensor:
+    """partial_sum.cu's order on the CPU: per segment and column, group g left-folds rows start + g, start + g +
+    groups, ... from +0.0, then the group sums are left-folded in group order from +0.0 (fp32 adds, one at a time)."""
+    rows, n = part.shape
+    out = []
+    for start in range(0, rows, seg_rows):
+        seg = part[start:start + seg_rows]
+        total = torch.zeros(n)
+        for g in range(groups):
+            acc = torch.zeros(n)
+            for row in seg[g::groups]:
+                acc = acc + row
+            total = total + acc
+        out.append(total)
+    return torch.stack(out)

@@ -327,20 +327,15 @@ def test_tuning_file_replaces_entries_with_row_bounds(tmp_path, monkeypatch):
         cb._load_tuning_file()
 
 
-def test_partial_rows_padded_to_whole_groups():
-    """The fast dW's partial-row buffer: one fold up to 4096 rows; beyond, a power-of-two group count
-    near sqrt(rows) and zero rows (exact no-ops of a fold from +0.0) up to a multiple of it."""
-    from strictnorm.backends.cuda.backend import CudaBackend
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_partial_sum_compiles(arch, tmp_path, monkeypatch):
+    """partial_sum.cu (the fast dW's sum of partial rows): 16-byte and scalar loads, fp32 and 16-bit outputs."""
+    from strictnorm.backends.cuda.backend import _SUM_COLS, _SUM_THREADS
 
-    groups = CudaBackend._partial_groups
-    assert groups(1) == groups(528) == groups(4096) == 1
-    for rows in (4097, 8448, 16383, 16896, 100_000):
-        g = groups(rows)
-        assert g & (g - 1) == 0 and g * g <= rows < 4 * g * g
-        buf = CudaBackend()._partials_buffer(rows, 3, torch.device("cpu"))
-        assert buf.shape[0] % g == 0 and rows <= buf.shape[0] < rows + g
-        assert groups(buf.shape[0]) == g or buf.shape[0] % groups(buf.shape[0]) == 0
-        assert not buf[rows:].any()
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    for vec, out in ((4, None), (1, None), (4, 1), (1, 2)):
+        defines = {"SUM_COLS": _SUM_COLS, "SUM_THREADS": _SUM_THREADS, "VEC": vec, **({"OUT_CODE": out} if out else {})}
+        assert nvrtc.compile_cubin("partial_sum.cu", arch, defines, use_cache=False)[:4] == b"\x7fELF"
 
 
 def _nvdisasm():

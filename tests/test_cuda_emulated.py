@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import bits_equal, sprinkle_specials, zero_dy_case
+from helpers import bits_equal, partial_sum_model, sprinkle_specials, zero_dy_case
 
 from strictnorm.backends.cuda.backend import (
     FoldTuning,
@@ -296,3 +296,45 @@ def test_emulated_onepass_strict_backward_bitwise(rows, n, dtypes, mode, tuning,
     want_dx, want_dw = TorchBackend().rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", True, None)
     got_dx, got_dw = _emulate_onepass(fl.defines, dy, z, w, rstd, spec.offset, tmp_path)
     assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw)
+
+
+@pytest.mark.parametrize("rows, n, seg_rows, out_dtype", [(300, 40, 300, torch.float32), (50, 37, 20, torch.float32),
+                                                          (130, 24, 64, torch.bfloat16), (3, 5, 3, torch.float32)])
+def test_emulated_partial_sum_in_its_fixed_order(rows, n, seg_rows, out_dtype, seed, tmp_path):
+    """partial_sum.cu (the fast dW's sum of partial rows) equals the model of its order bit for bit: 16-byte loads
+    where N % 4 == 0, column blocks past N, segments (the last one shorter), rows fewer than the groups, signed
+    zeros and cancelling magnitudes (adding two rows in another order changes the sums)."""
+    from strictnorm.backends.cuda.backend import _SUM_COLS, _SUM_THREADS, partial_sum_shape
+
+    g = torch.Generator().manual_seed(seed)
+    part = torch.randn(rows, n, generator=g) * torch.logspace(-6, 6, rows)[:, None]
+    part[rows // 2] = -0.0
+    vec = partial_sum_shape(rows, n, 132).vec
+    assert vec == (4 if n % 4 == 0 else 1)
+    part.numpy().tofile(tmp_path / "part.bin")
+    macros = f"-DSUM_COLS={_SUM_COLS} -DSUM_THREADS={_SUM_THREADS} -DVEC={vec}"
+    if out_dtype != torch.float32:
+        macros += " -DOUT_CODE=1"
+    cmd = ["bash", str(ROOT / "bench/emulate/partial_sum_run.sh"), str(rows), str(n), str(seg_rows), str(tmp_path),
+           macros]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0 and "ERROR" not in run.stderr, run.stdout + run.stderr[-3000:]
+    segments = -(-rows // seg_rows)
+    want = partial_sum_model(part, seg_rows, _SUM_THREADS // (_SUM_COLS // vec)).to(out_dtype)
+    raw_dtype = torch.int32 if out_dtype == torch.float32 else torch.int16
+    got = torch.from_file(str(tmp_path / "out.bin"), size=segments * n, dtype=raw_dtype).view(out_dtype)
+    assert bits_equal(want, got.view(segments, n))
+    assert not bits_equal(want, partial_sum_model(part.flip(0), seg_rows, 1).to(out_dtype)) or rows < 4
+
+
+def test_partial_sum_shape_segments_cover_the_rows():
+    """Segments only where the column blocks leave SMs idle, at least 4 rows a thread, and they cover the rows."""
+    from strictnorm.backends.cuda.backend import _SUM_COLS, partial_sum_shape
+
+    assert partial_sum_shape(264, 4096, 132).segments == 1  # 256 column blocks
+    assert partial_sum_shape(16896, 128, 132).segments == 17  # 8 column blocks
+    for rows, n in ((1, 4096), (5, 7), (1000, 128), (16896, 128), (100_000, 3), (528, 8192)):
+        s = partial_sum_shape(rows, n, 132)
+        assert s.col_blocks * _SUM_COLS >= n > (s.col_blocks - 1) * _SUM_COLS
+        assert (s.segments - 1) * s.seg_rows < rows <= s.segments * s.seg_rows
+        assert s.vec == (4 if n % 4 == 0 else 1)

@@ -13,6 +13,7 @@ from helpers import (
     check_special_values,
     fast_dw_excess,
     guarded,
+    partial_sum_model,
     random_case,
     zero_dy_case,
 )
@@ -680,3 +681,29 @@ def test_cuda_launch_from_a_thread_without_a_current_context(seed, monkeypatch):
         want = tr.rms_norm_fwd(rows, w, None, spec)
         assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
         assert codes == [int(c) for c in codes_expected], (rows.shape, codes)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows, n, out_dtype", [(264, 4096, torch.bfloat16), (528, 8192, torch.float32),
+                                                (16896, 128, torch.bfloat16), (37, 1000, torch.float16),
+                                                (5, 7, torch.float32), (3000, 18432, torch.float32)])
+def test_cuda_partial_sum_in_its_fixed_order(rows, n, out_dtype, seed):
+    """The fast dW's sum of partial rows (CudaBackend.sum_rows, partial_sum.cu; the cute and Triton backends' too)
+    equals its order's model bit for bit (two launches where the rows come in segments), run after run."""
+    from strictnorm.backends.cuda.backend import _SUM_COLS, _SUM_THREADS, partial_sum_shape
+
+    g = torch.Generator().manual_seed(seed)
+    part = torch.randn(rows, n, generator=g) * torch.logspace(-4, 4, rows)[:, None]
+    shape = partial_sum_shape(rows, n, torch.cuda.get_device_properties(0).multi_processor_count)
+    groups = _SUM_THREADS // (_SUM_COLS // shape.vec)
+    want = partial_sum_model(part, shape.seg_rows, groups)
+    if shape.segments > 1:
+        want = partial_sum_model(want, shape.segments, groups)
+    cb = get_backend("cuda")
+    got = cb.sum_rows(part.to(DEV), out_dtype)
+    assert bits_equal(want.reshape(n).to(out_dtype), got.cpu())
+    assert bits_equal(got, cb.sum_rows(part.to(DEV), out_dtype))
+    strided = torch.empty(rows, n + 3, device=DEV)[:, :n]  # rows not dense: summed from a copy
+    strided.copy_(part)
+    assert bits_equal(got, cb.sum_rows(strided, out_dtype))
+

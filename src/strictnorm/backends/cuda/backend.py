@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from ..layout import (
     ForwardPlan,
     RowLayout,
     backward_views,
-    contiguous_layout,
     forward_outputs,
     forward_views,
     remember,
@@ -175,6 +173,30 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
     if convert and tuning.column_major:
         defines["COLUMN_MAJOR"] = 1
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
+
+
+_SUM_COLS, _SUM_THREADS = 16, 256  # partial_sum.cu's block: 16 columns, 256 threads
+
+
+@dataclass(frozen=True)
+class PartialSumShape:
+    """partial_sum.cu's shape for (rows, n) partial rows: 16-byte loads (vec 4) where N % 4 == 0, column blocks of
+    _SUM_COLS, and the rows cut into `segments` of seg_rows (the last one shorter) where the column blocks alone
+    leave SMs idle; every thread adds at least 4 rows a segment."""
+
+    vec: int
+    col_blocks: int
+    segments: int
+    seg_rows: int
+
+
+def partial_sum_shape(rows: int, n: int, num_sms: int) -> PartialSumShape:
+    vec = 4 if n % 4 == 0 else 1
+    col_blocks = -(-n // _SUM_COLS)
+    groups = _SUM_THREADS // (_SUM_COLS // vec)
+    segments = max(1, min(-(-num_sms // col_blocks), rows // (4 * groups)))
+    seg_rows = -(-rows // segments)
+    return PartialSumShape(vec, col_blocks, -(-rows // seg_rows), seg_rows)
 
 
 @dataclass(frozen=True)
@@ -488,6 +510,17 @@ class _FoldPlan:
 
 
 @dataclass(frozen=True)
+class _SumPlan:
+    """One partial_sum.cu launch: grid (column blocks, segments); its output rows (one a segment)."""
+
+    kernel: object
+    grid: tuple[int, int, int]
+    seg_rows: int
+    out_rows: int
+    out_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class _FwdPlan:
     """An rms_norm forward for one input signature (layout.signature): the views' decisions, the output
     dtype and the launch."""
@@ -516,7 +549,7 @@ class _BwdPlan:
     wsg: int
     tail: tuple  # rows, n, r1, g, offset, aligned (the one-pass plan: without aligned)
     partial_rows: int  # fp32 partial rows the kernel writes (0: no fast-dW partials)
-    partial_sum: tuple[_FoldPlan, ...]  # folds that sum the partial rows in a fixed order
+    partial_sum: tuple[_SumPlan, ...]  # the launches summing the partial rows in a fixed order
     onepass: _OnepassPlan | None = None  # the whole strict backward in onepass.cu instead (opt-in)
 
 
@@ -746,7 +779,8 @@ class CudaBackend:
             dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(plan.rows, dx, dy, z, rstd))
             dw = dw.reshape(weight.shape)
         # the partial rows (an unused pointer without them)
-        part = self._partials_buffer(plan.partial_rows, zk.shape[-1], z.device) if plan.partial_rows else rstd
+        part = (torch.empty((plan.partial_rows, zk.shape[-1]), dtype=torch.float32, device=z.device)
+                if plan.partial_rows else rstd)
         plan.kernel.launch(current_stream(_device_index(z)), (plan.grid, 1, 1), plan.threads, plan.shmem,
                            dyk.data_ptr(), *lays.dlay.args(), zk.data_ptr(), *lays.lay.args(),
                            (w if w is not None else zk).data_ptr(), plan.wsg, rstd.data_ptr(), dresk.data_ptr(),
@@ -855,57 +889,44 @@ class CudaBackend:
         return dw.reshape(weight.shape), join
 
     # ---- fixed-order sums of fp32 partial rows -------------------------------------------------------
-    @staticmethod
-    def _partial_groups(rows: int) -> int:
-        """Groups of the two-level partial sum past 4096 partial rows: a power of two near sqrt(rows)
-        (chains of ~2 sqrt(rows) adds instead of rows); one fold below (each launch costs more there)."""
-        return 1 << (math.isqrt(rows).bit_length() - 1) if rows > 4096 else 1
-
-    @classmethod
-    def _padded_rows(cls, rows: int) -> int:
-        g = cls._partial_groups(rows)
-        return -(-rows // g) * g
-
-    def _partials_buffer(self, rows: int, n: int, device: torch.device) -> Tensor:
-        """(rows, n) fp32 for the kernel's partial rows, padded with zero rows to a multiple of the groups."""
-        padded = self._padded_rows(rows)
-        buf = torch.empty((padded, n), dtype=torch.float32, device=device)
-        if padded > rows:
-            buf[rows:].zero_()  # +0.0 rows: exact no-ops in a fold from +0.0
-        return buf
-
-    def _partial_sum_plan(self, dev: int, rows: int, n: int, out_dtype: torch.dtype) -> tuple[_FoldPlan, ...]:
-        """The folds summing a dense, 16-byte aligned (padded rows, n) fp32 buffer of partial rows, padded as
-        _partials_buffer pads, into out_dtype: one left fold up to 4096 rows; past that, group h folds rows h,
-        h + g, h + 2g, ... (one launch) and the g group sums are folded in order."""
-        g = self._partial_groups(rows)
-        ring = n % 4 == 0  # rows of whole 16-byte chunks
+    def _partial_sum_plan(self, dev: int, rows: int, n: int, out_dtype: torch.dtype) -> tuple[_SumPlan, ...]:
+        """partial_sum.cu's launches summing a dense (rows, n) fp32 buffer (16-byte aligned) into out_dtype: the
+        rows in `segments` (partial_sum_shape), then, with more than one, the segment sums."""
+        shape = partial_sum_shape(rows, n, torch.cuda.get_device_properties(dev).multi_processor_count)
         f32 = torch.float32
-        first = contiguous_layout(self._padded_rows(rows), n)
-        plans = (self._fold_plan(dev, first, f32, first, f32, 0, g, ring, True, f32 if g > 1 else out_dtype),)
-        if g > 1:
-            second = contiguous_layout(g, n)
-            plans += (self._fold_plan(dev, second, f32, second, f32, 0, 1, ring, True, out_dtype),)
+        plans = (self._sum_plan(dev, shape, shape.segments, shape.seg_rows, f32 if shape.segments > 1 else out_dtype),)
+        if shape.segments > 1:
+            plans += (self._sum_plan(dev, shape, 1, shape.segments, out_dtype),)
         return plans
 
-    def _sum_partials(self, plans: tuple[_FoldPlan, ...], part: Tensor) -> Tensor:
+    def _sum_plan(self, dev: int, shape: PartialSumShape, segments: int, seg_rows: int, out_dtype: torch.dtype
+                  ) -> _SumPlan:
+        defines = {"SUM_COLS": _SUM_COLS, "SUM_THREADS": _SUM_THREADS, "VEC": shape.vec}
+        if out_dtype != torch.float32:
+            defines["OUT_CODE"] = DTYPE_CODES[out_dtype]
+        kernel = self._kernels().get(dev, "partial_sum.cu", "partial_sum", defines)
+        return _SumPlan(kernel, (shape.col_blocks, segments, 1), seg_rows, segments, out_dtype)
+
+    def _sum_partials(self, plans: tuple[_SumPlan, ...], part: Tensor) -> Tensor:
+        n = part.shape[-1]
+        stream = current_stream(_device_index(part))
         for plan in plans:
-            part = self._run_fold(plan, part, part, part)
-        return part.reshape(part.shape[-1])
+            out = torch.empty((plan.out_rows, n), dtype=plan.out_dtype, device=part.device)
+            plan.kernel.launch(stream, plan.grid, _SUM_THREADS, 0, part.data_ptr(), part.shape[0], np.int32(n),
+                               plan.seg_rows, out.data_ptr())
+            part = out
+        return part.reshape(n)
 
     def sum_rows(self, part: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
-        """Sum over the rows of (R, N) fp32 in the fixed order of _partial_sum_plan (the fast dW's partial
-        rows), rounded once to out_dtype; R is padded with zero rows when it is not a multiple of the groups
-        (a copy)."""
+        """Sum over the rows of (R, N) fp32 in the fixed order of partial_sum.cu (the fast dW's partial rows),
+        rounded once to out_dtype; a copy first where the rows are not dense and 16-byte aligned."""
         rows, n = part.shape
         if rows == 0:
             return torch.zeros(n, dtype=out_dtype, device=part.device)
-        if self._padded_rows(rows) != rows or not part.is_contiguous() or part.data_ptr() % 16:
-            buf = self._partials_buffer(rows, n, part.device)
-            buf[:rows].copy_(part)
-            part = buf
+        if not part.is_contiguous() or part.data_ptr() % 16:
+            part = part.clone(memory_format=torch.contiguous_format)
         dev = _device_index(part)
-        key = (dev, rows, n, self.fold_tuning, out_dtype)
+        key = ("partial_sum", dev, rows, n, out_dtype)
         plans = self._fold_plans.get(key)
         if plans is None:
             plans = remember(self._fold_plans, key, self._partial_sum_plan(dev, rows, n, out_dtype))

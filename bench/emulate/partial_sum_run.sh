@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# partial_sum.cu on the CPU with AddressSanitizer (see shim.h, partial_sum_main.cpp). Usage:
+#   bash bench/emulate/partial_sum_run.sh ROWS N SEG_ROWS DIR "MACROS"   (e.g. "-DSUM_COLS=16 -DSUM_THREADS=256 -DVEC=4")
+# Needs g++ 12 or newer.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
+work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+cp "$src/partial_sum.cu" "$work/"
+source "$here/sources.sh"
+emulated_headers "$src" "$work"
+# shellcheck disable=SC2086
+g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
+    ${5:-} "$here/partial_sum_main.cpp" -o "$work/partial_sum_emulate"
+ASAN_OPTIONS=detect_leaks=0 "$work/partial_sum_emulate" "$1" "$2" "$3" "$4"
