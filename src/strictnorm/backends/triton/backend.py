@@ -79,12 +79,14 @@ DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 # 78.9 -> 74.9; backward 2048 x 18432 172.4 -> 156.2, 262144 x 128 63.0 -> 59.9. The forward at <= 128 rows of
 # P = 4096: the weight loaded first, one row of 8 warps a program (run 13, call a: 128 x 4096 2.98 -> 2.56 us; slower
 # from 2048 rows on: 11.1 -> 12.2 at 2048, 130 -> 146 at 32768). The forward at P = 32768 in column chunks of 4096 lanes
-# (run 13, call c: 2048 x 18432 75.3 -> 56.7 us; chunks of 1024-4096 with 2-16 warps 57-62).
+# (run 13, call c: 2048 x 18432 75.3 -> 56.7 us; chunks of 1024-4096 with 2-16 warps 57-62), and at P = 65536 in
+# chunks of 2048 (call h: 1024 x 65536 130.1 -> 108.8 us); at P = 8192 chunks lost (call g: 8192 x 8192 67 -> 83+).
 TileEntry = TileChoice | tuple[tuple[int | None, TileChoice], ...]
 TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "fwd": {128: TileChoice(rows=8, num_warps=2),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True)), (None, TileChoice(rows=2, num_warps=8))),
-            8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=8, chunk=4096)},
+            8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=8, chunk=4096),
+            65536: TileChoice(rows=1, num_warps=4, chunk=2048)},
     "bwd": {128: TileChoice(rows=16, num_warps=8), 4096: TileChoice(rows=1, num_warps=8),
             8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=16, split=True)},
 }
