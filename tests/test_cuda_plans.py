@@ -91,7 +91,8 @@ def test_strided_rows_are_read_in_place_and_odd_layouts_through_a_copy(recording
 
 def test_backward_plans_fold_before_dx_and_sum_partials(recording):
     """dw="strict": the fold launches before the dx kernel (dx may overwrite dy in place); dw="fast": the dx
-    kernel writes partial rows that folds then sum; zero rows launch nothing and give zeros."""
+    kernel writes partial rows that partial_sum.cu then sums (one launch for one segment of rows, a second one
+    over the segment sums otherwise); zero rows launch nothing and give zeros."""
     cb, log = recording
     x, dy, w = torch.randn(64, 128).bfloat16(), torch.randn(64, 128).bfloat16(), torch.randn(128).bfloat16()
     rstd = torch.rand(64) + 0.5
@@ -100,8 +101,13 @@ def test_backward_plans_fold_before_dx_and_sum_partials(recording):
     assert log[0][4][0] == dy.data_ptr() and log[1][4][0] == dy.data_ptr()
     log.clear()
     cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "fast", True, None)
-    assert log[0][0] == "rms_bwd" and all(e[0] == "fold_ring" for e in log[1:]) and len(log) >= 2
-    assert log[1][4][0] == log[0][4][-7]  # the fold reads the partial rows the dx kernel wrote
+    assert [e[0] for e in log] == ["rms_bwd", "partial_sum"]
+    assert log[1][4][0] == log[0][4][-7]  # the sum reads the partial rows the dx kernel wrote
+    log.clear()
+    many = torch.randn(1 << 15, 8).bfloat16()  # few columns, many partial rows: two launches
+    cb.rms_norm_bwd(many, many, w[:8], torch.rand(1 << 15) + 0.5, None, _spec(), "fast", True, None)
+    assert [e[0] for e in log] == ["rms_bwd", "partial_sum", "partial_sum"], [e[0] for e in log]
+    assert log[1][2] == log[2][2] == 256 and log[1][1][1] > 1 == log[2][1][1]  # segments, then one
     log.clear()
     empty = torch.empty(0, 128).bfloat16()
     dx, dw = cb.rms_norm_bwd(empty, empty, w, torch.empty(0), None, _spec(), "strict", True, None)
