@@ -13,6 +13,5 @@ source "$here/sources.sh"
 emulated_headers "$src" "$work"
 [ "$(grep -c "= g_dynamic_smem;" "$work/fold.cu")" = 2 ] || { echo "fold_run.sh: a shared-memory declaration changed" >&2; exit 2; }
 # shellcheck disable=SC2086
-g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
-    ${5:-} "$here/fold_main.cpp" -o "$work/fold_emulate"
+build_emulator "$here" "$work" fold_main.cpp fold_emulate ${5:-}
 ASAN_OPTIONS=detect_leaks=0 "$work/fold_emulate" "$1" "$2" "$3" "$4" "${@:6}"  # 6th: fold_chain CTAs (3)

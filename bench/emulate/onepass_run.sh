@@ -11,6 +11,5 @@ source "$here/sources.sh"
 emulated_headers "$src" "$work"
 [ "$(grep -c "= g_dynamic_smem;" "$work/onepass.cu")" = 1 ] || { echo "onepass_run.sh: the shared-memory declaration changed" >&2; exit 2; }
 # shellcheck disable=SC2086
-g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
-    -DWAIT_LIMIT_NS=600000000000ull ${5:-} "$here/onepass_main.cpp" -o "$work/onepass_emulate"
+build_emulator "$here" "$work" onepass_main.cpp onepass_emulate -DWAIT_LIMIT_NS=600000000000ull ${5:-}
 ASAN_OPTIONS=detect_leaks=0 "$work/onepass_emulate" "$1" "$2" "$3" "$4"

@@ -9,6 +9,5 @@ cp "$src/partial_sum.cu" "$work/"
 source "$here/sources.sh"
 emulated_headers "$src" "$work"
 # shellcheck disable=SC2086
-g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
-    ${5:-} "$here/partial_sum_main.cpp" -o "$work/partial_sum_emulate"
+build_emulator "$here" "$work" partial_sum_main.cpp partial_sum_emulate ${5:-}
 ASAN_OPTIONS=detect_leaks=0 "$work/partial_sum_emulate" "$1" "$2" "$3" "$4"

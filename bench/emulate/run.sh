@@ -13,6 +13,5 @@ emulated_headers "$src" "$work"
 base="-DXC=1 -DRC=1 -DNC=1 -DWC=1 -DYC=1 -DDYC=1 -DHAS_W=1 -DPER_HEAD=0 -DDW_SMEM=0"
 [[ "${3:-}" == *HAS_RES* ]] || base="$base -DHAS_RES=0"
 # shellcheck disable=SC2086
-g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
-    $base ${3:-} "$here/main.cpp" -o "$work/emulate"
+build_emulator "$here" "$work" main.cpp emulate $base ${3:-}
 ASAN_OPTIONS=detect_leaks=0 "$work/emulate" "${1:-1}" "${2:-5120}" "${@:4}"

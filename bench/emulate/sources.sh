@@ -9,3 +9,12 @@ emulated_headers() {
         -e 's#asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));#{ _Float16 hv = (_Float16)v; std::memcpy(\&h, \&hv, 2); }#' \
         "$src/common.cuh" > "$work/common.cuh"
 }
+
+# build_emulator HERE WORK MAIN OUT [FLAGS...] compiles the emulator MAIN (a .cpp in HERE) against the sources in
+# WORK into WORK/OUT: C++20 (barriers), no contraction (fp32 ops as written), AddressSanitizer.
+build_emulator() {
+    local here=$1 work=$2 main=$3 out=$4
+    shift 4
+    g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
+        "$@" "$here/$main" -o "$work/$out"
+}

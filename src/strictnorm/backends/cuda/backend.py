@@ -8,8 +8,6 @@ GPUs (the Triton backend calls it when this backend is available).
 from __future__ import annotations
 
 import functools
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +29,7 @@ from ..layout import (
     row_layout,
     signature,
 )
+from ..tuning import Bounded, for_rows, load_tuning_file
 from .nvrtc import current_stream
 
 _SOURCE = "fold.cu"
@@ -257,7 +256,7 @@ class NormTuning:
 # shape changes a bit). A JSON file named by STRICTNORM_CUDA_TUNING replaces entries: {"fwd": {"4096":
 # [[128, {"values": 8, ...}], [null, {...}]], ...}, "bwd": {...}} ([max rows or null, knobs] pairs; a
 # bare knobs object is one unbounded entry), as bench/sweep_cuda.py writes it.
-Tuning = tuple[tuple[int | None, NormTuning], ...]  # (max rows, tuning) entries, the last one unbounded
+Tuning = Bounded[NormTuning]  # (max rows, tuning) entries, the last one unbounded
 _H = 65536  # hold_max_p: rows held in registers
 
 
@@ -299,18 +298,7 @@ BWD_TABLE: dict[int, Tuning] = {
 
 
 def _load_tuning_file() -> None:
-    path = os.environ.get("STRICTNORM_CUDA_TUNING")
-    if not path:
-        return
-    with open(path) as f:
-        data = json.load(f)
-    for key, table in (("fwd", FWD_TABLE), ("bwd", BWD_TABLE)):
-        for p, entries in data.get(key, {}).items():
-            if isinstance(entries, dict):
-                entries = [[None, entries]]
-            if entries[-1][0] is not None:
-                raise ValueError(f"{path}: the last {key} entry for P = {p} must be unbounded (null)")
-            table[int(p)] = tuple((bound, NormTuning(**knobs)) for bound, knobs in entries)
+    load_tuning_file("STRICTNORM_CUDA_TUNING", {"fwd": FWD_TABLE, "bwd": BWD_TABLE}, NormTuning)
 
 
 _load_tuning_file()
@@ -320,8 +308,7 @@ def tuning_for(table: dict[int, Tuning], n: int, rows: int | None = None) -> Nor
     """The entry for N's padded length (or the nearest one on a log scale) and the row count (the
     unbounded entry when rows is not given)."""
     p = next_pow2(n)
-    entries = table[min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))]
-    return next(t for bound, t in entries if bound is None or (rows is not None and rows <= bound))
+    return for_rows(table[min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))], rows)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -511,12 +498,11 @@ class _FoldPlan:
 
 @dataclass(frozen=True)
 class _SumPlan:
-    """One partial_sum.cu launch: grid (column blocks, segments); its output rows (one a segment)."""
+    """One partial_sum.cu launch: grid (column blocks, segments), one output row a segment."""
 
     kernel: object
     grid: tuple[int, int, int]
     seg_rows: int
-    out_rows: int
     out_dtype: torch.dtype
 
 
@@ -905,13 +891,13 @@ class CudaBackend:
         if out_dtype != torch.float32:
             defines["OUT_CODE"] = DTYPE_CODES[out_dtype]
         kernel = self._kernels().get(dev, "partial_sum.cu", "partial_sum", defines)
-        return _SumPlan(kernel, (shape.col_blocks, segments, 1), seg_rows, segments, out_dtype)
+        return _SumPlan(kernel, (shape.col_blocks, segments, 1), seg_rows, out_dtype)
 
     def _sum_partials(self, plans: tuple[_SumPlan, ...], part: Tensor) -> Tensor:
         n = part.shape[-1]
         stream = current_stream(_device_index(part))
         for plan in plans:
-            out = torch.empty((plan.out_rows, n), dtype=plan.out_dtype, device=part.device)
+            out = torch.empty((plan.grid[1], n), dtype=plan.out_dtype, device=part.device)
             plan.kernel.launch(stream, plan.grid, _SUM_THREADS, 0, part.data_ptr(), part.shape[0], np.int32(n),
                                plan.seg_rows, out.data_ptr())
             part = out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from ..layout import (
     signature,
 )
 from ..registry import get_backend, status
+from ..tuning import Bounded, for_rows, load_tuning_file
 
 # Elements one program keeps in flight; more rows per program when rows are short.
 _TILE_ELEMS = 4096
@@ -81,7 +81,7 @@ DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 # from 2048 rows on: 11.1 -> 12.2 at 2048, 130 -> 146 at 32768). The forward at P = 32768 in column chunks of 4096 lanes
 # (run 13, call c: 2048 x 18432 75.3 -> 56.7 us; chunks of 1024-4096 with 2-16 warps 57-62), and at P = 65536 in
 # chunks of 2048 (call h: 1024 x 65536 130.1 -> 108.8 us); at P = 8192 chunks lost (call g: 8192 x 8192 67 -> 83+).
-TileEntry = TileChoice | tuple[tuple[int | None, TileChoice], ...]
+TileEntry = TileChoice | Bounded[TileChoice]
 TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "fwd": {128: TileChoice(rows=8, num_warps=2),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True)), (None, TileChoice(rows=2, num_warps=8))),
@@ -93,19 +93,7 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
 
 
 def _load_tuning_file() -> None:
-    path = os.environ.get("STRICTNORM_TRITON_TUNING")
-    if not path:
-        return
-    with open(path) as f:
-        data = json.load(f)
-    for direction, table in TILE_TABLE.items():
-        for p, knobs in data.get(direction, {}).items():
-            if isinstance(knobs, dict):
-                table[int(p)] = TileChoice(**knobs)
-                continue
-            if not knobs or knobs[-1][0] is not None:
-                raise ValueError(f"{path}: the last {direction} entry for P = {p} must be unbounded (null)")
-            table[int(p)] = tuple((bound, TileChoice(**k)) for bound, k in knobs)
+    load_tuning_file("STRICTNORM_TRITON_TUNING", TILE_TABLE, TileChoice)
 
 
 _load_tuning_file()
@@ -153,7 +141,7 @@ def row_tile(n: int, direction: str, rows: int | None = None) -> RowTile:
     p = next_pow2(n)
     choice = TILE_TABLE[direction].get(p) or TileChoice(split=DEFAULT_SPLIT[direction])
     if not isinstance(choice, TileChoice):
-        choice = next(c for bound, c in choice if bound is None or (rows is not None and rows <= bound))
+        choice = for_rows(choice, rows)
     pa, t = column_tiles(n, choice.split)
     tile_rows = choice.rows or max(1, _TILE_ELEMS // p)
     lanes = tile_rows * (pa + t)
