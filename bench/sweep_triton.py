@@ -5,7 +5,9 @@ program, warps, and whether rows well below their padded length take two column 
 plans. SWEEP_WFIRST=1 tries each configuration also with the forward's weight loaded before the row sum;
 SWEEP_CHUNKS=1024,2048 adds the forward in column chunks of those lanes (rows longer than a chunk; one row a
 program; the backward ignores chunks: sweep the forward alone); SWEEP_DIRECTIONS=fwd (or bwd) measures one
-direction. Every result is checked against the torch reference's bits
+direction. SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (and with twice its
+warps), its pipelining: the next block prefetched into registers, the loop's loads in 2 or 3 shared-memory stages,
+2 or 4 programs an SM. Every result is checked against the torch reference's bits
 (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and timed kernel-only as in strictnorm.bench.
 SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the time: about 2 s per configuration and direction on
 an H200 machine). Run on the GPU machine:
@@ -33,9 +35,12 @@ MAX_TILE = 16384  # lanes a program (rows x padded row) beyond one row
 MAX_LANES_PER_THREAD = 64
 
 
-def configs(n: int) -> list[tb.TileChoice]:
-    """Rows a program, warps and (where N <= 3/4 of its padded length) the column split: up to MAX_TILE lanes a
-    program (one row at least), every thread at least one lane and at most MAX_LANES_PER_THREAD."""
+def configs(n: int, m: int) -> list[tb.TileChoice]:
+    """With SWEEP_PIPELINES=1, pipeline_configs(n, m). Otherwise rows a program, warps and (where N <= 3/4 of its
+    padded length) the column split: up to MAX_TILE lanes a program (one row at least), every thread at least one
+    lane and at most MAX_LANES_PER_THREAD."""
+    if os.environ.get("SWEEP_PIPELINES") == "1":
+        return pipeline_configs(n, m)
     out = []
     for split in sorted({False, tb.column_tiles(n, True) != tb.column_tiles(n, False)}):
         pa, t = tb.column_tiles(n, split)
@@ -50,6 +55,25 @@ def configs(n: int) -> list[tb.TileChoice]:
     chunks = [int(v) for v in os.environ.get("SWEEP_CHUNKS", "").split(",") if v]
     out += [tb.TileChoice(1, w, chunk=c) for c in chunks if c < next_pow2(n) for w in (1, 2, 4, 8, 16)
             if 32 * w <= c <= 32 * w * MAX_LANES_PER_THREAD]
+    return out
+
+
+def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:
+    """The backward's choice for M x N, with its warps and twice them, each with every pipelining (TileChoice:
+    programs_per_sm, prefetch, stages)."""
+    p = next_pow2(n)
+    entry = ORIGINAL_TABLE["bwd"].get(p) or tb.TileChoice(split=tb.DEFAULT_SPLIT["bwd"])
+    tile = tb.row_tile(n, "bwd", m)
+    base = dataclasses.replace(entry if isinstance(entry, tb.TileChoice) else tb.TileChoice(split=tile.t > 0),
+                               rows=tile.rows, num_warps=tile.num_warps)
+    out = []
+    for warps in (tile.num_warps, 2 * tile.num_warps):
+        if warps * 32 > tile.rows * (tile.pa + tile.t) or warps > 32:
+            continue
+        for programs in (2, 4):
+            for prefetch, stages in ((False, 1), (True, 1), (False, 2), (False, 3)):
+                out.append(dataclasses.replace(base, num_warps=warps, programs_per_sm=programs, prefetch=prefetch,
+                                               stages=stages))
     return out
 
 
@@ -104,13 +128,16 @@ def best_tunings(results: list[dict]) -> dict:
 
 
 def _key(r: dict) -> tuple:
-    return r["rows"], r["num_warps"], r["split"], r.get("w_first", False), r.get("chunk", 0)
+    return (r["rows"], r["num_warps"], r["split"], r.get("w_first", False), r.get("chunk", 0),
+            r.get("programs_per_sm", 4), r.get("prefetch", False), r.get("stages", 1))
 
 
 def _knobs(key: tuple) -> dict:
-    rows, warps, split, w_first, chunk = key
+    rows, warps, split, w_first, chunk, programs, prefetch, stages = key
     knobs = {"rows": rows, "num_warps": warps, "split": split, "w_first": w_first}
-    return {**knobs, "chunk": chunk} if chunk else knobs
+    extra = {"chunk": chunk, "programs_per_sm": programs, "prefetch": prefetch, "stages": stages}
+    defaults = {"chunk": 0, "programs_per_sm": 4, "prefetch": False, "stages": 1}
+    return {**knobs, **{k: v for k, v in extra.items() if v != defaults[k]}}
 
 
 def _write(ceiling: float, results: list[dict]) -> None:
@@ -128,19 +155,20 @@ def main() -> None:
     results = []
     for m, n in SHAPES:
         case = Case.make(sw.ref, timer.device, m, n, sw.spec)
-        for choice in [None] + configs(n):
+        for choice in [None] + configs(n, m):
             use(choice, n, triton)
             for direction in DIRECTIONS:
                 tile = tb.row_tile(n, direction, m)
                 row = dict(M=m, N=n, direction=direction, default=choice is None, rows=tile.rows,
-                           num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk)
+                           num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk,
+                           programs_per_sm=tile.programs_per_sm, prefetch=tile.prefetch, stages=tile.stages)
                 row.update(measure(timer, triton, case, direction, ceiling))
                 results.append(row)
                 print(json.dumps(row), flush=True)
         use(None, n, triton)
         _write(ceiling, results)  # after each shape: a run cut by a time limit keeps what it measured
     print(f"\nbest per shape (all rows bitwise: {all(r.get('bitwise') for r in results)}): us (rows, warps, split, "
-          "w_first, chunk); "
+          "w_first, chunk, programs an SM, prefetch, stages); "
           "the backend's own choice")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
@@ -150,7 +178,8 @@ def main() -> None:
                 b = min(ok, key=lambda r: r["us"])
                 own = next((r for r in ok if r["default"]), None)
                 line += (f"  {direction} {b['us']:7.1f} ({b['rows']}, {b['num_warps']}, {int(b['split'])}, "
-                         f"{int(b['w_first'])}, {b['chunk']})"
+                         f"{int(b['w_first'])}, {b['chunk']}, {b['programs_per_sm']}, {int(b['prefetch'])}, "
+                         f"{b['stages']})"
                          f" own {own['us'] if own else float('nan'):7.1f}")
         print(line)
 

@@ -64,6 +64,12 @@ class TileChoice:
     # forward, rows of P > chunk lanes in one tile: summed and scaled in column chunks of `chunk` lanes, read twice
     # (kernels.py, CHUNK; fewer registers a row, so more rows in flight); 0: held whole
     chunk: int = 0
+    # backward: programs striding over the row blocks (persistent grid) per SM; the next block's rows loaded into
+    # registers before this block's sums (kernels.py, PREFETCH); the loop's loads pipelined through shared memory in
+    # `stages` stages (STAGES; 1: not pipelined)
+    programs_per_sm: int = 4
+    prefetch: bool = False
+    stages: int = 1
 
 
 # Choices per direction and padded length P: a TileChoice, or ((max rows, TileChoice), ..., (None, TileChoice)) where
@@ -111,6 +117,9 @@ class RowTile:
     num_warps: int
     w_first: bool = False
     chunk: int = 0  # the forward's column chunks (0: rows held whole)
+    programs_per_sm: int = 4  # the backward's persistent grid, prefetch and pipeline stages (TileChoice)
+    prefetch: bool = False
+    stages: int = 1
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -119,6 +128,10 @@ class RowTile:
     def meta(self) -> dict:
         """The constexprs and the launch options."""
         return {**self.constexprs(), **_launch_opts(self.num_warps)}
+
+    def backward_constexprs(self) -> dict:
+        """The backward's prefetch constexprs."""
+        return dict(PREFETCH=self.prefetch, STAGES=self.stages)
 
     def chunk_constexprs(self) -> dict:
         """The forward's column-chunk constexprs (CHUNK = 0: none)."""
@@ -147,7 +160,8 @@ def row_tile(n: int, direction: str, rows: int | None = None) -> RowTile:
     lanes = tile_rows * (pa + t)
     num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
     chunk = choice.chunk if direction == "fwd" and t == 0 and 0 < choice.chunk < pa else 0
-    return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk)
+    return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk, choice.programs_per_sm, choice.prefetch,
+                   choice.stages)
 
 
 @dataclass(frozen=True)
@@ -267,9 +281,10 @@ class TritonBackend:
         partials = need_dw and dw_mode == "fast" and not views.per_head and next_pow2(n) <= _PARTIALS_MAX_P
         tile = row_tile(n, "bwd", rows)
         blocks = _cdiv(rows, tile.rows)
-        nprog = min(blocks, _num_sms(z.device) * 4) if partials else blocks
+        persistent = partials or tile.prefetch or tile.stages > 1
+        nprog = min(blocks, _num_sms(z.device) * tile.programs_per_sm) if persistent else blocks
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
-                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.meta())
+                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(), **tile.meta())
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
                      meta)
 

@@ -274,13 +274,34 @@ def _fwd_tiles(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, o
 
 
 @triton.jit
-def _bwd_input(DY, d_offs, Z, z_offs, W, wsg, wf_shared, g, rows, rstd, M, N, cols, offset, MODE: tl.constexpr,
+def _bwd_fetch(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, RSTD, blk, M, N, R1, G, cols_a, cols_b, ROWS: tl.constexpr,
+               T: tl.constexpr):
+    """The backward's loads of one block of rows, as loaded (rstd, then z and dy of each column tile; tile b is tile
+    a when T == 0). A block past the end loads nothing (every lane masked)."""
+    rows = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    z_offs, _ = row_offsets(rows, R1, G, zs0, zs1, zsg)
+    d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
+    rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+    mask_a = (rows < M)[:, None] & (cols_a < N)[None, :]
+    za = tl.load(Z + z_offs[:, None] + cols_a[None, :], mask=mask_a, other=0.0)
+    da = tl.load(DY + d_offs[:, None] + cols_a[None, :], mask=mask_a, other=0.0)
+    zb, db = za, da
+    if T > 0:
+        mask_b = (rows < M)[:, None] & (cols_b < N)[None, :]
+        zb = tl.load(Z + z_offs[:, None] + cols_b[None, :], mask=mask_b, other=0.0)
+        db = tl.load(DY + d_offs[:, None] + cols_b[None, :], mask=mask_b, other=0.0)
+    return rstd, za, da, zb, db
+
+
+@triton.jit
+def _bwd_input(z, dy, W, wsg, wf_shared, g, rows, rstd, M, N, cols, offset, MODE: tl.constexpr,
                XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr):
-    """One column tile of the backward's rows: (xf, dyf, xh, gr) with xh = xf * rstd, gr = dyf * wf."""
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    xf = widen(tl.load(Z + z_offs[:, None] + cols[None, :], mask=mask, other=0.0))
-    dyf = widen(tl.load(DY + d_offs[:, None] + cols[None, :], mask=mask, other=0.0))
+    """One column tile of the backward's rows from its loaded z and dy: (xf, dyf, xh, gr) with xh = xf * rstd,
+    gr = dyf * wf."""
+    xf = widen(z)
+    dyf = widen(dy)
     if PER_HEAD:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
         wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
     else:
         wf = wf_shared
@@ -304,9 +325,13 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
                    M, N, R1, G, offset,
                    ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
                    LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
-                   PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr):
+                   PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr,
+                   PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """dx for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T). With
-    DW_PARTIALS, each program also sums its rows' dW contributions (shared weight only) into DW_PART[pid]."""
+    DW_PARTIALS, each program also sums its rows' dW contributions (shared weight only) into DW_PART[pid].
+    PREFETCH: the next block's rows loaded into registers before this block's sums (its loads in flight while this
+    block computes and stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory, that many
+    stages. Neither changes a value."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols_a = tl.arange(0, PA)
@@ -322,21 +347,29 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
     # the partials summed per block 109.6)
     dw_a = tl.zeros((ROWS, PA), tl.float32)
     dw_b = tl.zeros((ROWS, T if T > 0 else 1), tl.float32)
-    for blk in range(pid, tl.cdiv(M, ROWS), nprog):
+    if PREFETCH:
+        n_rstd, n_za, n_da, n_zb, n_db = _bwd_fetch(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, RSTD, pid, M, N, R1, G,
+                                                    cols_a, cols_b, ROWS, T)
+    for blk in tl.range(pid, tl.cdiv(M, ROWS), nprog, num_stages=STAGES):
+        if PREFETCH:
+            rstd, za, da, zb, db = n_rstd, n_za, n_da, n_zb, n_db
+            n_rstd, n_za, n_da, n_zb, n_db = _bwd_fetch(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, RSTD, blk + nprog, M, N,
+                                                        R1, G, cols_a, cols_b, ROWS, T)
+        else:
+            rstd, za, da, zb, db = _bwd_fetch(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, RSTD, blk, M, N, R1, G, cols_a,
+                                              cols_b, ROWS, T)
         rows = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        z_offs, g = row_offsets(rows, R1, G, zs0, zs1, zsg)
-        d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
+        _, g = row_offsets(rows, R1, G, zs0, zs1, zsg)
         x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
         e_offs = x_offs
         if HAS_DRES:
             e_offs, _ = row_offsets(rows, R1, G, es0, es1, esg)
-        rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
-        xa, dya, xha, gra = _bwd_input(DY, d_offs, Z, z_offs, W, wsg, wf_a, g, rows, rstd, M, N, cols_a, offset,
-                                       MODE, XDT, HAS_W, PER_HEAD)
+        xa, dya, xha, gra = _bwd_input(za, da, W, wsg, wf_a, g, rows, rstd, M, N, cols_a, offset, MODE, XDT, HAS_W,
+                                       PER_HEAD)
         pb = xha * gra
         if T > 0:
-            xb, dyb, xhb, grb = _bwd_input(DY, d_offs, Z, z_offs, W, wsg, wf_b, g, rows, rstd, M, N, cols_b,
-                                           offset, MODE, XDT, HAS_W, PER_HEAD)
+            xb, dyb, xhb, grb = _bwd_input(zb, db, W, wsg, wf_b, g, rows, rstd, M, N, cols_b, offset, MODE, XDT,
+                                           HAS_W, PER_HEAD)
             pb = xhb * grb
         c = tl.div_rn(tiled_canon_sum(xha * gra, pb, ROWS, PA, LOG2PA, T, LOG2T), tl.full((ROWS,), N, tl.float32))
         _bwd_output(xha, gra, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols_a, XDT, HAS_DRES)
