@@ -118,6 +118,37 @@ def test_run_to_run_determinism(seed):
             assert bits_equal(a, b)
 
 
+@pytest.mark.parametrize("n", [1000, 4096])
+def test_triton_direct_launches_give_the_jit_bits(n, seed):
+    """A plan's first call goes through Triton's JIT, later ones launch its compiled kernel directly: fresh inputs of
+    one signature against the reference (strict dW) and against a first call (fast dW), then rows starting off a
+    16-byte boundary (another plan: the JIT specializes on alignment)."""
+    tb = get_backend("triton")
+    tb._fwd_plans.clear()
+    tb._bwd_plans.clear()
+
+    def run(backend, flat, w, dy, first, mode, dw, offset=0.0):
+        leaf, ws = flat.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        xs = leaf[first:first + dy.numel()].view(dy.shape)
+        y, rstd = sn.rms_norm_with_rstd(xs, ws, offset=offset, casting_mode=mode, dw=dw, backend=backend)
+        y.backward(dy)
+        return y, rstd, leaf.grad, ws.grad
+
+    for step in range(4):
+        x, w, dy = _data(300, n, torch.bfloat16, torch.bfloat16, seed + step)
+        first = 1 if step == 3 else 0  # the last step's rows start one element off alignment
+        flat = torch.cat([x.flatten(), x[0, :1]]) if first == 0 else torch.cat([x[0, :1], x.flatten()])
+        strict = run("triton", flat, w, dy, first, "gemma", "strict", 0.5)
+        for a, b in zip(run("torch", flat, w, dy, first, "gemma", "strict", 0.5), strict, strict=True):
+            assert bits_equal(a, b), f"step {step}"
+        fast = [run("triton", flat, w, dy, first, "llama", "fast") for _ in range(2)]
+        for a, b in zip(*fast, strict=True):
+            assert bits_equal(a, b), f"step {step}"
+    launched = [p.launch.kernel is not None for p in (*tb._fwd_plans.values(), *tb._bwd_plans.values()) if p.launch]
+    assert launched and all(launched)
+    assert {k[1][0][3] for k in tb._fwd_plans} == {True, False}  # aligned and misaligned x: two plans
+
+
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dw", ["fast", "strict"])
 def test_cuda_graph_replay_with_new_inputs(backend, dw, seed):

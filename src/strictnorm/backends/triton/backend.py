@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -12,6 +13,7 @@ from torch import Tensor
 from ...contract import NormSpec
 from ...reference import next_pow2
 from ..base import DTYPE_CODES, MODE_CODES, no_join
+from ..cuda.nvrtc import current_stream
 from ..layout import (
     BackwardPlan,
     ForwardPlan,
@@ -164,16 +166,53 @@ def row_tile(n: int, direction: str, rows: int | None = None) -> RowTile:
                    choice.stages)
 
 
+class _Launcher:
+    """One plan's kernel: the first call goes through Triton's JIT (which compiles it, or finds it compiled); later
+    calls launch the compiled kernel directly. The JIT binds and specializes every argument on every call, most of
+    this backend's host time; a plan's arguments specialize the same way on every call (its key holds the shapes,
+    strides, dtypes and 16-byte alignment of each tensor, and every other tensor is allocated by torch), so the
+    kernel the JIT chose for the first call is the one it would choose for the rest. Under the interpreter every call
+    goes through the JIT."""
+
+    __slots__ = ("fn", "meta", "kernel", "constexprs")
+
+    def __init__(self, fn, meta: dict) -> None:
+        self.fn, self.meta = fn, meta
+        self.kernel = None
+        self.constexprs: tuple = ()
+
+    def __call__(self, grid: tuple[int, ...], device_index: int, *args) -> None:
+        kernel = self.kernel
+        if kernel is None:
+            kernel = self.fn[grid](*args, **self.meta)
+            if _interpreting():
+                return
+            kernel = kernel.result() if hasattr(kernel, "result") else kernel  # an asynchronous compile's future
+            # the JIT passes every parameter, constexprs included, in the kernel's order
+            tail = list(inspect.signature(self.fn.fn).parameters.values())[len(args):]
+            self.constexprs = tuple(self.meta.get(p.name, p.default) for p in tail)
+            self.kernel = kernel
+            return
+        from triton import knobs
+
+        stream = current_stream(device_index)
+        hooks = knobs.runtime
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *args, *self.constexprs), hooks.launch_enter_hook,
+                   hooks.launch_exit_hook, *args, *self.constexprs)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """A row kernel's launch for one input signature: the views' decisions, the grid (empty for zero rows),
-    the per-head weight stride, the scalar arguments and the constexprs with launch options."""
+    the per-head weight stride, the scalar arguments, the constexprs with launch options, and the launcher."""
 
     views: ForwardPlan | BackwardPlan
     grid: tuple[int, ...]
     wsg: int
     scalars: tuple
     meta: dict
+    launch: _Launcher | None = field(default=None, compare=False)
 
 
 def _launch_opts(num_warps: int) -> dict:
@@ -214,9 +253,10 @@ class TritonBackend:
         if not plan.grid:
             return y, rstd, z
         xk, w, rk = plan.views.inputs(x, weight, residual)
-        _kernels().rms_fwd_kernel[plan.grid](
-            xk, *plan.views.lay.args(), rk, *plan.views.rlay.args(), _store_view(z) if z is not None else y,
-            w if w is not None else xk, plan.wsg, _store_view(y), rstd, *plan.scalars, **plan.meta)
+        plan.launch(
+            plan.grid, x.get_device(), xk, *plan.views.lay.args(), rk, *plan.views.rlay.args(),
+            _store_view(z) if z is not None else y, w if w is not None else xk, plan.wsg, _store_view(y), rstd,
+            *plan.scalars)
         return y, rstd, z
 
     @staticmethod
@@ -231,7 +271,8 @@ class TritonBackend:
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None, W_FIRST=tile.w_first,
                     **tile.chunk_constexprs(), **tile.meta())
         return _Plan(views, (_cdiv(lay.rows, tile.rows),), w.stride(0) if views.per_head else 0,
-                     (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta)
+                     (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,
+                     _Launcher(_kernels().rms_fwd_kernel, meta))
 
     # ---- backward ------------------------------------------------------------------------------
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
@@ -255,9 +296,9 @@ class TritonBackend:
                                          dx=dx, reads=(dy, z, rstd))
             dw = dw.reshape(weight.shape)
         part = torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials else rstd
-        _kernels().rms_bwd_kernel[plan.grid](
-            dyk, *lays.dlay.args(), zk, *lays.lay.args(), w if w is not None else zk, plan.wsg, rstd, dresk,
-            *lays.elay.args(), _store_view(dxk), *lays.xlay.args(), part, *plan.scalars, **plan.meta)
+        plan.launch(
+            plan.grid, z.get_device(), dyk, *lays.dlay.args(), zk, *lays.lay.args(), w if w is not None else zk,
+            plan.wsg, rstd, dresk, *lays.elay.args(), _store_view(dxk), *lays.xlay.args(), part, *plan.scalars)
         join()
         if dxk is not dx:
             dx.copy_(dxk)
@@ -286,7 +327,7 @@ class TritonBackend:
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
                     HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(), **tile.meta())
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
-                     meta)
+                     meta, _Launcher(_kernels().rms_bwd_kernel, meta))
 
     # ---- strict fold ---------------------------------------------------------------------------
     def _cuda_available(self, t: Tensor) -> bool:
