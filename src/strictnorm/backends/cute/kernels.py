@@ -27,6 +27,7 @@ host time through TVM FFI against 208-359 us through DLPack in run 6.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 from functools import cache, lru_cache
@@ -102,6 +103,22 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # what the tables' shapes hold between the passes (bench/sweep_cute.py times the alternatives on a GPU; any
 # choice gives the same bits)
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": False}
+
+
+def load_tuning_file() -> None:
+    """STRICTNORM_CUTE_TUNING names a JSON object of HOLD entries to replace, e.g. {"backward_prefetch": true} (the
+    variants bench/sweep_cute.py times)."""
+    path = os.environ.get("STRICTNORM_CUTE_TUNING")
+    if not path:
+        return
+    with open(path) as f:
+        entries = json.load(f)
+    if not isinstance(entries, dict) or set(entries) - set(HOLD) or any(type(v) is not bool for v in entries.values()):
+        raise ValueError(f"STRICTNORM_CUTE_TUNING={path}: expected an object of {sorted(HOLD)} to true or false")
+    HOLD.update(entries)
+
+
+load_tuning_file()
 
 
 def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardShape:
@@ -224,12 +241,7 @@ class _RowKernel:
         out = cute.make_rmem_tensor((s.piece,), Float32)
         if const_expr(self.vector):
             raw = cute.make_rmem_tensor((s.piece,), line.element_type)
-            idx = kk * s.tpr + t
-            if ok & (idx * s.piece < n):
-                atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), line.element_type, num_bits_per_copy=128)
-                cute.copy(atom, cute.zipped_divide(line, (s.piece,))[None, idx], raw)
-            else:
-                raw.fill(0)
+            self._vector_piece(line, kk, t, n, ok, raw)
             out.store(raw.load().to(Float32))
         else:
             for i in cutlass.range_constexpr(s.piece):
@@ -237,6 +249,19 @@ class _RowKernel:
                 v = line[cutlass.min(col, n - 1)].to(Float32)
                 out[i] = cutlass.select_(ok & (col < n), v, Float32(0.0))
         return out
+
+    @cute.jit
+    def _vector_piece(self, line: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean,
+                      raw: cute.Tensor) -> None:
+        """Piece kk of thread t of a row into raw (the row's dtype) by one 16-byte load; zeros past N or when not
+        ok. Vector rows only."""
+        s = self.s
+        idx = kk * s.tpr + t
+        if ok & (idx * s.piece < n):
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), line.element_type, num_bits_per_copy=128)
+            cute.copy(atom, cute.zipped_divide(line, (s.piece,))[None, idx], raw)
+        else:
+            raw.fill(0)
 
     @cute.jit
     def _store(self, line: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean,
@@ -342,11 +367,16 @@ class RMSNormBackward(_RowKernel):
 
     def _fetch(self, mZ: cute.Tensor, mDY: cute.Tensor, row: Int32, rows: Int32, t: Int32, n: Int32, zs: list,
                ds: list) -> None:
-        """Row `row`'s pieces of z and dy into zs[kk], ds[kk] (zeros past the last row)."""
+        """Row `row`'s pieces of z and dy into zs[kk], ds[kk]: as loaded for vector rows, else widened (zeros past
+        the last row)."""
         r = cutlass.min(row, rows - 1)
         for kk in range(self.s.k):  # not a DSL function: a Python loop, unrolled as it traces
-            zs[kk].store(self._piece(mZ[r, None], kk, t, n, row < rows).load())
-            ds[kk].store(self._piece(mDY[r, None], kk, t, n, row < rows).load())
+            if self.vector:
+                self._vector_piece(mZ[r, None], kk, t, n, row < rows, zs[kk])
+                self._vector_piece(mDY[r, None], kk, t, n, row < rows, ds[kk])
+            else:
+                zs[kk].store(self._piece(mZ[r, None], kk, t, n, row < rows).load())
+                ds[kk].store(self._piece(mDY[r, None], kk, t, n, row < rows).load())
 
     @cute.kernel
     def kernel(self, mDY: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mRstd: cute.Tensor, mDres: cute.Tensor,
@@ -357,8 +387,11 @@ class RMSNormBackward(_RowKernel):
         dw_acc = cute.make_rmem_tensor((s.k, s.piece), Float32)
         dw_acc.fill(0.0)
         if const_expr(s.prefetch):  # the first row's pieces; each iteration then loads the next row's
-            next_z = [cute.make_rmem_tensor((s.piece,), Float32) for _ in range(s.k)]
-            next_d = [cute.make_rmem_tensor((s.piece,), Float32) for _ in range(s.k)]
+            # as loaded (vector rows) or widened
+            next_z = [cute.make_rmem_tensor((s.piece,), mZ.element_type if self.vector else Float32)
+                      for _ in range(s.k)]
+            next_d = [cute.make_rmem_tensor((s.piece,), mDY.element_type if self.vector else Float32)
+                      for _ in range(s.k)]
             self._fetch(mZ, mDY, th.row(s, 0), rows, t, n, next_z, next_d)
         for it in cutlass.range(th.iters):
             row = th.row(s, it)
@@ -371,8 +404,8 @@ class RMSNormBackward(_RowKernel):
                 cur_z = [cute.make_rmem_tensor((s.piece,), Float32) for _ in range(s.k)]
                 cur_d = [cute.make_rmem_tensor((s.piece,), Float32) for _ in range(s.k)]
                 for kk in cutlass.range_constexpr(s.k):
-                    cur_z[kk].store(next_z[kk].load())
-                    cur_d[kk].store(next_d[kk].load())
+                    cur_z[kk].store(next_z[kk].load().to(Float32))
+                    cur_d[kk].store(next_d[kk].load().to(Float32))
                 self._fetch(mZ, mDY, th.row(s, it + 1), rows, t, n, next_z, next_d)
             # pass 1: the piece trees of xh * g
             part, held = [], []
