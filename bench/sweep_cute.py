@@ -1,7 +1,6 @@
 """The cute backend's hold choices (backends/cute/kernels.py HOLD) timed at the PERF.md shapes.
 
-Variants: rows read twice (no hold), rows held between the passes, and for the backward the weight held too, or the
-next row's z and dy prefetched into registers (held or read twice). SWEEP_VARIANTS="hold,hold + prefetch" limits them.
+Variants: rows read twice (no hold), rows held between the passes, and for the backward the weight held too.
 Every result is checked bitwise against the torch backend (y and rstd; dx, and the fast dW against the same
 variant's second call). Kernel-only time as in strictnorm.bench (L2 flushed, profiler); the fast dW includes
 its partial-row sum. Run on the GPU machine (nvidia-cutlass-dsl installed):
@@ -11,7 +10,6 @@ its partial-row sum. Run on the GPU machine (nvidia-cutlass-dsl installed):
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -20,17 +18,10 @@ from sweep_cuda import Case, Sweep, measure, shapes_from_env
 from strictnorm.backends.cute import kernels as K
 from strictnorm.bench import NORM_SHAPES, Timer
 
-_OFF = {"forward": False, "backward": False, "backward_weight": False, "backward_prefetch": False}
-VARIANTS = {"read twice": _OFF,
-            "hold": {**_OFF, "forward": True, "backward": True},
-            "hold + weight": {**_OFF, "forward": True, "backward": True, "backward_weight": True},
-            "hold + prefetch": {**_OFF, "forward": True, "backward": True, "backward_prefetch": True},
-            "read twice + prefetch": {**_OFF, "backward_prefetch": True}}
+VARIANTS = {"read twice": {"forward": False, "backward": False, "backward_weight": False},
+            "hold": {"forward": True, "backward": True, "backward_weight": False},
+            "hold + weight": {"forward": True, "backward": True, "backward_weight": True}}
 SHAPES = shapes_from_env(NORM_SHAPES)
-
-
-if os.environ.get("SWEEP_VARIANTS"):
-    VARIANTS = {name: VARIANTS[name] for name in os.environ["SWEEP_VARIANTS"].split(",")}
 
 
 def use(variant: dict) -> None:
@@ -45,8 +36,8 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
     for name, variant in VARIANTS.items():
         use(variant)
         for direction in ("fwd", "bwd"):
-            if direction == "fwd" and name not in ("read twice", "hold"):
-                continue  # the forward's kernel is the "hold" or "read twice" one
+            if direction == "fwd" and name == "hold + weight":
+                continue  # the forward's kernel is the "hold" one
             row = {"M": m, "N": n, "direction": direction, "variant": name,
                    "shape": str(K.tuned_shape(n, direction == "bwd"))}
             row.update(measure(timer, cute, case, direction, ceiling))

@@ -387,36 +387,3 @@ def test_special_values_bitwise(n, dtype, fused, seed):
 
     for mode in ("llama", "gemma", "none"):
         check_special_values(get_backend("cute"), n, dtype, fused, mode, "cuda", torch.Generator().manual_seed(seed))
-
-
-def test_tuning_file_sets_the_hold_choices(tmp_path, monkeypatch):
-    """STRICTNORM_CUTE_TUNING replaces HOLD entries; unknown names and non-booleans are clear errors."""
-    monkeypatch.setattr(K, "HOLD", dict(K.HOLD))
-    path = tmp_path / "cute.json"
-    path.write_text('{"backward_prefetch": true}')
-    monkeypatch.setenv("STRICTNORM_CUTE_TUNING", str(path))
-    K.load_tuning_file()
-    assert K.HOLD["backward_prefetch"] is True
-    for bad in ('{"backward_prefetc": true}', '{"backward": 1}', "[]"):
-        path.write_text(bad)
-        with pytest.raises(ValueError, match="STRICTNORM_CUTE_TUNING"):
-            K.load_tuning_file()
-
-
-@pytest.mark.parametrize("n, vector", [(4096, True), (1000, False)])
-def test_backward_prefetch_loads_each_piece_once(n, vector, tmp_path, monkeypatch):
-    """With ForwardShape.prefetch the backward loads each piece of z and dy once a row, as without it (the next row's,
-    one iteration ahead), plus the first row's before the loop: 16-byte loads for vector rows."""
-    monkeypatch.setitem(K.HOLD, "backward_prefetch", True)
-    K.tuned_shape.cache_clear()
-    try:
-        bf16 = cutlass.BFloat16
-        op, args = K.backward_args(n, bf16, bf16, bf16, "llama", vector, False, True)
-        assert op.s.prefetch and op.s.hold
-        ptx = _compiled_ptx(tmp_path, op, args)
-    finally:
-        K.tuned_shape.cache_clear()
-    if vector:  # z and dy: the first row and the loop's next row; the weight in each pass
-        assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (2 * 2 + 2) * op.s.k
-    else:
-        assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 0

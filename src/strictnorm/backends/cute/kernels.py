@@ -27,7 +27,6 @@ host time through TVM FFI against 208-359 us through DLPack in run 6.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from functools import cache, lru_cache
@@ -84,9 +83,6 @@ class ForwardShape:
     hold: bool = False
     persistent: bool = True
     hold_weight: bool = False  # the backward with hold: the weight's lanes held too (else read again in pass 2)
-    # the backward: the next row's z and dy loaded (widened, into registers) before this row's sums, so that their
-    # loads are in flight while this row computes and stores
-    prefetch: bool = False
 
     @property
     def threads(self) -> int:
@@ -102,23 +98,7 @@ class ForwardShape:
 _HOLD_MAX_VALUES = {False: 32, True: 16}
 # what the tables' shapes hold between the passes (bench/sweep_cute.py times the alternatives on a GPU; any
 # choice gives the same bits)
-HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": False}
-
-
-def load_tuning_file() -> None:
-    """STRICTNORM_CUTE_TUNING names a JSON object of HOLD entries to replace, e.g. {"backward_prefetch": true} (the
-    variants bench/sweep_cute.py times)."""
-    path = os.environ.get("STRICTNORM_CUTE_TUNING")
-    if not path:
-        return
-    with open(path) as f:
-        entries = json.load(f)
-    if not isinstance(entries, dict) or set(entries) - set(HOLD) or any(type(v) is not bool for v in entries.values()):
-        raise ValueError(f"STRICTNORM_CUTE_TUNING={path}: expected an object of {sorted(HOLD)} to true or false")
-    HOLD.update(entries)
-
-
-load_tuning_file()
+HOLD = {"forward": True, "backward": True, "backward_weight": False}
 
 
 def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardShape:
@@ -148,8 +128,7 @@ def tuned_shape(n: int, backward: bool) -> ForwardShape:
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
-                   hold_weight=hold and backward and HOLD["backward_weight"],
-                   prefetch=backward and HOLD["backward_prefetch"])
+                   hold_weight=hold and backward and HOLD["backward_weight"])
 
 
 @dataclass
@@ -241,7 +220,12 @@ class _RowKernel:
         out = cute.make_rmem_tensor((s.piece,), Float32)
         if const_expr(self.vector):
             raw = cute.make_rmem_tensor((s.piece,), line.element_type)
-            self._vector_piece(line, kk, t, n, ok, raw)
+            idx = kk * s.tpr + t
+            if ok & (idx * s.piece < n):
+                atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), line.element_type, num_bits_per_copy=128)
+                cute.copy(atom, cute.zipped_divide(line, (s.piece,))[None, idx], raw)
+            else:
+                raw.fill(0)
             out.store(raw.load().to(Float32))
         else:
             for i in cutlass.range_constexpr(s.piece):
@@ -249,19 +233,6 @@ class _RowKernel:
                 v = line[cutlass.min(col, n - 1)].to(Float32)
                 out[i] = cutlass.select_(ok & (col < n), v, Float32(0.0))
         return out
-
-    @cute.jit
-    def _vector_piece(self, line: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean,
-                      raw: cute.Tensor) -> None:
-        """Piece kk of thread t of a row into raw (the row's dtype) by one 16-byte load; zeros past N or when not
-        ok. Vector rows only."""
-        s = self.s
-        idx = kk * s.tpr + t
-        if ok & (idx * s.piece < n):
-            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), line.element_type, num_bits_per_copy=128)
-            cute.copy(atom, cute.zipped_divide(line, (s.piece,))[None, idx], raw)
-        else:
-            raw.fill(0)
 
     @cute.jit
     def _store(self, line: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean,
@@ -365,19 +336,6 @@ class RMSNormBackward(_RowKernel):
         self.kernel(mDY, mZ, mW, mRstd, mDres, mDX, mPart, rows, n, offset).launch(
             grid=(grid, 1, 1), block=(self.s.threads, 1, 1), stream=stream)
 
-    def _fetch(self, mZ: cute.Tensor, mDY: cute.Tensor, row: Int32, rows: Int32, t: Int32, n: Int32, zs: list,
-               ds: list) -> None:
-        """Row `row`'s pieces of z and dy into zs[kk], ds[kk]: as loaded for vector rows, else widened (zeros past
-        the last row)."""
-        r = cutlass.min(row, rows - 1)
-        for kk in range(self.s.k):  # not a DSL function: a Python loop, unrolled as it traces
-            if self.vector:
-                self._vector_piece(mZ[r, None], kk, t, n, row < rows, zs[kk])
-                self._vector_piece(mDY[r, None], kk, t, n, row < rows, ds[kk])
-            else:
-                zs[kk].store(self._piece(mZ[r, None], kk, t, n, row < rows).load())
-                ds[kk].store(self._piece(mDY[r, None], kk, t, n, row < rows).load())
-
     @cute.kernel
     def kernel(self, mDY: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mRstd: cute.Tensor, mDres: cute.Tensor,
                mDX: cute.Tensor, mPart: cute.Tensor, rows: Int32, n: Int32, offset: Float32):
@@ -386,13 +344,6 @@ class RMSNormBackward(_RowKernel):
         t = th.t
         dw_acc = cute.make_rmem_tensor((s.k, s.piece), Float32)
         dw_acc.fill(0.0)
-        if const_expr(s.prefetch):  # the first row's pieces; each iteration then loads the next row's
-            # as loaded (vector rows) or widened
-            next_z = [cute.make_rmem_tensor((s.piece,), mZ.element_type if self.vector else Float32)
-                      for _ in range(s.k)]
-            next_d = [cute.make_rmem_tensor((s.piece,), mDY.element_type if self.vector else Float32)
-                      for _ in range(s.k)]
-            self._fetch(mZ, mDY, th.row(s, 0), rows, t, n, next_z, next_d)
         for it in cutlass.range(th.iters):
             row = th.row(s, it)
             live = row < rows
@@ -400,21 +351,11 @@ class RMSNormBackward(_RowKernel):
             zrow = mZ[r, None]
             drow = mDY[r, None]
             rstd = mRstd[r]  # a dead row (r clamped) reads a real rstd; its pieces are zero and nothing is stored
-            if const_expr(s.prefetch):
-                cur_z = [cute.make_rmem_tensor((s.piece,), Float32) for _ in range(s.k)]
-                cur_d = [cute.make_rmem_tensor((s.piece,), Float32) for _ in range(s.k)]
-                for kk in cutlass.range_constexpr(s.k):
-                    cur_z[kk].store(next_z[kk].load().to(Float32))
-                    cur_d[kk].store(next_d[kk].load().to(Float32))
-                self._fetch(mZ, mDY, th.row(s, it + 1), rows, t, n, next_z, next_d)
             # pass 1: the piece trees of xh * g
             part, held = [], []
             for kk in cutlass.range_constexpr(s.k):
-                if const_expr(s.prefetch):
-                    zs, ds = cur_z[kk], cur_d[kk]
-                else:
-                    zs = self._piece(zrow, kk, t, n, live)
-                    ds = self._piece(drow, kk, t, n, live)
+                zs = self._piece(zrow, kk, t, n, live)
+                ds = self._piece(drow, kk, t, n, live)
                 if const_expr(self.has_weight):
                     ws = self._piece(mW, kk, t, n, live)
                 held.append((zs, ds, ws if const_expr(self.has_weight and s.hold_weight) else None))

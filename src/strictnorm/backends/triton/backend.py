@@ -89,14 +89,21 @@ DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 # from 2048 rows on: 11.1 -> 12.2 at 2048, 130 -> 146 at 32768). The forward at P = 32768 in column chunks of 4096 lanes
 # (run 13, call c: 2048 x 18432 75.3 -> 56.7 us; chunks of 1024-4096 with 2-16 warps 57-62), and at P = 65536 in
 # chunks of 2048 (call h: 1024 x 65536 130.1 -> 108.8 us); at P = 8192 chunks lost (call g: 8192 x 8192 67 -> 83+).
+# The backward's persistent grid at 2 programs an SM, the next row prefetched into registers at P = 4096 and the
+# loop's loads in 3 (P = 8192) or 2 (P = 32768) shared-memory stages (bench/results/2026-11-30-h200-run14, call a,
+# SWEEP_PIPELINES; kernel-only us, every configuration bitwise): 2048 x 4096 24.2 -> 18.8, 8192 x 4096 72.2 -> 55.8,
+# 32768 x 4096 250.4 -> 198.2, 8192 x 8192 162.3 -> 108.5, 2048 x 18432 156.5 -> 152.5; at P = 128 none won (59.3 ->
+# 58.9).
 TileEntry = TileChoice | Bounded[TileChoice]
 TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "fwd": {128: TileChoice(rows=8, num_warps=2),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True)), (None, TileChoice(rows=2, num_warps=8))),
             8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=8, chunk=4096),
             65536: TileChoice(rows=1, num_warps=4, chunk=2048)},
-    "bwd": {128: TileChoice(rows=16, num_warps=8), 4096: TileChoice(rows=1, num_warps=8),
-            8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=16, split=True)},
+    "bwd": {128: TileChoice(rows=16, num_warps=8),
+            4096: TileChoice(rows=1, num_warps=8, programs_per_sm=2, prefetch=True),
+            8192: TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3),
+            32768: TileChoice(rows=1, num_warps=16, split=True, programs_per_sm=2, stages=2)},
 }
 
 

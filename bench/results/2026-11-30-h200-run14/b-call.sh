@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Call b of run 14 as it ran (bench/anchored_call.sh of 552859a; the cute prefetch it measured lost and was
+# removed with STRICTNORM_CUTE_TUNING after this call).
 # One GPU call after bench/pipeline_call.sh (run 14, call b): installs the device wheels (the second half travels
 # with this call), then on the first GPU bench/sweep_cute.py over the backward's register prefetch (SWEEP_VARIANTS
 # "hold" and "hold + prefetch"; every configuration checked bitwise), which turns the prefetch on for what follows
