@@ -74,16 +74,16 @@ def main(ns: list[int]) -> None:
         def tiled(direction: str, n: int = n) -> tuple[dict, int]:
             tile = tb.row_tile(n, direction)
             # R1 = G = 1 (one leading dim): the JIT specializes ints equal to 1 as constants
-            return dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1,
-                        **tile.pipeline_constexprs()), tile.num_warps
+            return dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1), tile.num_warps
 
         common, warps = tiled("fwd")
-        fwd_tile = tb.row_tile(n, "fwd")
+        fwd_tile = tb.row_tile(n, "fwd")  # ASTSource takes no parameter defaults: every constexpr is passed
         c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False, "W_FIRST": fwd_tile.w_first,
                                                     **fwd_tile.chunk_constexprs()}, warps)
         print(f"N={n:6d} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
         common, warps = tiled("bwd")
-        c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True}, warps)
+        c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True,
+                                                    **tb.row_tile(n, "bwd").backward_constexprs()}, warps)
         print(f"N={n:6d} bwd  {s:6.1f} s  {_stats(c)}", flush=True)
     c, s = _compile(k.fold_kernel, fold_sig, {"BN": tb._FOLD_BN, "UNROLL": tb._FOLD_UNROLL, "WHAT": 1, "XDT": 1}, 2)
     print(f"fold        {s:6.1f} s  {_stats(c)}")

@@ -5,9 +5,9 @@ program, warps, and whether rows well below their padded length take two column 
 plans. SWEEP_WFIRST=1 tries each configuration also with the forward's weight loaded before the row sum;
 SWEEP_CHUNKS=1024,2048 adds the forward in column chunks of those lanes (rows longer than a chunk; one row a
 program; the backward ignores chunks: sweep the forward alone); SWEEP_DIRECTIONS=fwd (or bwd) measures one
-direction. SWEEP_PIPELINES=1 sweeps instead, around the first of SWEEP_DIRECTIONS' own choice for each shape (and with
-twice its warps), its pipelining: the next block prefetched into registers, the loop's loads in 2 or 3 shared-memory
-stages, 2 or 4 programs an SM (SWEEP_PROGRAMS). Every result is checked against the torch reference's bits
+direction. SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (and with twice its
+warps), its pipelining: the next block prefetched into registers, the loop's loads in 2 or 3 shared-memory stages,
+2 or 4 programs an SM. Every result is checked against the torch reference's bits
 (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and timed kernel-only as in strictnorm.bench.
 SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the time: about 2 s per configuration and direction on
 an H200 machine). Run on the GPU machine:
@@ -33,7 +33,6 @@ SHAPES = shapes_from_env(NORM_SHAPES)
 DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
 MAX_TILE = 16384  # lanes a program (rows x padded row) beyond one row
 MAX_LANES_PER_THREAD = 64
-PROGRAMS = [int(v) for v in os.environ.get("SWEEP_PROGRAMS", "2,4").split(",")]
 
 
 def configs(n: int, m: int) -> list[tb.TileChoice]:
@@ -60,24 +59,21 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
 
 
 def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:
-    """The tiles of the swept direction (the first of SWEEP_DIRECTIONS) for N and for M x N, with their warps and twice
-    them, each with every pipelining (TileChoice: programs_per_sm from SWEEP_PROGRAMS, default 2 and 4; prefetch;
-    stages); none for the forward's column chunks."""
+    """The backward's choice for M x N, with its warps and twice them, each with every pipelining (TileChoice:
+    programs_per_sm, prefetch, stages)."""
+    p = next_pow2(n)
+    entry = ORIGINAL_TABLE["bwd"].get(p) or tb.TileChoice(split=tb.DEFAULT_SPLIT["bwd"])
+    tile = tb.row_tile(n, "bwd", m)
+    base = dataclasses.replace(entry if isinstance(entry, tb.TileChoice) else tb.TileChoice(split=tile.t > 0),
+                               rows=tile.rows, num_warps=tile.num_warps)
     out = []
-    # the general entry's tile (measured at every M of this N, so it can be the general choice again) and, where the
-    # table bounds rows, this M's
-    tiles = dict.fromkeys(tb.row_tile(n, DIRECTIONS[0], rows) for rows in (None, m))
-    for tile in tiles:
-        if tile.chunk:
+    for warps in (tile.num_warps, 2 * tile.num_warps):
+        if warps * 32 > tile.rows * (tile.pa + tile.t) or warps > 32:
             continue
-        base = tb.TileChoice(rows=tile.rows, num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first)
-        for warps in (tile.num_warps, 2 * tile.num_warps):
-            if warps * 32 > tile.rows * (tile.pa + tile.t) or warps > 32:
-                continue
-            for programs in PROGRAMS:
-                for prefetch, stages in ((False, 1), (True, 1), (False, 2), (False, 3)):
-                    out.append(dataclasses.replace(base, num_warps=warps, programs_per_sm=programs, prefetch=prefetch,
-                                                   stages=stages))
+        for programs in (2, 4):
+            for prefetch, stages in ((False, 1), (True, 1), (False, 2), (False, 3)):
+                out.append(dataclasses.replace(base, num_warps=warps, programs_per_sm=programs, prefetch=prefetch,
+                                               stages=stages))
     return out
 
 

@@ -374,12 +374,12 @@ def test_one_and_two_column_tiles_give_the_same_bits(n, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("n, split, qk", [(5, True, False), (40, False, False), (40, True, True), (64, False, False)])
-def test_prefetch_and_stages_give_the_same_bits(n, split, qk, seed, monkeypatch):
+def test_backward_prefetch_and_stages_give_the_same_bits(n, split, qk, seed, monkeypatch):
     """TileChoice.prefetch (the next block's rows loaded before this block's sums) and TileChoice.stages (the loop's
-    loads pipelined by Triton), forward and backward, change no bit: y, z, rstd and dx against the reference, and dW
-    fast (partials per program: the same programs either way; per-head weights: the strict fold) equal to the kernels
-    without either. One program per SM, so programs stride over blocks and the last prefetch runs past the end; fused
-    add with its gradient, or per-head weights."""
+    loads pipelined by Triton) change no bit: y and dx against the reference, and dW fast (partials per program: the
+    same programs either way; per-head weights: the strict fold) equal to the kernel without either. One program per
+    SM, so programs stride over blocks and the last prefetch runs past the end; fused add with its gradient, or
+    per-head weights."""
     from strictnorm.backends.triton import backend as tb
 
     g = torch.Generator().manual_seed(seed)
@@ -397,13 +397,10 @@ def test_prefetch_and_stages_give_the_same_bits(n, split, qk, seed, monkeypatch)
     outs = []
     for prefetch, stages in ((False, 1), (True, 1), (False, 2), (True, 3)):
         choice = tb.TileChoice(rows=2, split=split, programs_per_sm=1, prefetch=prefetch, stages=stages)
-        monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {p: choice}, "bwd": {p: choice}})
-        monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+        monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {p: choice}})
         monkeypatch.setattr(get_backend("triton"), "_bwd_plans", {})
-        for direction in ("fwd", "bwd"):
-            tile = tb.row_tile(n, direction)
-            assert (tile.prefetch, tile.stages, tile.t > 0) == (prefetch, stages, split and n < 3 * p // 4)
-            assert tile.persistent() == (prefetch or stages > 1)
+        tile = tb.row_tile(n, "bwd")
+        assert (tile.prefetch, tile.stages, tile.t > 0) == (prefetch, stages, split and n < 3 * p // 4)
         outs.append(_run("triton", x, w, dy, **kw))
         _assert_same(want, outs[-1], skip=("dw",))
         _assert_same(outs[0], outs[-1])

@@ -66,9 +66,9 @@ class TileChoice:
     # forward, rows of P > chunk lanes in one tile: summed and scaled in column chunks of `chunk` lanes, read twice
     # (kernels.py, CHUNK; fewer registers a row, so more rows in flight); 0: held whole
     chunk: int = 0
-    # rows held whole: programs striding over the row blocks (persistent grid) per SM; the next block's rows loaded
-    # into registers before this block's sums (kernels.py, PREFETCH); the loop's loads pipelined through shared memory
-    # in `stages` stages (STAGES; 1: not pipelined). The forward's grid is persistent only with one of the two.
+    # backward: programs striding over the row blocks (persistent grid) per SM; the next block's rows loaded into
+    # registers before this block's sums (kernels.py, PREFETCH); the loop's loads pipelined through shared memory in
+    # `stages` stages (STAGES; 1: not pipelined)
     programs_per_sm: int = 4
     prefetch: bool = False
     stages: int = 1
@@ -126,7 +126,7 @@ class RowTile:
     num_warps: int
     w_first: bool = False
     chunk: int = 0  # the forward's column chunks (0: rows held whole)
-    programs_per_sm: int = 4  # the persistent grid, prefetch and pipeline stages (TileChoice)
+    programs_per_sm: int = 4  # the backward's persistent grid, prefetch and pipeline stages (TileChoice)
     prefetch: bool = False
     stages: int = 1
 
@@ -138,13 +138,9 @@ class RowTile:
         """The constexprs and the launch options."""
         return {**self.constexprs(), **_launch_opts(self.num_warps)}
 
-    def pipeline_constexprs(self) -> dict:
-        """The prefetch and pipeline constexprs (the forward's chunks take neither)."""
-        return dict(PREFETCH=self.prefetch and not self.chunk, STAGES=1 if self.chunk else self.stages)
-
-    def persistent(self) -> bool:
-        """Whether the forward's programs stride over the row blocks (else one block a program)."""
-        return not self.chunk and (self.prefetch or self.stages > 1)
+    def backward_constexprs(self) -> dict:
+        """The backward's prefetch constexprs."""
+        return dict(PREFETCH=self.prefetch, STAGES=self.stages)
 
     def chunk_constexprs(self) -> dict:
         """The forward's column-chunk constexprs (CHUNK = 0: none)."""
@@ -280,10 +276,8 @@ class TritonBackend:
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None, W_FIRST=tile.w_first,
-                    **tile.chunk_constexprs(), **tile.pipeline_constexprs(), **tile.meta())
-        blocks = _cdiv(lay.rows, tile.rows)
-        programs = min(blocks, _num_sms(x.device) * tile.programs_per_sm) if tile.persistent() else blocks
-        return _Plan(views, (programs,), w.stride(0) if views.per_head else 0,
+                    **tile.chunk_constexprs(), **tile.meta())
+        return _Plan(views, (_cdiv(lay.rows, tile.rows),), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,
                      _Launcher(_kernels().rms_fwd_kernel, meta))
 
@@ -335,10 +329,10 @@ class TritonBackend:
         partials = need_dw and dw_mode == "fast" and not views.per_head and next_pow2(n) <= _PARTIALS_MAX_P
         tile = row_tile(n, "bwd", rows)
         blocks = _cdiv(rows, tile.rows)
-        persistent = partials or tile.persistent()
+        persistent = partials or tile.prefetch or tile.stages > 1
         nprog = min(blocks, _num_sms(z.device) * tile.programs_per_sm) if persistent else blocks
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
-                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.pipeline_constexprs(), **tile.meta())
+                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(), **tile.meta())
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
                      meta, _Launcher(_kernels().rms_bwd_kernel, meta))
 

@@ -151,34 +151,18 @@ def normalized_as_used(xf, rstd, MODE: tl.constexpr, XDT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols, HAS_RES: tl.constexpr):
-    """One column tile of the forward's input rows as loaded: (x, residual), residual = x without one."""
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    x = tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0)
-    r = x
-    if HAS_RES:
-        r = tl.load(RES + r_offs[:, None] + cols[None, :], mask=mask, other=0.0)
-    return x, r
-
-
-@triton.jit
-def _fwd_widen(x, r, Z, rows, M, N, cols, XDT: tl.constexpr, HAS_RES: tl.constexpr, STORE_Z: tl.constexpr = True):
-    """The norm's input of one loaded column tile, widened: x, or z = rd(f32(x) + f32(residual), residual dtype)
-    (stored to Z unless STORE_Z is False)."""
-    xf = widen(x)
-    if HAS_RES:
-        xf = round_f32(xf + widen(r), XDT)
-        if STORE_Z:
-            store_rounded(Z + rows[:, None] * N + cols[None, :], xf, (rows < M)[:, None] & (cols < N)[None, :], XDT)
-    return xf
-
-
-@triton.jit
 def _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT: tl.constexpr, HAS_RES: tl.constexpr,
                STORE_Z: tl.constexpr = True):
-    """One column tile of the norm's input rows, loaded and widened (_fwd_widen)."""
-    x, r = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols, HAS_RES)
-    return _fwd_widen(x, r, Z, rows, M, N, cols, XDT, HAS_RES, STORE_Z)
+    """One column tile of the norm's input rows, widened: x, or z = rd(f32(x) + f32(residual), residual
+    dtype) (stored to Z unless STORE_Z is False)."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    xf = widen(tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0))
+    if HAS_RES:
+        rf = widen(tl.load(RES + r_offs[:, None] + cols[None, :], mask=mask, other=0.0))
+        xf = round_f32(xf + rf, XDT)
+        if STORE_Z:
+            store_rounded(Z + rows[:, None] * N + cols[None, :], xf, mask, XDT)
+    return xf
 
 
 @triton.jit
@@ -244,78 +228,35 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
                    HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, W_FIRST: tl.constexpr,
                    CHUNK: tl.constexpr = 0, LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1,
-                   LOG2NCH: tl.constexpr = 0, PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1):
-    """y and rstd for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T), or in
-    column chunks of CHUNK lanes (CHUNK > 0, T = 0, a block a program: _fwd_chunked). W_FIRST: the weight is loaded
-    with the rows, before their sum (else after it, where y needs it). PREFETCH, STAGES: as in rms_bwd_kernel. The
-    same bits either way."""
-    pid = tl.program_id(0)
-    if CHUNK > 0:
-        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
-        r_offs = x_offs
-        if HAS_RES:
-            r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
-        _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
-                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES)
-    elif not PREFETCH and STAGES == 1:  # a block a program, no loop (a loop adds a barrier and registers)
-        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, rows, M, N, R1, G, PA, T, HAS_RES)
-        _, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
-        _fwd_tiles(xa, ra, xb, rb, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE,
-                   XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST)
-    else:
-        nprog = tl.num_programs(0)
-        if PREFETCH:
-            n_xa, n_ra, n_xb, n_rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, _block_rows(pid, ROWS), M, N,
-                                                R1, G, PA, T, HAS_RES)
-        for blk in tl.range(pid, tl.cdiv(M, ROWS), nprog, num_stages=STAGES):
-            rows = _block_rows(blk, ROWS)
-            if PREFETCH:
-                xa, ra, xb, rb = n_xa, n_ra, n_xb, n_rb
-                n_xa, n_ra, n_xb, n_rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg,
-                                                    _block_rows(blk + nprog, ROWS), M, N, R1, G, PA, T, HAS_RES)
-            else:
-                xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, rows, M, N, R1, G, PA, T, HAS_RES)
-            _, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
-            _fwd_tiles(xa, ra, xb, rb, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, PA, LOG2PA, T, LOG2T,
-                       MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST)
-
-
-@triton.jit
-def _block_rows(blk, ROWS: tl.constexpr):
-    """The (64-bit) row indices of block blk."""
-    return (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-
-
-@triton.jit
-def _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, rows, M, N, R1, G, PA: tl.constexpr, T: tl.constexpr,
-               HAS_RES: tl.constexpr):
-    """The forward's loads of a block of rows, as loaded: (x, residual) of column tile a, then of tile b (tile a's
-    when T == 0). Rows past the end load nothing (every lane masked)."""
-    x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
+                   LOG2NCH: tl.constexpr = 0):
+    """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
+    > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
+    y needs it); the same bits either way."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
     r_offs = x_offs
     if HAS_RES:
         r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
-    xa, ra = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, tl.arange(0, PA), HAS_RES)
-    xb, rb = xa, ra
-    if T > 0:
-        xb, rb = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, PA + tl.arange(0, T), HAS_RES)
-    return xa, ra, xb, rb
+    if CHUNK > 0:
+        _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
+                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES)
+    else:
+        _fwd_tiles(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, PA, LOG2PA, T, LOG2T,
+                   MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST)
 
 
 @triton.jit
-def _fwd_tiles(xa_raw, ra_raw, xb_raw, rb_raw, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
+def _fwd_tiles(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
                PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr, LOG2T: tl.constexpr, MODE: tl.constexpr,
                XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
                HAS_RES: tl.constexpr, W_FIRST: tl.constexpr):
-    """y and rstd of rows held whole, in one or two column tiles, from their loaded tiles (_fwd_fetch)."""
+    """y and rstd of rows held whole, in one or two column tiles."""
     cols_a = tl.arange(0, PA)
-    xa = _fwd_widen(xa_raw, ra_raw, Z, rows, M, N, cols_a, XDT, HAS_RES)
+    xa = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols_a, XDT, HAS_RES)
     xb = xa
     cols_b = PA + tl.arange(0, T if T > 0 else 1)
     if T > 0:
-        xb = _fwd_widen(xb_raw, rb_raw, Z, rows, M, N, cols_b, XDT, HAS_RES)
+        xb = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols_b, XDT, HAS_RES)
     if W_FIRST:
         wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD)
         wf_b = wf_a

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Call c of run 14 as it ran (bench/forward_pipeline_call.sh of e8a06f2; the forward's prefetch and stages it
+# measured lost everywhere and were removed after this call).
 # One GPU call for the Triton forward's pipelining (run 14, call c): bench/sweep_triton.py with SWEEP_PIPELINES=1
 # SWEEP_DIRECTIONS=fwd (each shape's forward tile, and the general one, with 1x and 2x its warps, 2 or 4 programs an SM,
 # plain / the next block prefetched into registers / 2 or 3 shared-memory stages; every configuration checked bitwise)
