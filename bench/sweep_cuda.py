@@ -8,7 +8,8 @@ SWEEP_MIN_THREADS=a,b tries each configuration at those block sizes (SWEEP_VALUE
 SWEEP_PBS=a,b: the backward's partial blocks per SM); SWEEP_LEAN=1 keeps held rows only (the
 forward's weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the block-shape grid by the tables' entry
 per shape with EVEN off, on with predicated loads and on with unpredicated ones (16-byte aligned rows: only the
-16-byte paths); SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction; SWEEP_STAGED=1 tries each backward
+16-byte paths), in the backward at each SWEEP_PBS partial blocks an SM where that is set;
+SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction; SWEEP_STAGED=1 tries each backward
 configuration also with the next row copied ahead into shared memory (`staged`; held rows with EVEN only);
 SWEEP_F32=1 each held backward configuration also with xh and g kept in fp32 between the passes (`hold_f32`).
 Run on the GPU machine:
@@ -94,6 +95,8 @@ def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
         base = tuning_for(FWD_TABLE if direction == "fwd" else BWD_TABLE, n, m)
         out = [dataclasses.replace(base, even=even, unpredicated=unpred)
                for even, unpred in ((False, True), (True, False), (True, True))]
+        if direction == "bwd" and "SWEEP_PBS" in os.environ:  # each also at every SWEEP_PBS partial blocks an SM
+            out = [dataclasses.replace(t, partial_blocks_per_sm=b) for t in out for b in _PBS]
     else:
         out = tunings_for(n, FWD_TUNINGS if direction == "fwd" else BWD_TUNINGS)
     if STAGED and direction == "bwd":  # staged needs EVEN, held rows, no dw_smem (else it compiles the same kernel)
