@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Call d of run 14 as it ran (bench/cuda_pbs_call.sh of its commit; no table changed after it).
 # One GPU call for the CUDA fast backward's persistent grid (run 14, call d): bench/sweep_cuda.py over the backward
 # table's entries (EVEN off / on, predicated or not) at 2, 4 and 8 partial blocks an SM (SWEEP_VARIANTS=1 SWEEP_PBS;
 # every configuration checked bitwise) on the first GPU; beside it, on a second GPU where there is one, the CUDA
