@@ -341,15 +341,19 @@ def test_forward_weight_first_and_column_chunks_give_the_reference_bits(n, split
     monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
     tile = tb.row_tile(n, "fwd")
     assert tile.w_first != bool(chunk) and tile.chunk == chunk
-    if qk:
-        x, dy = randn(3, 4, 2, n, dtype=torch.bfloat16, gen=g), randn(3, 4, 2, n, dtype=torch.bfloat16, gen=g)
-        w = randn(2, n, gen=g)
-        kw = dict(mode="gemma", offset=-0.5, dw="strict", qk=True, device=DEV)
-    else:
-        x, res, dy, dres = (randn(5, n, dtype=torch.bfloat16, gen=g) for _ in range(4))
-        w = randn(n, gen=g)
-        kw = dict(mode="none", offset=-0.5, dw="strict", res=res, dres=dres, device=DEV)
+    x, w, dy, kw = _per_head_or_fused_case(n, qk, 4, "strict", g)
     _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+
+
+def _per_head_or_fused_case(n: int, qk: bool, rows: int, dw: str, g: torch.Generator):
+    """bf16 inputs of N columns with a negative offset: qk_norm of (3, rows, 2, N) views with per-head weights (gemma),
+    or the fused add of (rows + 1, N) rows with the residual's gradient and one zero dy row (none); _run's arguments."""
+    if qk:
+        x, dy = (randn(3, rows, 2, n, dtype=torch.bfloat16, gen=g) for _ in range(2))
+        return x, randn(2, n, gen=g), dy, dict(mode="gemma", offset=-0.5, dw=dw, qk=True, device=DEV)
+    x, res, dy, dres = (randn(rows + 1, n, dtype=torch.bfloat16, gen=g) for _ in range(4))
+    dy[rows // 2] = 0.0
+    return x, randn(n, gen=g), dy, dict(mode="none", offset=-0.5, dw=dw, res=res, dres=dres, device=DEV)
 
 
 @pytest.mark.parametrize("n", [5, 40])
@@ -384,15 +388,7 @@ def test_backward_prefetch_and_stages_give_the_same_bits(n, split, qk, seed, mon
 
     g = torch.Generator().manual_seed(seed)
     p = next_pow2(n)
-    if qk:
-        x, dy = randn(3, 5, 2, n, dtype=torch.bfloat16, gen=g), randn(3, 5, 2, n, dtype=torch.bfloat16, gen=g)
-        w = randn(2, n, gen=g)
-        kw = dict(mode="gemma", offset=-0.5, dw="fast", qk=True, device=DEV)
-    else:
-        x, res, dy, dres = (randn(23, n, dtype=torch.bfloat16, gen=g) for _ in range(4))
-        dy[4] = 0.0
-        w = randn(n, gen=g)
-        kw = dict(mode="none", offset=-0.5, dw="fast", res=res, dres=dres, device=DEV)
+    x, w, dy, kw = _per_head_or_fused_case(n, qk, 22, "fast", g)
     want = _run("torch", x, w, dy, **kw)
     outs = []
     for prefetch, stages in ((False, 1), (True, 1), (False, 2), (True, 3)):
