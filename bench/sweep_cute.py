@@ -1,6 +1,8 @@
 """The cute backend's hold choices (backends/cute/kernels.py HOLD) timed at the PERF.md shapes.
 
 Variants: rows read twice (no hold), rows held between the passes, and for the backward the weight held too.
+SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
+(K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows).
 Every result is checked bitwise against the torch backend (y and rstd; dx, and the fast dW against the same
 variant's second call). Kernel-only time as in strictnorm.bench (L2 flushed, profiler); the fast dW includes
 its partial-row sum. Run on the GPU machine (nvidia-cutlass-dsl installed):
@@ -10,6 +12,7 @@ its partial-row sum. Run on the GPU machine (nvidia-cutlass-dsl installed):
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -22,6 +25,7 @@ VARIANTS = {"read twice": {"forward": False, "backward": False, "backward_weight
             "hold": {"forward": True, "backward": True, "backward_weight": False},
             "hold + weight": {"forward": True, "backward": True, "backward_weight": True}}
 SHAPES = shapes_from_env(NORM_SHAPES)
+BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
 
 
 def use(variant: dict) -> None:
@@ -35,14 +39,17 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
     rows = []
     for name, variant in VARIANTS.items():
         use(variant)
-        for direction in ("fwd", "bwd"):
+        for direction, blocks in [("fwd", 0)] + [("bwd", b) for b in BLOCKS]:
             if direction == "fwd" and name == "hold + weight":
                 continue  # the forward's kernel is the "hold" one
-            row = {"M": m, "N": n, "direction": direction, "variant": name,
+            K.BACKWARD_BLOCKS_PER_SM = blocks
+            label = f"{name}, {blocks} blocks an SM" if blocks else name
+            row = {"M": m, "N": n, "direction": direction, "variant": label,
                    "shape": str(K.tuned_shape(n, direction == "bwd"))}
             row.update(measure(timer, cute, case, direction, ceiling))
             rows.append(row)
             print(json.dumps(row), flush=True)
+    K.BACKWARD_BLOCKS_PER_SM = 0
     return rows
 
 
@@ -57,14 +64,15 @@ def main() -> None:
         with open(sys.argv[1], "w") as f:
             json.dump({"copy_GBps": ceiling, "rows": rows}, f, indent=1)
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; all rows bitwise: {all(r.get('bitwise') for r in rows)}")
-    print(f"{'shape':>14} {'dir':>4} " + " ".join(f"{v:>14}" for v in VARIANTS))
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    print(f"{'shape':>14} {'dir':>4} " + " ".join(f"{v[:22]:>22}" for v in names))
     for m, n in SHAPES:
         for direction in ("fwd", "bwd"):
             cells = []
-            for name in VARIANTS:
+            for name in names:
                 r = next((r for r in rows if (r["M"], r["N"], r["direction"], r["variant"]) == (m, n, direction, name)),
                          None)
-                cells.append(f"{r['us']:14.1f}" if r and "us" in r else f"{'-':>14}")
+                cells.append(f"{r['us']:22.1f}" if r and "us" in r else f"{'-':>22}")
             print(f"{m:>7d}x{n:<6d} {direction:>4} " + " ".join(cells))
 
 

@@ -387,3 +387,16 @@ def test_special_values_bitwise(n, dtype, fused, seed):
 
     for mode in ("llama", "gemma", "none"):
         check_special_values(get_backend("cute"), n, dtype, fused, mode, "cuda", torch.Generator().manual_seed(seed))
+
+
+def test_backward_grid_blocks_per_sm(monkeypatch):
+    """The persistent grid: every row group up to blocks_per_sm an SM (0: what 2048 threads an SM allow); a
+    non-persistent shape takes every group."""
+    monkeypatch.setattr(K, "_sm_count", lambda index: 132)
+    dev = type("Device", (), {"index": 0})()
+    shape = K.ForwardShape(piece=8, tpr=256, k=2, rpb=1, hold=True, persistent=True)
+    assert K._grid(shape, 100_000, dev) == 132 * 8
+    assert K._grid(shape, 100_000, dev, 2) == 264
+    assert K._grid(shape, 100, dev, 2) == 100
+    assert K._grid(K.ForwardShape(piece=8, tpr=8, k=2, rpb=16, persistent=True), 100_000, dev) == 132 * 16
+    assert K._grid(K.ForwardShape(piece=8, tpr=256, k=2, rpb=1, persistent=False), 100_000, dev, 2) == 100_000

@@ -534,11 +534,18 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
     return y, rstd, z
 
 
-def _grid(shape: ForwardShape, rows: int, device) -> int:
-    """Blocks of the grid-stride kernels: every row group, persistent ones at most about what the GPU holds
-    at once."""
+# The persistent backward's blocks an SM (each writes one fp32 dW partial row a row slot): 0 for as many as 2048
+# threads an SM allow (whether or not its registers let that many run at once). Not yet measured otherwise on a GPU:
+# bench/sweep_cute.py SWEEP_BLOCKS tries others (the Triton backward gained from 2 programs an SM, run 14).
+BACKWARD_BLOCKS_PER_SM = 0
+
+
+def _grid(shape: ForwardShape, rows: int, device, blocks_per_sm: int = 0) -> int:
+    """Blocks of the grid-stride kernels: every row group, persistent ones at most blocks_per_sm an SM (0: about
+    what 2048 threads an SM allow)."""
     groups = -(-rows // shape.rpb)
-    return min(groups, _sm_count(device.index) * max(1, 2048 // shape.threads)) if shape.persistent else groups
+    per_sm = blocks_per_sm or max(1, 2048 // shape.threads)
+    return min(groups, _sm_count(device.index) * per_sm) if shape.persistent else groups
 
 
 @cache
@@ -580,7 +587,7 @@ def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool
         n, _TORCH_TO_CUTE[str(z.dtype)], _TORCH_TO_CUTE[str(dy.dtype)],
         _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
         _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi)
-    grid = _grid(shape, rows, z.device)
+    grid = _grid(shape, rows, z.device, BACKWARD_BLOCKS_PER_SM)
     part = torch.empty((grid * shape.rpb, n), dtype=torch.float32, device=z.device)
     w = weight if weight is not None else z[0]
     _launch(compiled, tvm_ffi, (dy, z, w, rstd, dres if dres is not None else dy, dx, part),
