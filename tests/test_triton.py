@@ -3,6 +3,7 @@ interpreter (TRITON_INTERPRET=1, set by conftest.py); on a GPU they run the comp
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -400,3 +401,22 @@ def test_backward_prefetch_and_stages_give_the_same_bits(n, split, qk, seed, mon
         outs.append(_run("triton", x, w, dy, **kw))
         _assert_same(want, outs[-1], skip=("dw",))
         _assert_same(outs[0], outs[-1])
+
+
+def test_direct_launch_passes_every_constexpr_in_order():
+    """A plan's direct launches (backend._Launcher) pass the launch's arguments, then every constexpr in the kernel's
+    order, as Triton's JIT does: the plan's value, else the parameter's default; a runtime parameter among them is
+    a clear error."""
+    from strictnorm.backends.triton import backend as tb
+    from strictnorm.backends.triton import kernels as k
+
+    fn = k.rms_bwd_kernel
+    params = list(inspect.signature(fn.fn).parameters.values())
+    runtime = [p.name for p in params if "constexpr" not in str(p.annotation)]
+    assert [p.name for p in params[:len(runtime)]] == runtime  # runtime parameters first
+    meta = dict(ROWS=2, PA=64, LOG2PA=6, T=0, LOG2T=0, MODE=1, XDT=1, HAS_W=True, PER_HEAD=False, HAS_DRES=False,
+                DW_PARTIALS=True, PREFETCH=True, num_warps=4)
+    tail = tb.constexpr_tail(fn, len(runtime), meta)
+    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1)  # STAGES: its default
+    with pytest.raises(TypeError, match="not constexprs"):
+        tb.constexpr_tail(fn, len(runtime) - 1, meta)

@@ -195,9 +195,7 @@ class _Launcher:
             if _interpreting():
                 return
             kernel = kernel.result() if hasattr(kernel, "result") else kernel  # an asynchronous compile's future
-            # the JIT passes every parameter, constexprs included, in the kernel's order
-            tail = list(inspect.signature(self.fn.fn).parameters.values())[len(args):]
-            self.constexprs = tuple(self.meta.get(p.name, p.default) for p in tail)
+            self.constexprs = constexpr_tail(self.fn, len(args), self.meta)
             self.kernel = kernel
             return
         from triton import knobs
@@ -207,6 +205,22 @@ class _Launcher:
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *args, *self.constexprs), hooks.launch_enter_hook,
                    hooks.launch_exit_hook, *args, *self.constexprs)
+
+
+def constexpr_tail(fn, runtime_args: int, meta: dict) -> tuple:
+    """The values of a kernel's parameters after its first runtime_args ones, which must all be constexprs: meta's,
+    else their defaults. The JIT passes every parameter to a compiled kernel's launcher, constexprs included, in the
+    kernel's order."""
+    tail = list(inspect.signature(fn.fn).parameters.values())[runtime_args:]
+    runtime = [p.name for p in tail if not _is_constexpr(p)]
+    if runtime:
+        raise TypeError(f"{fn.fn.__name__}: parameters {runtime} follow the launch's arguments but are not constexprs")
+    return tuple(meta.get(p.name, p.default) for p in tail)
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    """Annotated tl.constexpr (as Triton tells, by the annotation's text; kernels.py's are strings)."""
+    return "constexpr" in str(param.annotation)
 
 
 @dataclass(frozen=True)
