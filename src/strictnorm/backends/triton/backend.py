@@ -181,12 +181,13 @@ class _Launcher:
     kernel the JIT chose for the first call is the one it would choose for the rest. Under the interpreter every call
     goes through the JIT."""
 
-    __slots__ = ("fn", "meta", "kernel", "constexprs")
+    __slots__ = ("fn", "meta", "kernel", "constexprs", "runtime")
 
     def __init__(self, fn, meta: dict) -> None:
         self.fn, self.meta = fn, meta
         self.kernel = None
         self.constexprs: tuple = ()
+        self.runtime = None  # triton's runtime knobs (the launch hooks, read at each launch as the JIT does)
 
     def __call__(self, grid: tuple[int, ...], device_index: int, *args) -> None:
         kernel = self.kernel
@@ -195,13 +196,14 @@ class _Launcher:
             if _interpreting():
                 return
             kernel = kernel.result() if hasattr(kernel, "result") else kernel  # an asynchronous compile's future
+            from triton import knobs
+
             self.constexprs = constexpr_tail(self.fn, len(args), self.meta)
+            self.runtime = knobs.runtime
             self.kernel = kernel
             return
-        from triton import knobs
-
         stream = current_stream(device_index)
-        hooks = knobs.runtime
+        hooks = self.runtime
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *args, *self.constexprs), hooks.launch_enter_hook,
                    hooks.launch_exit_hook, *args, *self.constexprs)
