@@ -4,13 +4,12 @@
 #   "-DA_CODE=1 -DB_CODE=1 -DWHAT=1 -DSIMPLE_ROWS=1 -DCOLS=8 -DROWS_PER_STAGE=128 -DSTAGES=8 -DTHREADS=256
 #   -DCONVERT=1 -DFULL_STAGE=1"; A_CODE and B_CODE default to bf16). Needs g++ 12 or newer.
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
-work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/sources.sh"
+emulation_workdir
 sed -e 's#extern __shared__ __align__(16) unsigned char ring\[\];#unsigned char* ring = g_dynamic_smem;#' \
     -e 's#extern __shared__ __align__(16) unsigned char chain_smem\[\];#unsigned char* chain_smem = g_dynamic_smem;#' \
     "$src/fold.cu" > "$work/fold.cu"
-source "$here/sources.sh"
-emulated_headers "$src" "$work"
 [ "$(grep -c "= g_dynamic_smem;" "$work/fold.cu")" = 2 ] || { echo "fold_run.sh: a shared-memory declaration changed" >&2; exit 2; }
 # shellcheck disable=SC2086
 build_emulator "$here" "$work" fold_main.cpp fold_emulate ${5:-}

@@ -3,12 +3,11 @@
 # onepass_main.cpp). Usage: bash bench/emulate/onepass_run.sh ROWS N DIR OFFSET "MACROS" (the macros as the
 # loader sets them). Needs g++ 12 or newer.
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
-work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/sources.sh"
+emulation_workdir
 sed -e 's#extern __shared__ __align__(16) unsigned char onepass_smem\[\];#unsigned char* onepass_smem = g_dynamic_smem;#' \
     "$src/onepass.cu" > "$work/onepass.cu"
-source "$here/sources.sh"
-emulated_headers "$src" "$work"
 [ "$(grep -c "= g_dynamic_smem;" "$work/onepass.cu")" = 1 ] || { echo "onepass_run.sh: the shared-memory declaration changed" >&2; exit 2; }
 # shellcheck disable=SC2086
 build_emulator "$here" "$work" onepass_main.cpp onepass_emulate -DWAIT_LIMIT_NS=600000000000ull ${5:-}

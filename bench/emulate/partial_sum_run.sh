@@ -3,11 +3,10 @@
 #   bash bench/emulate/partial_sum_run.sh ROWS N SEG_ROWS DIR "MACROS"   (e.g. "-DSUM_COLS=16 -DSUM_THREADS=256 -DVEC=4")
 # Needs g++ 12 or newer.
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
-work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
-cp "$src/partial_sum.cu" "$work/"
+here=$(cd "$(dirname "$0")" && pwd)
 source "$here/sources.sh"
-emulated_headers "$src" "$work"
+emulation_workdir
+cp "$src/partial_sum.cu" "$work/"
 # shellcheck disable=SC2086
 build_emulator "$here" "$work" partial_sum_main.cpp partial_sum_emulate ${5:-}
 ASAN_OPTIONS=detect_leaks=0 "$work/partial_sum_emulate" "$1" "$2" "$3" "$4"

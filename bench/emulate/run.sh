@@ -5,11 +5,10 @@
 #        -DBACKWARD=1 -DHAS_DRES=1 -DDW_PARTIALS=0"   (bf16 everything; per-head weights and partials not covered)
 # Needs g++ 12 or newer (C++20 barriers, _Float16).
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd); src="$here/../../src/strictnorm/backends/cuda/kernels"
-work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
-cp "$src/rms_norm.cu" "$work/"
+here=$(cd "$(dirname "$0")" && pwd)
 source "$here/sources.sh"
-emulated_headers "$src" "$work"
+emulation_workdir
+cp "$src/rms_norm.cu" "$work/"
 base="-DXC=1 -DRC=1 -DNC=1 -DWC=1 -DYC=1 -DDYC=1 -DHAS_W=1 -DPER_HEAD=0 -DDW_SMEM=0"
 [[ "${3:-}" == *HAS_RES* ]] || base="$base -DHAS_RES=0"
 # shellcheck disable=SC2086

@@ -1,5 +1,6 @@
-# Sourced by the emulation scripts: emulated_headers SRC WORK puts the kernels' headers from SRC into WORK,
-# common.cuh with its inline-PTX conversions replaced by C++ ones (bf16 rounding on the bit pattern,
+# Sourced by the emulation scripts (after setting `here`, their folder): emulation_workdir sets src (the kernels'
+# sources) and work (a temporary folder, removed on exit) with the emulated headers in it; emulated_headers SRC WORK
+# puts the kernels' headers from SRC into WORK, common.cuh with its inline-PTX conversions replaced by C++ ones (bf16 rounding on the bit pattern,
 # _Float16 for fp16) that shim.h and the host compiler understand.
 emulated_headers() {
     local src=$1 work=$2 h
@@ -17,4 +18,11 @@ build_emulator() {
     shift 4
     g++ -std=c++20 -O1 -g -ffp-contract=off -fsanitize=address -fno-omit-frame-pointer -pthread -I"$work" -I"$here" \
         "$@" "$here/$main" -o "$work/$out"
+}
+
+emulation_workdir() {
+    src="$here/../../src/strictnorm/backends/cuda/kernels"
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    emulated_headers "$src" "$work"
 }
