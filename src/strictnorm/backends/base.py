@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import functools
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -15,6 +17,30 @@ OPS = ("rms_norm", "left_fold")
 # The codes the kernels (CUDA C++, Triton, CuTe DSL) take for a casting mode and for an element dtype.
 MODE_CODES = {"llama": 0, "gemma": 1, "none": 2}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+_Method = TypeVar("_Method", bound=Callable)
+
+
+def on_tensor_device(method: _Method) -> _Method:
+    """Runs a GPU backend's method with its first argument's GPU current where another one is.
+
+    Triton's JIT compiles, loads and launches for the current device, a driver launch goes to the current
+    context and an NVRTC module is loaded into it: a tensor on cuda:1 while cuda:0 is current would reach the
+    wrong GPU. torch's own ops guard themselves; strictnorm's entry points do the same (torch.cuda.device),
+    and leave the caller's current device as it was. Where the tensor's GPU is already current (the usual
+    case) the method runs directly: one device query of host time."""
+
+    @functools.wraps(method)
+    def guarded(self, t: torch.Tensor, *args, **kwargs):
+        index = t.get_device()
+        if index < 0 or index == torch.cuda.current_device():
+            return method(self, t, *args, **kwargs)
+        with torch.cuda.device(index):
+            return method(self, t, *args, **kwargs)
+
+    guarded.device_guarded = True  # tests check that every entry point carries the guard
+    return guarded  # type: ignore[return-value]
 
 
 def no_join() -> None:

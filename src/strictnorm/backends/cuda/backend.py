@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..base import DTYPE_CODES, MODE_CODES, no_join
+from ..base import DTYPE_CODES, MODE_CODES, no_join, on_tensor_device
 from ..layout import (
     BackwardPlan,
     ForwardPlan,
@@ -672,6 +672,7 @@ class CudaBackend:
         """(groups, N) in out_dtype: group h folds logical rows t * groups + h in fp32 (see fold.cu)."""
         return self.launch_fold(a, alay, b, blay, rstd, what, groups, ring, out_dtype)[0]
 
+    @on_tensor_device
     def launch_fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
                     what: int, groups: int, ring: bool = True, out_dtype: torch.dtype = torch.float32,
                     beside: bool = False) -> tuple[Tensor, Callable[[], None]]:
@@ -699,6 +700,7 @@ class CudaBackend:
         return rows >= _BESIDE_MIN_ROWS if self.fold_beside_dx is None else self.fold_beside_dx
 
     # ---- rms_norm forward ----------------------------------------------------------------------------
+    @on_tensor_device
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
         """(y, rstd, residual_out), as the Backend protocol says; see kernels/rms_norm.cu. The launch is
@@ -739,6 +741,7 @@ class CudaBackend:
         return _FwdPlan(views, spec.out_dtype, kernel, grid, fl.threads, wsg, tail)
 
     # ---- rms_norm backward ---------------------------------------------------------------------------
+    @on_tensor_device
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
@@ -903,6 +906,7 @@ class CudaBackend:
             part = out
         return part.reshape(n)
 
+    @on_tensor_device
     def sum_rows(self, part: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
         """Sum over the rows of (R, N) fp32 in the fixed order of partial_sum.cu (the fast dW's partial rows),
         rounded once to out_dtype; a copy first where the rows are not dense and 16-byte aligned."""
@@ -918,6 +922,7 @@ class CudaBackend:
             plans = remember(self._fold_plans, key, self._partial_sum_plan(dev, rows, n, out_dtype))
         return self._sum_partials(plans, part)
 
+    @on_tensor_device
     def left_fold(self, rows: torch.Tensor, ring: bool = True) -> torch.Tensor:
         if rows.numel() == 0:
             return torch.zeros(rows.shape[1:], dtype=torch.float32, device=rows.device)

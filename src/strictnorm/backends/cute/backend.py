@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..base import no_join
+from ..base import no_join, on_tensor_device
 from ..layout import row_layout
 
 _MAX_P = 32768  # longest padded row the kernels' register mapping was built and tested for
@@ -82,6 +82,7 @@ class CuteBackend:
             return f"the strict dW fold and per-head weights run on the CUDA backend, which is unavailable: {reason}"
         return None
 
+    @on_tensor_device
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
         if weight is not None and weight.dim() == 2:  # per-head QK-norm weights
@@ -94,6 +95,7 @@ class CuteBackend:
                                         residual=as_rows(residual) if residual is not None else None)
         return y.view(x.shape), rstd.view(x.shape[:-1]), (z.view(x.shape) if z is not None else None)
 
+    @on_tensor_device
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
@@ -124,5 +126,6 @@ class CuteBackend:
             dx = dx_out
         return dx, dw
 
+    @on_tensor_device
     def left_fold(self, rows: Tensor) -> Tensor:
         return _cuda().left_fold(rows)

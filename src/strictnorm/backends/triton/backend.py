@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..base import DTYPE_CODES, MODE_CODES, no_join
+from ..base import DTYPE_CODES, MODE_CODES, no_join, on_tensor_device
 from ..cuda.nvrtc import current_stream
 from ..layout import (
     BackwardPlan,
@@ -265,6 +265,7 @@ class TritonBackend:
         return None
 
     # ---- forward -------------------------------------------------------------------------------
+    @on_tensor_device
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
                      ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Planned once per input signature (layout.signature), like the CUDA backend's launches."""
@@ -298,6 +299,7 @@ class TritonBackend:
                      _Launcher(_kernels().rms_fwd_kernel, meta))
 
     # ---- backward ------------------------------------------------------------------------------
+    @on_tensor_device
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
@@ -385,6 +387,7 @@ class TritonBackend:
             **_launch_opts(2))
         return out.to(out_dtype), no_join
 
+    @on_tensor_device
     def left_fold(self, rows: Tensor) -> Tensor:
         if rows.numel() == 0:
             return torch.zeros(rows.shape[1:], dtype=torch.float32, device=rows.device)
