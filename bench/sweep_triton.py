@@ -3,10 +3,10 @@
 Each configuration replaces the backend's tile choice for the shape's padded length (backend.TILE_TABLE: rows a
 program, warps, and whether rows well below their padded length take two column tiles) and clears its cached
 plans. SWEEP_WFIRST=1 tries each configuration also with the forward's weight loaded before the row sum;
-SWEEP_CHUNKS=1024,2048 adds the forward in column chunks of those lanes (rows longer than a chunk; one row a
-program; the backward ignores chunks: sweep the forward alone); SWEEP_DIRECTIONS=fwd (or bwd) measures one
-direction. SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (and with twice its
-warps), its pipelining: the next block prefetched into registers, the loop's loads in 2 or 3 shared-memory stages,
+SWEEP_CHUNKS=1024,2048 adds rows in column chunks of those lanes (rows longer than a chunk; one or two rows a
+program, 2 or 4 programs an SM in the backward); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction.
+SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (and with twice its warps), its
+pipelining: the next block prefetched into registers, the loop's loads in 2 or 3 shared-memory stages,
 2 or 4 programs an SM. Every result is checked against the torch reference's bits
 (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and timed kernel-only as in strictnorm.bench.
 SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the time: about 2 s per configuration and direction on
@@ -53,8 +53,9 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
     if os.environ.get("SWEEP_WFIRST") == "1":  # each also with the forward's weight loaded before the sum
         out += [dataclasses.replace(c, w_first=True) for c in out]
     chunks = [int(v) for v in os.environ.get("SWEEP_CHUNKS", "").split(",") if v]
-    out += [tb.TileChoice(1, w, chunk=c) for c in chunks if c < next_pow2(n) for w in (1, 2, 4, 8, 16)
-            if 32 * w <= c <= 32 * w * MAX_LANES_PER_THREAD]
+    out += [tb.TileChoice(rows, w, chunk=c, programs_per_sm=programs) for c in chunks if c < next_pow2(n)
+            for rows in (1, 2) for w in (1, 2, 4, 8, 16) if 32 * w <= rows * c <= 32 * w * MAX_LANES_PER_THREAD
+            for programs in (2, 4)]
     return out
 
 

@@ -84,6 +84,21 @@ def test_triton_grid_bitwise(n, dtype, mode, seed):
                 assert bits_equal(a, b), f"{name} differs at {m}x{n} {dtype} {mode}"
 
 
+@pytest.mark.parametrize("m, n", [(2048, 18432), (300, 18432), (4099, 12000), (700, 65536), (9000, 5120)])
+def test_triton_fast_dw_of_long_rows(m, n, seed):
+    """The fast dW where rows are long (the grid test above takes the strict dW there, from its row counts): y and dx
+    bit for bit, the fast dW within its bound of the strict one and the same on a second call; rows held whole or in
+    column chunks, with partials per program in registers or in global memory (TILE_TABLE decides)."""
+    x, w, dy = _data(m, n, torch.bfloat16, torch.bfloat16, seed)
+    want = _fwd_bwd("torch", x, w, dy, "gemma", "strict", 1.0)
+    got = _fwd_bwd("triton", x, w, dy, "gemma", "fast", 1.0)
+    for name, a, b in zip(("y", "rstd", "dx"), want, got, strict=False):
+        assert bits_equal(a, b), f"{name} differs at {m}x{n}"
+    rel = fast_dw_excess(got[3], want[3], dy, x, w, want[1], "gemma", 1.0)
+    assert rel < torch.finfo(torch.bfloat16).eps / 2, f"{m}x{n} dw fast rel {rel}"
+    assert bits_equal(got[3], _fwd_bwd("triton", x, w, dy, "gemma", "fast", 1.0)[3])
+
+
 @pytest.mark.parametrize("n", [128, 4096, 8192])
 def test_strict_dw_large_rows_cuda_vs_triton_fold(n, seed):
     """Two independent strict-fold implementations must agree at row counts the reference loop can't do."""

@@ -14,6 +14,7 @@ from helpers import (
     bits_equal,
     check_random_case,
     check_special_values,
+    fast_dw_excess,
     guarded,
     randn,
     random_case,
@@ -403,6 +404,40 @@ def test_backward_prefetch_and_stages_give_the_same_bits(n, split, qk, seed, mon
         _assert_same(outs[0], outs[-1])
 
 
+@pytest.mark.parametrize("n, qk, chunk", [(5, False, 2), (40, False, 8), (40, True, 16), (64, False, 8),
+                                          (100, False, 32)])
+def test_backward_column_chunks_give_the_same_bits(n, qk, chunk, seed, monkeypatch):
+    """TileChoice.chunk in the backward (rows in column chunks, chunks past N all padding; the fast dW's partials in a
+    row of global memory per program): y and dx against the reference; with one row a block, dW fast equal to the
+    held rows' kernel (each program's partials folded over its blocks in the same order) and, with two, within the
+    fast dW's bound of the strict one. One program per SM: programs stride over blocks, adding to their partial rows.
+    Fused add with its gradient and a zero dy row, or per-head weights (the strict fold)."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    p = next_pow2(n)
+    x, w, dy, kw = _per_head_or_fused_case(n, qk, 22, "fast", g)
+    want = _run("torch", x, w, dy, **{**kw, "dw": "strict"})
+    for rows in (1, 2):
+        outs = []
+        for c in (0, chunk):
+            choice = tb.TileChoice(rows=rows, split=False, programs_per_sm=1, chunk=c)
+            monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {p: choice}})
+            monkeypatch.setattr(get_backend("triton"), "_bwd_plans", {})
+            assert tb.row_tile(n, "bwd").chunk == c
+            outs.append(_run("triton", x, w, dy, **kw))
+            _assert_same(want, outs[-1], skip=("dw",))
+        if rows == 1 or qk:
+            _assert_same(outs[0], outs[1])
+        else:
+            from strictnorm.contract import make_spec
+
+            z = want["z"].detach()
+            rstd = get_backend("torch").rms_norm_fwd(z, None, None, make_spec(z.dtype, 1e-6, 0.0, "none", z.dtype))[1]
+            excess = fast_dw_excess(outs[1]["dw"], want["dw"], dy, z, w, rstd, "none", -0.5)
+            assert excess == 0.0, f"fast dW beyond its bound by {excess}"
+
+
 def test_direct_launch_passes_every_constexpr_in_order():
     """A plan's direct launches (backend._Launcher) pass the launch's arguments, then every constexpr in the kernel's
     order, as Triton's JIT does: the plan's value, else the parameter's default; a runtime parameter among them is
@@ -417,6 +452,6 @@ def test_direct_launch_passes_every_constexpr_in_order():
     meta = dict(ROWS=2, PA=64, LOG2PA=6, T=0, LOG2T=0, MODE=1, XDT=1, HAS_W=True, PER_HEAD=False, HAS_DRES=False,
                 DW_PARTIALS=True, PREFETCH=True, num_warps=4)
     tail = tb.constexpr_tail(fn, len(runtime), meta)
-    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1)  # STAGES: its default
+    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1, 0, 0, 1, 0)  # the rest: defaults
     with pytest.raises(TypeError, match="not constexprs"):
         tb.constexpr_tail(fn, len(runtime) - 1, meta)

@@ -63,8 +63,9 @@ class TileChoice:
     num_warps: int | None = None
     split: bool = False
     w_first: bool = False  # forward: the weight loaded with the rows, before their sum (kernels.py, W_FIRST)
-    # forward, rows of P > chunk lanes in one tile: summed and scaled in column chunks of `chunk` lanes, read twice
-    # (kernels.py, CHUNK; fewer registers a row, so more rows in flight); 0: held whole
+    # rows of P > chunk lanes in one tile: summed and scaled in column chunks of `chunk` lanes, read twice
+    # (kernels.py, CHUNK; fewer registers a row, so more rows in flight; in the backward, the fast dW's partials in
+    # a row of global memory per program instead of registers); 0: held whole
     chunk: int = 0
     # backward: programs striding over the row blocks (persistent grid) per SM; the next block's rows loaded into
     # registers before this block's sums (kernels.py, PREFETCH); the loop's loads pipelined through shared memory in
@@ -125,7 +126,7 @@ class RowTile:
     t: int
     num_warps: int
     w_first: bool = False
-    chunk: int = 0  # the forward's column chunks (0: rows held whole)
+    chunk: int = 0  # column chunks (0: rows held whole)
     programs_per_sm: int = 4  # the backward's persistent grid, prefetch and pipeline stages (TileChoice)
     prefetch: bool = False
     stages: int = 1
@@ -143,7 +144,7 @@ class RowTile:
         return dict(PREFETCH=self.prefetch, STAGES=self.stages)
 
     def chunk_constexprs(self) -> dict:
-        """The forward's column-chunk constexprs (CHUNK = 0: none)."""
+        """The column-chunk constexprs (CHUNK = 0: none)."""
         chunks = self.pa // self.chunk if self.chunk else 1
         return dict(CHUNK=self.chunk, LOG2CHUNK=max(0, self.chunk.bit_length() - 1), NCH=chunks,
                     LOG2NCH=chunks.bit_length() - 1)
@@ -168,7 +169,7 @@ def row_tile(n: int, direction: str, rows: int | None = None) -> RowTile:
     tile_rows = choice.rows or max(1, _TILE_ELEMS // p)
     lanes = tile_rows * (pa + t)
     num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
-    chunk = choice.chunk if direction == "fwd" and t == 0 and 0 < choice.chunk < pa else 0
+    chunk = choice.chunk if t == 0 and 0 < choice.chunk < pa else 0
     return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk, choice.programs_per_sm, choice.prefetch,
                    choice.stages)
 
@@ -341,16 +342,19 @@ class TritonBackend:
         n, rows = lay.n, lay.rows
         # fast dW: per-program fp32 partials in the dx pass (shared weight). Per-head weights take the
         # strict fold for both modes (it satisfies "fast" too: deterministic, fixed order).
-        # Past P = 8192 the per-program partials (P fp32 values per program, held across rows) cost more
-        # than the strict fold: 701 vs 291 us at 2048 x 18432 on an H200 (bench/results/2026-11-29-h200-run2);
-        # the fold is deterministic too, so it serves dw="fast" there.
-        partials = need_dw and dw_mode == "fast" and not views.per_head and next_pow2(n) <= _PARTIALS_MAX_P
+        # Past P = 8192 the per-program partials held in registers across rows cost more than the strict fold
+        # (701 vs 291 us at 2048 x 18432 on an H200, bench/results/2026-11-29-h200-run2): rows in column chunks
+        # keep them in global memory instead (kernels.py, _bwd_chunked); rows held whole take the fold, which is
+        # deterministic too, for dw="fast".
         tile = row_tile(n, "bwd", rows)
+        partials = (need_dw and dw_mode == "fast" and not views.per_head
+                    and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0))
         blocks = _cdiv(rows, tile.rows)
         persistent = partials or tile.prefetch or tile.stages > 1
         nprog = min(blocks, _num_sms(z.device) * tile.programs_per_sm) if persistent else blocks
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
-                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(), **tile.meta())
+                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(),
+                    **tile.chunk_constexprs(), **tile.meta())
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
                      meta, _Launcher(_kernels().rms_bwd_kernel, meta))
 

@@ -17,7 +17,7 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
   T = next_pow2(N - PA) < PA. canon_sum over P is then tree(tile 1) + (tree(tile 2) + 0.0): every subtree
   of [PA + T, P) is padding and sums to +0.0, and adding +0.0 (once or more) only turns -0.0 into +0.0.
   N = 18432 then takes 18432 lanes instead of 32768 (5120 instead of 8192), the same bits.
-- Rows in column chunks (forward, CHUNK > 0): the aligned chunks of CHUNK lanes are subtrees of the tree over P,
+- Rows in column chunks (CHUNK > 0): the aligned chunks of CHUNK lanes are subtrees of the tree over P,
   so canon_sum over P is canon_sum over the NCH = P / CHUNK chunk sums, chunks past N (all padding) +0.0.
 """
 
@@ -319,21 +319,70 @@ def _bwd_output(xh, gr, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols, XDT
     store_rounded(DX + x_offs[:, None] + cols[None, :], dx, mask, XDT)
 
 
-@triton.jit(do_not_specialize=["M"])
-def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg,
-                   DX, xs0, xs1, xsg, DW_PART,
-                   M, N, R1, G, offset,
-                   ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
-                   LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
-                   PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr,
-                   PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1):
-    """dx for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T). With
-    DW_PARTIALS, each program also sums its rows' dW contributions (shared weight only) into DW_PART[pid].
-    PREFETCH: the next block's rows loaded into registers before this block's sums (its loads in flight while this
-    block computes and stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory, that many
-    stages. Neither changes a value."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+@triton.jit
+def _bwd_chunk(DY, d_offs, Z, z_offs, W, wsg, g, rows, rstd, M, N, cols, offset, MODE: tl.constexpr,
+               XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr):
+    """_bwd_input of one column chunk, loaded here (z, dy and the shared weight's chunk)."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    z = tl.load(Z + z_offs[:, None] + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + d_offs[:, None] + cols[None, :], mask=mask, other=0.0)
+    wf = tl.zeros((1, cols.shape[0]), tl.float32)
+    if not PER_HEAD:
+        wf = effective_weight(W, cols, cols < N, offset, MODE, XDT, HAS_W)[None, :]
+    return _bwd_input(z, dy, W, wsg, wf, g, rows, rstd, M, N, cols, offset, MODE, XDT, HAS_W, PER_HEAD)
+
+
+@triton.jit
+def _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
+                 pid, nprog, M, N, R1, G, offset, ROWS: tl.constexpr, CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr,
+                 NCH: tl.constexpr, LOG2NCH: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr,
+                 HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr):
+    """The backward of rows in column chunks of CHUNK lanes (the module's notes): each chunk's products summed by
+    canon_sum, then the NCH chunk sums; dx chunk by chunk, the rows read again (this program's own lanes, from L2).
+    Only a chunk is live at a time, so the dW partials cannot stay in registers across rows: each program adds its
+    rows' contributions into its fp32 row DW_PART[pid] (stored by its first block, read back and added to by the
+    later ones; the row stays in L2)."""
+    chunk_ids = tl.arange(0, NCH)
+    chunks = tl.cdiv(N, CHUNK)
+    part_row = DW_PART + pid.to(tl.int64) * N
+    for blk in range(pid, tl.cdiv(M, ROWS), nprog):
+        rows = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        z_offs, g = row_offsets(rows, R1, G, zs0, zs1, zsg)
+        d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
+        rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+        parts = tl.zeros((ROWS, NCH), tl.float32)
+        for c in range(0, chunks):
+            cols = c * CHUNK + tl.arange(0, CHUNK)
+            xs = _bwd_chunk(DY, d_offs, Z, z_offs, W, wsg, g, rows, rstd, M, N, cols, offset, MODE, XDT, HAS_W,
+                            PER_HEAD)
+            s = canon_sum(xs[2] * xs[3], ROWS, CHUNK, LOG2CHUNK)
+            parts = tl.where(chunk_ids[None, :] == c, s[:, None], parts)
+        cv = tl.div_rn(canon_sum(parts, ROWS, NCH, LOG2NCH), tl.full((ROWS,), N, tl.float32))
+        x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
+        e_offs = x_offs
+        if HAS_DRES:
+            e_offs, _ = row_offsets(rows, R1, G, es0, es1, esg)
+        if DW_PARTIALS:
+            tl.debug_barrier()  # the previous block's partial-row stores, visible to every thread of the program
+        for c in range(0, chunks):
+            cols = c * CHUNK + tl.arange(0, CHUNK)
+            xf, dyf, xh, gr = _bwd_chunk(DY, d_offs, Z, z_offs, W, wsg, g, rows, rstd, M, N, cols, offset, MODE,
+                                         XDT, HAS_W, PER_HEAD)
+            _bwd_output(xh, gr, cv, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols, XDT, HAS_DRES)
+            if DW_PARTIALS:
+                # +0.0 where this is the program's first block: the partials start from +0.0, as in registers
+                acc = tl.load(part_row + cols, mask=cols < tl.where(blk != pid, N, 0), other=0.0)
+                tl.store(part_row + cols, acc + tl.sum(dyf * normalized_as_used(xf, rstd, MODE, XDT), axis=0),
+                         mask=cols < N)
+
+
+@triton.jit
+def _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
+              pid, nprog, M, N, R1, G, offset, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr,
+              T: tl.constexpr, LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
+              PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr, PREFETCH: tl.constexpr,
+              STAGES: tl.constexpr):
+    """The backward of rows held whole, in one or two column tiles (rms_bwd_kernel)."""
     cols_a = tl.arange(0, PA)
     cols_b = PA + tl.arange(0, T if T > 0 else 1)
     wf_a = tl.zeros((1, PA), tl.float32)
@@ -383,6 +432,33 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
         tl.store(DW_PART + pid.to(tl.int64) * N + cols_a, tl.sum(dw_a, axis=0), mask=cols_a < N)
         if T > 0:
             tl.store(DW_PART + pid.to(tl.int64) * N + cols_b, tl.sum(dw_b, axis=0), mask=cols_b < N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg,
+                   DX, xs0, xs1, xsg, DW_PART,
+                   M, N, R1, G, offset,
+                   ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
+                   LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
+                   PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr,
+                   PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1, CHUNK: tl.constexpr = 0,
+                   LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1, LOG2NCH: tl.constexpr = 0):
+    """dx for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T), or in column
+    chunks of CHUNK lanes (CHUNK > 0, T = 0: _bwd_chunked). With DW_PARTIALS, each program also sums its rows' dW
+    contributions (shared weight only) into DW_PART[pid].
+    PREFETCH: the next block's rows loaded into registers before this block's sums (its loads in flight while this
+    block computes and stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory, that many
+    stages. Neither changes a value."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if CHUNK > 0:
+        _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg,
+                     DW_PART, pid, nprog, M, N, R1, G, offset, ROWS, CHUNK, LOG2CHUNK, NCH, LOG2NCH, MODE, XDT, HAS_W,
+                     PER_HEAD, HAS_DRES, DW_PARTIALS)
+    else:
+        _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
+                  pid, nprog, M, N, R1, G, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, HAS_W, PER_HEAD, HAS_DRES,
+                  DW_PARTIALS, PREFETCH, STAGES)
 
 
 @triton.jit(do_not_specialize=["ROWS_PER_GROUP", "GROUP_STEP"])
