@@ -2,7 +2,8 @@
 
 Variants: rows read twice (no hold), rows held between the passes, and for the backward the weight held too.
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
-(K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows).
+(K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
+the variants.
 Every result is checked bitwise against the torch backend (y and rstd; dx, and the fast dW against the same
 variant's second call). Kernel-only time as in strictnorm.bench (L2 flushed, profiler); the fast dW includes
 its partial-row sum. Run on the GPU machine (nvidia-cutlass-dsl installed):
@@ -37,7 +38,10 @@ def use(variant: dict) -> None:
 def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) -> list[dict]:
     case = Case.make(ref, timer.device, m, n, spec)
     rows = []
+    chosen = os.environ.get("SWEEP_VARIANTS")
     for name, variant in VARIANTS.items():
+        if chosen and name not in chosen.split(","):
+            continue
         use(variant)
         for direction, blocks in [("fwd", 0)] + [("bwd", b) for b in BLOCKS]:
             if direction == "fwd" and name == "hold + weight":
