@@ -5,6 +5,8 @@
 # second GPU, the Triton GPU tests with the backward in column chunks at P = 32768 and 65536 (a tuning file). Stages
 # the first half of the device wheels in /tmp/dw for the next call, and leaves the sweep's choices in
 # /tmp/strictnorm-triton-tuning.json for it. Logs and JSON to $OUT.
+# Call c: SKIP_DEVICES=1, the tests' choices in CHUNKED_TUNING, the sweep's in SWEEP_CHUNKS, SWEEP_STAGES, SWEEP_PROGRAMS
+# and SWEEP_WARPS (bench/sweep_triton.py).
 # Usage (from the project root, on the GPU machine): bash bench/chunks_call.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/strictnorm-out}; mkdir -p "$OUT"
@@ -18,11 +20,18 @@ if [ -d .device-wheels/a ]; then mkdir -p /tmp/dw && cp .device-wheels/a/* /tmp/
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } > "$W/env.log" 2>&1
 cat "$W/env.log"
-timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_devices.py > "$W/devices-tests.log" 2>&1
-cat > "$W/chunked.json" <<'JSON'
+if [ -z "${SKIP_DEVICES:-}" ]; then
+  timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_devices.py > "$W/devices-tests.log" 2>&1
+fi
+# the tests' choices: $CHUNKED_TUNING, else one row of 8 warps in chunks of 2048 lanes
+if [ -n "${CHUNKED_TUNING:-}" ]; then
+  echo "$CHUNKED_TUNING" > "$W/chunked.json"
+else
+  cat > "$W/chunked.json" <<'JSON'
 {"bwd": {"32768": {"rows": 1, "num_warps": 8, "chunk": 2048, "programs_per_sm": 2},
          "65536": {"rows": 1, "num_warps": 8, "chunk": 2048, "programs_per_sm": 2}}}
 JSON
+fi
 second=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
 checks() {
   CUDA_VISIBLE_DEVICES=$second STRICTNORM_TRITON_TUNING=$W/chunked.json timeout "${TEST_TIMEOUT:-400}" \
@@ -36,7 +45,7 @@ CUDA_VISIBLE_DEVICES=0 SWEEP_SHAPES=${SWEEP_SHAPES:-2048x18432} SWEEP_CHUNKS=${S
 if [ "$second" = 0 ]; then checks; fi
 wait
 cp "$W/triton-tuning.json" /tmp/strictnorm-triton-tuning.json 2>/dev/null
-tail -n 3 "$W/devices-tests.log"; tail -n 3 "$W/triton-chunked-tests.log"
+tail -n 3 "$W/devices-tests.log" 2>/dev/null; tail -n 3 "$W/triton-chunked-tests.log"; cat "$W/chunked.json"
 python3 - "$W/sweep-chunks.json" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
@@ -48,6 +57,7 @@ for d in ("fwd", "bwd"):
 print("all bitwise:", all(r.get("bitwise") for r in rows), len(rows), "rows")
 PY
 cat "$W/triton-tuning.json" 2>/dev/null
-cat "$W/env.log" "$W/devices-tests.log" "$W/triton-chunked-tests.log" "$W/failures.log" > "$OUT/tests.log" 2>/dev/null
+cat "$W/env.log" "$W/devices-tests.log" "$W/chunked.json" "$W/triton-chunked-tests.log" "$W/failures.log" \
+  > "$OUT/tests.log" 2>/dev/null
 cp "$W/sweep-chunks.log" "$W/sweep-chunks.json" "$W/triton-tuning.json" "$OUT/" 2>/dev/null
 bash bench/device_cache.sh save

@@ -4,7 +4,8 @@ Each configuration replaces the backend's tile choice for the shape's padded len
 program, warps, and whether rows well below their padded length take two column tiles) and clears its cached
 plans. SWEEP_WFIRST=1 tries each configuration also with the forward's weight loaded before the row sum;
 SWEEP_CHUNKS=1024,2048 adds rows in column chunks of those lanes (rows longer than a chunk; one or two rows a
-program, 2 or 4 programs an SM in the backward); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction.
+program, SWEEP_PROGRAMS (2,4) programs an SM in the backward, SWEEP_WARPS (1,2,4,8,16) warps, the chunk loops' loads
+in SWEEP_STAGES (1) shared-memory stages); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction.
 SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (and with twice its warps), its
 pipelining: the next block prefetched into registers, the loop's loads in 2 or 3 shared-memory stages,
 2 or 4 programs an SM. Every result is checked against the torch reference's bits
@@ -53,9 +54,12 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
     if os.environ.get("SWEEP_WFIRST") == "1":  # each also with the forward's weight loaded before the sum
         out += [dataclasses.replace(c, w_first=True) for c in out]
     chunks = [int(v) for v in os.environ.get("SWEEP_CHUNKS", "").split(",") if v]
-    out += [tb.TileChoice(rows, w, chunk=c, programs_per_sm=programs) for c in chunks if c < next_pow2(n)
-            for rows in (1, 2) for w in (1, 2, 4, 8, 16) if 32 * w <= rows * c <= 32 * w * MAX_LANES_PER_THREAD
-            for programs in (2, 4)]
+    stages = [int(v) for v in os.environ.get("SWEEP_STAGES", "1").split(",")]
+    programs_per_sm = [int(v) for v in os.environ.get("SWEEP_PROGRAMS", "2,4").split(",")]
+    warps = [int(v) for v in os.environ.get("SWEEP_WARPS", "1,2,4,8,16").split(",")]
+    out += [tb.TileChoice(rows, w, chunk=c, programs_per_sm=programs, stages=st) for c in chunks if c < next_pow2(n)
+            for rows in (1, 2) for w in warps if 32 * w <= rows * c <= 32 * w * MAX_LANES_PER_THREAD
+            for programs in programs_per_sm for st in stages]
     return out
 
 

@@ -69,7 +69,7 @@ class TileChoice:
     chunk: int = 0
     # backward: programs striding over the row blocks (persistent grid) per SM; the next block's rows loaded into
     # registers before this block's sums (kernels.py, PREFETCH); the loop's loads pipelined through shared memory in
-    # `stages` stages (STAGES; 1: not pipelined)
+    # `stages` stages (STAGES; 1: not pipelined; in the forward, the column-chunk loops' only)
     programs_per_sm: int = 4
     prefetch: bool = False
     stages: int = 1
@@ -142,6 +142,10 @@ class RowTile:
     def backward_constexprs(self) -> dict:
         """The backward's prefetch constexprs."""
         return dict(PREFETCH=self.prefetch, STAGES=self.stages)
+
+    def forward_constexprs(self) -> dict:
+        """The forward's weight-first, chunk and (chunk loops only) stage constexprs."""
+        return dict(W_FIRST=self.w_first, STAGES=self.stages if self.chunk else 1, **self.chunk_constexprs())
 
     def chunk_constexprs(self) -> dict:
         """The column-chunk constexprs (CHUNK = 0: none)."""
@@ -293,8 +297,8 @@ class TritonBackend:
         tile = row_tile(lay.n, "fwd", lay.rows)
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
-                    HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None, W_FIRST=tile.w_first,
-                    **tile.chunk_constexprs(), **tile.meta())
+                    HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
+                    **tile.forward_constexprs(), **tile.meta())
         return _Plan(views, (_cdiv(lay.rows, tile.rows),), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,
                      _Launcher(_kernels().rms_fwd_kernel, meta))

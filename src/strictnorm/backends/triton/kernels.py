@@ -176,21 +176,22 @@ def _rstd(ss, N, eps, ROWS: tl.constexpr):
 def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
                  CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr, NCH: tl.constexpr, LOG2NCH: tl.constexpr,
                  MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-                 HAS_RES: tl.constexpr):
+                 HAS_RES: tl.constexpr, STAGES: tl.constexpr):
     """y and rstd of rows in column chunks of CHUNK lanes (the module's notes): each chunk's squares summed by
     canon_sum, then the NCH chunk sums; y chunk by chunk, the rows read again (this program's own lanes, from L2;
-    with a residual, z recomputed rather than read back)."""
+    with a residual, z recomputed rather than read back). STAGES > 1: the chunk loops' loads pipelined by Triton
+    through shared memory."""
     chunk_ids = tl.arange(0, NCH)
     parts = tl.zeros((ROWS, NCH), tl.float32)
     chunks = tl.cdiv(N, CHUNK)
-    for c in range(0, chunks):
+    for c in tl.range(0, chunks, num_stages=STAGES):
         cols = c * CHUNK + tl.arange(0, CHUNK)
         xf = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT, HAS_RES)
         s = canon_sum(xf * xf, ROWS, CHUNK, LOG2CHUNK)
         parts = tl.where(chunk_ids[None, :] == c, s[:, None], parts)
     rstd = _rstd(canon_sum(parts, ROWS, NCH, LOG2NCH), N, eps, ROWS)
     tl.store(RSTD + rows, rstd, mask=rows < M)
-    for c in range(0, chunks):
+    for c in tl.range(0, chunks, num_stages=STAGES):
         cols = c * CHUNK + tl.arange(0, CHUNK)
         xf = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT, HAS_RES, False)
         wf = _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE, XDT, HAS_W, PER_HEAD)
@@ -228,7 +229,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
                    HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, W_FIRST: tl.constexpr,
                    CHUNK: tl.constexpr = 0, LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1,
-                   LOG2NCH: tl.constexpr = 0):
+                   LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
     y needs it); the same bits either way."""
@@ -239,7 +240,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
         r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
     if CHUNK > 0:
         _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
-                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES)
+                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES)
     else:
         _fwd_tiles(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, PA, LOG2PA, T, LOG2T,
                    MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST)
@@ -336,12 +337,13 @@ def _bwd_chunk(DY, d_offs, Z, z_offs, W, wsg, g, rows, rstd, M, N, cols, offset,
 def _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
                  pid, nprog, M, N, R1, G, offset, ROWS: tl.constexpr, CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr,
                  NCH: tl.constexpr, LOG2NCH: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr,
-                 HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr):
+                 HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr,
+                 STAGES: tl.constexpr):
     """The backward of rows in column chunks of CHUNK lanes (the module's notes): each chunk's products summed by
     canon_sum, then the NCH chunk sums; dx chunk by chunk, the rows read again (this program's own lanes, from L2).
     Only a chunk is live at a time, so the dW partials cannot stay in registers across rows: each program adds its
     rows' contributions into its fp32 row DW_PART[pid] (stored by its first block, read back and added to by the
-    later ones; the row stays in L2)."""
+    later ones; the row stays in L2). STAGES > 1: the chunk loops' loads pipelined through shared memory."""
     chunk_ids = tl.arange(0, NCH)
     chunks = tl.cdiv(N, CHUNK)
     part_row = DW_PART + pid.to(tl.int64) * N
@@ -351,7 +353,7 @@ def _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, e
         d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
         rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
         parts = tl.zeros((ROWS, NCH), tl.float32)
-        for c in range(0, chunks):
+        for c in tl.range(0, chunks, num_stages=STAGES):
             cols = c * CHUNK + tl.arange(0, CHUNK)
             xs = _bwd_chunk(DY, d_offs, Z, z_offs, W, wsg, g, rows, rstd, M, N, cols, offset, MODE, XDT, HAS_W,
                             PER_HEAD)
@@ -364,7 +366,7 @@ def _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, e
             e_offs, _ = row_offsets(rows, R1, G, es0, es1, esg)
         if DW_PARTIALS:
             tl.debug_barrier()  # the previous block's partial-row stores, visible to every thread of the program
-        for c in range(0, chunks):
+        for c in tl.range(0, chunks, num_stages=STAGES):
             cols = c * CHUNK + tl.arange(0, CHUNK)
             xf, dyf, xh, gr = _bwd_chunk(DY, d_offs, Z, z_offs, W, wsg, g, rows, rstd, M, N, cols, offset, MODE,
                                          XDT, HAS_W, PER_HEAD)
@@ -454,7 +456,7 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
     if CHUNK > 0:
         _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg,
                      DW_PART, pid, nprog, M, N, R1, G, offset, ROWS, CHUNK, LOG2CHUNK, NCH, LOG2NCH, MODE, XDT, HAS_W,
-                     PER_HEAD, HAS_DRES, DW_PARTIALS)
+                     PER_HEAD, HAS_DRES, DW_PARTIALS, STAGES)
     else:
         _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
                   pid, nprog, M, N, R1, G, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, HAS_W, PER_HEAD, HAS_DRES,
