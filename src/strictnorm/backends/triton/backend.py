@@ -94,17 +94,20 @@ DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 # loop's loads in 3 (P = 8192) or 2 (P = 32768) shared-memory stages (bench/results/2026-11-30-h200-run14, call a,
 # SWEEP_PIPELINES; kernel-only us, every configuration bitwise): 2048 x 4096 24.2 -> 18.8, 8192 x 4096 72.2 -> 55.8,
 # 32768 x 4096 250.4 -> 198.2, 8192 x 8192 162.3 -> 108.5, 2048 x 18432 156.5 -> 152.5; at P = 128 none won (59.3 ->
-# 58.9).
+# 58.9). At P = 32768 both directions in column chunks of 4096 lanes with the chunk loops' loads in 3 shared-memory
+# stages, the backward two rows a program and one program an SM (its fast dW's partial rows in global memory;
+# bench/results/2026-11-30-h200-run15, call b, SWEEP_CHUNKS / SWEEP_STAGES, every configuration bitwise; call c's
+# anchored bench: 2048 x 18432 backward 150.6 -> 130.4 us, forward 56.7 -> 52.3).
 TileEntry = TileChoice | Bounded[TileChoice]
 TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "fwd": {128: TileChoice(rows=8, num_warps=2),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True)), (None, TileChoice(rows=2, num_warps=8))),
-            8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=8, chunk=4096),
+            8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=4, chunk=4096, stages=3),
             65536: TileChoice(rows=1, num_warps=4, chunk=2048)},
     "bwd": {128: TileChoice(rows=16, num_warps=8),
             4096: TileChoice(rows=1, num_warps=8, programs_per_sm=2, prefetch=True),
             8192: TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3),
-            32768: TileChoice(rows=1, num_warps=16, split=True, programs_per_sm=2, stages=2)},
+            32768: TileChoice(rows=2, num_warps=8, chunk=4096, programs_per_sm=1, stages=3)},
 }
 
 
