@@ -21,12 +21,14 @@ from sweep_cuda import Case, Sweep, measure, shapes_from_env
 
 from strictnorm.backends.cute import kernels as K
 from strictnorm.bench import NORM_SHAPES, Timer
+from strictnorm.reference import next_pow2
 
 VARIANTS = {"read twice": {"forward": False, "backward": False, "backward_weight": False},
             "hold": {"forward": True, "backward": True, "backward_weight": False},
             "hold + weight": {"forward": True, "backward": True, "backward_weight": True}}
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
+TABLE_BLOCKS = dict(K.BACKWARD_BLOCKS_PER_SM)  # 0 in a row's label: what 2048 threads an SM allow, not the table's
 
 
 def use(variant: dict) -> None:
@@ -46,14 +48,14 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
         for direction, blocks in [("fwd", 0)] + [("bwd", b) for b in BLOCKS]:
             if direction == "fwd" and name == "hold + weight":
                 continue  # the forward's kernel is the "hold" one
-            K.BACKWARD_BLOCKS_PER_SM = blocks
+            K.BACKWARD_BLOCKS_PER_SM = {**TABLE_BLOCKS, next_pow2(n): blocks}
             label = f"{name}, {blocks} blocks an SM" if blocks else name
             row = {"M": m, "N": n, "direction": direction, "variant": label,
                    "shape": str(K.tuned_shape(n, direction == "bwd"))}
             row.update(measure(timer, cute, case, direction, ceiling))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    K.BACKWARD_BLOCKS_PER_SM = 0
+    K.BACKWARD_BLOCKS_PER_SM = TABLE_BLOCKS
     return rows
 
 

@@ -400,3 +400,4 @@ def test_backward_grid_blocks_per_sm(monkeypatch):
     assert K._grid(shape, 100, dev, 2) == 100
     assert K._grid(K.ForwardShape(piece=8, tpr=8, k=2, rpb=16, persistent=True), 100_000, dev) == 132 * 16
     assert K._grid(K.ForwardShape(piece=8, tpr=256, k=2, rpb=1, persistent=False), 100_000, dev, 2) == 100_000
+    assert [K.backward_blocks_per_sm(n) for n in (4096, 5000, 8192, 18432)] == [0, 2, 2, 0]  # the table's P = 8192

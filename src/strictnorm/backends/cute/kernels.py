@@ -534,10 +534,16 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
     return y, rstd, z
 
 
-# The persistent backward's blocks an SM (each writes one fp32 dW partial row a row slot): 0 for as many as 2048
-# threads an SM allow (whether or not its registers let that many run at once). Not yet measured otherwise on a GPU:
-# bench/sweep_cute.py SWEEP_BLOCKS tries others (the Triton backward gained from 2 programs an SM, run 14).
-BACKWARD_BLOCKS_PER_SM = 0
+# The persistent backward's blocks an SM (each writes one fp32 dW partial row a row slot) per padded length; 0 or
+# absent for as many as 2048 threads an SM allow (whether or not its registers let that many run at once).
+# bench/sweep_cute.py SWEEP_BLOCKS on an H200 (bench/results/2026-11-30-h200-run15, call c; every configuration
+# bitwise): at P = 8192, 2 blocks an SM, 8192 x 8192 156.7 -> 142.4 us; at P = 4096 fewer blocks won at 2048 rows
+# (27.0 -> 24.7) and lost from 8192 (72.7 -> 75.2, 32768 rows 246.7 -> 269.7): unchanged there.
+BACKWARD_BLOCKS_PER_SM: dict[int, int] = {8192: 2}
+
+
+def backward_blocks_per_sm(n: int) -> int:
+    return BACKWARD_BLOCKS_PER_SM.get(next_pow2(n), 0)
 
 
 def _grid(shape: ForwardShape, rows: int, device, blocks_per_sm: int = 0) -> int:
@@ -587,7 +593,7 @@ def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool
         n, _TORCH_TO_CUTE[str(z.dtype)], _TORCH_TO_CUTE[str(dy.dtype)],
         _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
         _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi)
-    grid = _grid(shape, rows, z.device, BACKWARD_BLOCKS_PER_SM)
+    grid = _grid(shape, rows, z.device, backward_blocks_per_sm(n))
     part = torch.empty((grid * shape.rpb, n), dtype=torch.float32, device=z.device)
     w = weight if weight is not None else z[0]
     _launch(compiled, tvm_ffi, (dy, z, w, rstd, dres if dres is not None else dy, dx, part),

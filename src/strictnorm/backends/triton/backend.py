@@ -97,7 +97,8 @@ DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 # 58.9). At P = 32768 both directions in column chunks of 4096 lanes with the chunk loops' loads in 3 shared-memory
 # stages, the backward two rows a program and one program an SM (its fast dW's partial rows in global memory;
 # bench/results/2026-11-30-h200-run15, call b, SWEEP_CHUNKS / SWEEP_STAGES, every configuration bitwise; call c's
-# anchored bench: 2048 x 18432 backward 150.6 -> 130.4 us, forward 56.7 -> 52.3).
+# anchored bench: 2048 x 18432 backward 150.6 -> 130.4 us, forward 56.7 -> 52.3). The backward at P = 65536 in chunks
+# of 2048 (call d: 1024 x 65536 639.2 -> 246.2 us; rows held whole took the strict fold for the fast dW).
 TileEntry = TileChoice | Bounded[TileChoice]
 TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "fwd": {128: TileChoice(rows=8, num_warps=2),
@@ -107,7 +108,8 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "bwd": {128: TileChoice(rows=16, num_warps=8),
             4096: TileChoice(rows=1, num_warps=8, programs_per_sm=2, prefetch=True),
             8192: TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3),
-            32768: TileChoice(rows=2, num_warps=8, chunk=4096, programs_per_sm=1, stages=3)},
+            32768: TileChoice(rows=2, num_warps=8, chunk=4096, programs_per_sm=1, stages=3),
+            65536: TileChoice(rows=2, num_warps=8, chunk=2048, programs_per_sm=2, stages=3)},
 }
 
 
