@@ -408,10 +408,11 @@ def test_backward_prefetch_and_stages_give_the_same_bits(n, split, qk, seed, mon
                                           (100, False, 32)])
 def test_backward_column_chunks_give_the_same_bits(n, qk, chunk, seed, monkeypatch):
     """TileChoice.chunk in the backward (rows in column chunks, chunks past N all padding; the fast dW's partials in a
-    row of global memory per program): y and dx against the reference; with one row a block, dW fast equal to the
-    held rows' kernel (each program's partials folded over its blocks in the same order) and, with two, within the
-    fast dW's bound of the strict one. One program per SM: programs stride over blocks, adding to their partial rows.
-    Fused add with its gradient and a zero dy row, or per-head weights (the strict fold)."""
+    row of global memory per program; the chunk loops' loads in 2 or 3 stages): y and dx against the reference; with
+    one row a block, dW fast equal to the held rows' kernel (each program's partials folded over its blocks in the
+    same order) and, with two, within the fast dW's bound of the strict one. One program per SM: programs stride over
+    blocks, adding to their partial rows. Fused add with its gradient and a zero dy row, or per-head weights (the
+    strict fold)."""
     from strictnorm.backends.triton import backend as tb
 
     g = torch.Generator().manual_seed(seed)
@@ -421,7 +422,7 @@ def test_backward_column_chunks_give_the_same_bits(n, qk, chunk, seed, monkeypat
     for rows in (1, 2):
         outs = []
         for c in (0, chunk):
-            choice = tb.TileChoice(rows=rows, split=False, programs_per_sm=1, chunk=c)
+            choice = tb.TileChoice(rows=rows, split=False, programs_per_sm=1, chunk=c, stages=1 + (c > 0) * rows)
             monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {p: choice}})
             monkeypatch.setattr(get_backend("triton"), "_bwd_plans", {})
             assert tb.row_tile(n, "bwd").chunk == c
