@@ -70,7 +70,8 @@ def test_device_guard_switches_only_to_another_gpu(monkeypatch, index, switched)
 
     want_device = index if switched else 0
     assert Backend().run(_OnDevice(index), "v") == ("v", want_device)
-    assert entered == ([index] if switched else []) and current[0] == 0
+    assert Backend().run(t=_OnDevice(index), value="v") == ("v", want_device)  # the tensor by keyword
+    assert entered == ([index, index] if switched else []) and current[0] == 0
     with pytest.raises(ValueError, match="inside"):
         Backend().run(_OnDevice(index), "v", fail=True)
     assert current[0] == 0

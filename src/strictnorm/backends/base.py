@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -31,13 +32,15 @@ def on_tensor_device(method: _Method) -> _Method:
     and leave the caller's current device as it was. Where the tensor's GPU is already current (the usual
     case) the method runs directly: one device query of host time."""
 
+    first = list(inspect.signature(method).parameters)[1]  # the tensor argument, after self
+
     @functools.wraps(method)
-    def guarded(self, t: torch.Tensor, *args, **kwargs):
-        index = t.get_device()
+    def guarded(self, *args, **kwargs):
+        index = (args[0] if args else kwargs[first]).get_device()
         if index < 0 or index == torch.cuda.current_device():
-            return method(self, t, *args, **kwargs)
+            return method(self, *args, **kwargs)
         with torch.cuda.device(index):
-            return method(self, t, *args, **kwargs)
+            return method(self, *args, **kwargs)
 
     guarded.device_guarded = True  # tests check that every entry point carries the guard
     return guarded  # type: ignore[return-value]
