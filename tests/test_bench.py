@@ -205,3 +205,24 @@ def test_cuda_sweeps_merge_into_a_loadable_tuning_file(tmp_path, monkeypatch):
     assert data["bwd"]["4096"][0][0] == 2048 and data["bwd"]["4096"][1][0] is None
     assert cb.tuning_for(cb.BWD_TABLE, 4096, 2048) == cb.NormTuning(values=8, staged=True)
     assert cb.tuning_for(cb.BWD_TABLE, 4096, 32768) == cb.NormTuning(values=32)
+
+
+def test_device_call_plans_its_jobs(tmp_path):
+    """bench/device_call.sh (DRY_RUN): --alone first with every GPU visible, then --first's and --second's jobs in
+    order (on one GPU, or none, one after the other), each job's command with its log; an unknown argument fails."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out")}
+    run = subprocess.run(["bash", "bench/device_call.sh", "--alone", "devices", "--first", "sweep-triton bench",
+                          "--second", "suite pytest:65536+or+long_rows nonsense"], cwd=root, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["[all]"] + ["[0]"] * 5
+    assert "tests/test_devices.py" in lines[0] and "sweep_triton.py" in lines[1] and "strictnorm.bench" in lines[2]
+    assert "--ignore=tests/test_cute.py" in lines[3] and "verify --quick" in lines[3]
+    assert "-k '65536 or long_rows'" in lines[4] and "unknown job nonsense" in lines[5]
+    assert all(f"{tmp_path}/w/" in line for line in lines)
+    bad = subprocess.run(["bash", "bench/device_call.sh", "--bogus"], cwd=root, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr

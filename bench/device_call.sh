@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# One GPU call: named jobs, on one GPU or two of one host. Usage (from the project root, on the GPU machine):
+#   bash bench/device_call.sh [--wheels a|b] [--alone "JOBS"] [--first "JOBS"] [--second "JOBS"]
+# --alone runs first, every GPU visible; then --first runs on GPU 0 and, beside it, --second on GPU 1 (after --first
+# where there is one GPU: tests beside a timing would disturb it only through the host). Jobs, in the order given:
+#   env           GPUs, clocks, versions, `strictnorm info`
+#   devices       tests/test_devices.py (two GPUs: --alone)
+#   suite         the GPU test suite without tests/test_cute.py, then `strictnorm verify --quick`
+#   triton        the Triton tests (tests/test_triton.py, tests/test_gpu.py's Triton, batch-invariance,
+#                 determinism, graph and in-place tests)
+#   cute          tests/test_cute.py
+#   pytest:EXPR   tests/ -k EXPR (EXPR without spaces; '+' stands for a space)
+#   sweep-triton, sweep-cuda, sweep-cute, sweep-fold
+#                 bench/sweep_*.py, configured by the SWEEP_* variables; a Triton or CUDA sweep's choices also go
+#                 to /tmp/strictnorm-<name>-tuning.json, which a later call on the same machine takes with
+#                 TUNING_FROM_LAST=1
+#   bench         `strictnorm bench` ($BENCH_ARGS)
+#   host          bench/host_breakdown.py
+#   memcheck      compute-sanitizer over the guard-band tests ($MEMCHECK_K)
+# --wheels a copies the first half of the device wheels (.device-wheels/a, carried) to /tmp/dw; --wheels b installs
+# them with the second half (.device-wheels/b, carried): two calls back to back on one machine. Every job writes
+# $W/<job>.log (and .json): the test jobs' logs come back as tests.log, the others as <job>.log / <job>.json (at
+# most 8 files come back: name few jobs). DRY_RUN=1 prints the jobs' commands instead of running them.
+set -uo pipefail
+OUT=${OUT:-/tmp/strictnorm-out}
+W=${W:-/tmp/strictnorm-call}
+ALONE="" FIRST="" SECOND="" WHEELS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --alone) ALONE=$2; shift 2 ;;
+    --first) FIRST=$2; shift 2 ;;
+    --second) SECOND=$2; shift 2 ;;
+    --wheels) WHEELS=$2; shift 2 ;;
+    *) echo "device_call.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+export PYTHONPATH="$PWD/src:$PWD/bench" PYTHONUNBUFFERED=1 STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
+export STRICTNORM_FAILURE_LOG="$W/failures.log"
+TESTS="env devices suite triton cute pytest"
+
+# The command of one job (its log and JSON under $W).
+job_command() {
+  local job=$1 log="$W/${1//:/-}.log"
+  case "$job" in
+    env) echo "{ date -u; nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem,temperature.gpu" \
+              "--format=csv; python3 -c \"import torch, triton; print('torch', torch.__version__, 'triton'," \
+              "triton.__version__)\"; python3 -m strictnorm.cli info; } > '$log' 2>&1" ;;
+    devices) echo "timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_devices.py > '$log' 2>&1" ;;
+    suite) echo "timeout ${TEST_TIMEOUT:-420} python3 -m pytest -n ${TEST_WORKERS:-14} -q -rfE -p no:cacheprovider" \
+                "-k 'not every_fold_configuration' --ignore=tests/test_cute.py tests > '$log' 2>&1;" \
+                "timeout 90 python3 -m strictnorm.cli verify --quick >> '$log' 2>&1" ;;
+    triton) echo "timeout ${TEST_TIMEOUT:-400} python3 -m pytest -n ${TEST_WORKERS:-12} -q -rfE -p no:cacheprovider" \
+                 "tests/test_triton.py tests/test_gpu.py" \
+                 "-k 'triton or batch_invariance or determinism or graph_replay or in_place' > '$log' 2>&1" ;;
+    cute) echo "timeout ${CUTE_TIMEOUT:-240} python3 -m pytest -n ${TEST_WORKERS:-12} -q -rfE -p no:cacheprovider" \
+               "tests/test_cute.py > '$log' 2>&1" ;;
+    pytest:*) echo "timeout ${TEST_TIMEOUT:-400} python3 -m pytest -n ${TEST_WORKERS:-12} -q -rfE -p no:cacheprovider" \
+                   "tests -k '$(echo "${job#pytest:}" | tr + ' ')' > '$log' 2>&1" ;;
+    sweep-triton|sweep-cuda)
+      local name=${job#sweep-}
+      echo "timeout ${SWEEP_TIMEOUT:-400} python3 bench/sweep_$name.py '$W/$job.json' '$W/$job-tuning.json' > '$log' 2>&1;" \
+           "cp '$W/$job-tuning.json' /tmp/strictnorm-$name-tuning.json 2>/dev/null" ;;
+    sweep-cute|sweep-fold)
+      echo "timeout ${SWEEP_TIMEOUT:-400} python3 bench/sweep_${job#sweep-}.py '$W/$job.json' > '$log' 2>&1" ;;
+    bench) echo "timeout ${BENCH_TIMEOUT:-330} python3 -m strictnorm.bench --json '$W/bench.json'" \
+                "--markdown '$W/bench.md' ${BENCH_ARGS:-} > '$log' 2>&1" ;;
+    host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
+    memcheck) echo "PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck" \
+                   "--report-api-errors no --print-limit 8 python3 -m pytest -q -p no:xdist -p no:cacheprovider" \
+                   "tests/test_gpu.py -k '${MEMCHECK_K:-reads_nothing or cuda_backward_bitwise and 5120}' > '$log' 2>&1" ;;
+    *) echo "echo 'device_call.sh: unknown job $job' | tee '$log' >&2" ;;
+  esac
+}
+
+# Runs jobs in order with the given GPUs visible ("" for all).
+run_jobs() {
+  local gpus=$1 job; shift
+  for job in "$@"; do
+    local cmd; cmd=$(job_command "$job")
+    if [ -n "${DRY_RUN:-}" ]; then
+      echo "[${gpus:-all}] $cmd"
+    elif [ -n "$gpus" ]; then
+      CUDA_VISIBLE_DEVICES=$gpus bash -c "$cmd"
+    else
+      bash -c "$cmd"
+    fi
+  done
+}
+
+mkdir -p "$OUT" "$W"
+if [ -z "${DRY_RUN:-}" ]; then
+  source bench/device_cache.sh restore
+  if [ "$WHEELS" = a ] && [ -d .device-wheels/a ]; then mkdir -p /tmp/dw && cp .device-wheels/a/* /tmp/dw/; fi
+  if [ "$WHEELS" = b ] && [ -f .device-wheels/b/install.sh ]; then bash .device-wheels/b/install.sh > "$W/install.log" 2>&1; fi
+  [ -f /tmp/dw/env.sh ] && source /tmp/dw/env.sh
+  if [ -n "${TUNING_FROM_LAST:-}" ]; then
+    for name in triton cuda; do
+      upper=$(echo "$name" | tr a-z A-Z)
+      if [ -f "/tmp/strictnorm-$name-tuning.json" ]; then
+        cp "/tmp/strictnorm-$name-tuning.json" "$W/last-$name-tuning.json"
+        export "STRICTNORM_${upper}_TUNING=$W/last-$name-tuning.json"
+        echo "$name choices of the last call: $(tr -d '\n ' < "$W/last-$name-tuning.json")"
+      fi
+    done
+  fi
+fi
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+# shellcheck disable=SC2086  # job lists split on spaces
+run_jobs "" $ALONE
+if [ "${gpus:-0}" -gt 1 ]; then
+  run_jobs 1 $SECOND &
+  run_jobs 0 $FIRST
+  wait
+else
+  run_jobs 0 $FIRST
+  run_jobs 0 $SECOND
+fi
+[ -n "${DRY_RUN:-}" ] && exit 0
+
+# What came back: a summary here, the files to $OUT.
+tests_log="$OUT/tests.log"; : > "$tests_log"
+for job in $ALONE $FIRST $SECOND; do
+  log="$W/${job//:/-}.log"
+  case " $TESTS " in
+    *" ${job%%:*} "*)
+      echo "$job: $(grep -E 'passed|failed|error' "$log" 2>/dev/null | tail -n 2 | tr '\n' ' ')"
+      { echo "==== $job"; cat "$log"; } >> "$tests_log" 2>/dev/null ;;
+    *)
+      echo "$job: $(tail -n 1 "$log" 2>/dev/null)"
+      cp "$log" "$W/$job.json" "$OUT/" 2>/dev/null
+      [ "$job" = bench ] && { cp "$W/bench.md" "$OUT/"; tail -n 40 "$W/bench.md"; }
+      [[ $job == sweep-triton || $job == sweep-cuda ]] && { cp "$W/$job-tuning.json" "$OUT/" 2>/dev/null; sed -n '/best per shape/,$p' "$log"; }
+      [ "$job" = host ] && cp "$W/host.json" "$OUT/" 2>/dev/null ;;
+  esac
+done
+[ -f "$W/failures.log" ] && { echo "==== failures"; cat "$W/failures.log"; } >> "$tests_log"
+bash bench/device_cache.sh save
