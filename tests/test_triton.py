@@ -327,6 +327,22 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
     assert tb.row_tile(4096, "fwd") == tb.RowTile(1, 4096, 0, 8)
 
 
+def test_backward_tile_depends_on_in_kernel_partials():
+    """The backward's tile comes from TILE_TABLE["bwd"] where the kernel adds the fast dW's partials, else from
+    "bwd_dx" where it lists the padded length (the strict dW, no weight gradient, per-head weights), else from "bwd":
+    at N = 18432 the chunked rows with partials for dw="fast", the held rows for the rest."""
+    from strictnorm.backends.triton import backend as tb
+    from strictnorm.contract import make_spec
+
+    assert tb.row_tile(18432, "bwd").chunk > 0 and tb.row_tile(18432, "bwd_dx").chunk == 0
+    assert tb.row_tile(4096, "bwd_dx") == tb.row_tile(4096, "bwd")  # not listed: the "bwd" entry
+    z = torch.zeros(3, 18432, dtype=torch.bfloat16)
+    w, rstd, spec = torch.ones(18432), torch.ones(3), make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    for dw_mode, need_dw, partials in (("fast", True, True), ("strict", True, False), ("fast", False, False)):
+        plan = tb.TritonBackend._plan_bwd(z, z, w, rstd, None, None, spec, dw_mode, need_dw)
+        assert plan.meta["DW_PARTIALS"] == partials and (plan.meta["CHUNK"] > 0) == partials, (dw_mode, need_dw)
+
+
 @pytest.mark.parametrize("n, split, qk, chunk", [(5, True, False, 0), (40, False, False, 0), (40, True, True, 0),
                                                  (5, False, False, 2), (40, False, False, 8), (40, False, True, 16),
                                                  (64, False, False, 8)])

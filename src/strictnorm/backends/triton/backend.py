@@ -110,6 +110,10 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
             8192: TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3),
             32768: TileChoice(rows=2, num_warps=8, chunk=4096, programs_per_sm=1, stages=3),
             65536: TileChoice(rows=2, num_warps=8, chunk=2048, programs_per_sm=2, stages=3)},
+    # the backward where the kernel adds no dW partials (dw="strict", per-head weights, no weight gradient); a P not
+    # listed takes the "bwd" entry. At P = 32768 the held rows' run-14 entry: without partials it was faster than
+    # the chunks (2048 x 18432 strict backward 151.2 us with it in run 14, 161.7 with the chunks in run 15, call c)
+    "bwd_dx": {32768: TileChoice(rows=1, num_warps=16, split=True, programs_per_sm=2, stages=2)},
 }
 
 
@@ -168,9 +172,11 @@ def column_tiles(n: int, split: bool) -> tuple[int, int]:
 
 
 def row_tile(n: int, direction: str, rows: int | None = None) -> RowTile:
-    """The tile for `rows` rows of N columns (None: the entry for any row count) in direction "fwd" or "bwd"
-    (TILE_TABLE)."""
+    """The tile for `rows` rows of N columns (None: the entry for any row count) in direction "fwd", "bwd" or "bwd_dx"
+    (TILE_TABLE; "bwd_dx" falls back to "bwd")."""
     p = next_pow2(n)
+    if direction == "bwd_dx" and p not in TILE_TABLE.get("bwd_dx", {}):
+        direction = "bwd"
     choice = TILE_TABLE[direction].get(p) or TileChoice(split=DEFAULT_SPLIT[direction])
     if not isinstance(choice, TileChoice):
         choice = for_rows(choice, rows)
@@ -355,9 +361,9 @@ class TritonBackend:
         # (701 vs 291 us at 2048 x 18432 on an H200, bench/results/2026-11-29-h200-run2): rows in column chunks
         # keep them in global memory instead (kernels.py, _bwd_chunked); rows held whole take the fold, which is
         # deterministic too, for dw="fast".
-        tile = row_tile(n, "bwd", rows)
-        partials = (need_dw and dw_mode == "fast" and not views.per_head
-                    and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0))
+        wants_partials = need_dw and dw_mode == "fast" and not views.per_head
+        tile = row_tile(n, "bwd" if wants_partials else "bwd_dx", rows)
+        partials = wants_partials and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0)
         blocks = _cdiv(rows, tile.rows)
         persistent = partials or tile.prefetch or tile.stages > 1
         nprog = min(blocks, _num_sms(z.device) * tile.programs_per_sm) if persistent else blocks
