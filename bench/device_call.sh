@@ -65,7 +65,8 @@ job_command() {
     bench) echo "timeout ${BENCH_TIMEOUT:-330} python3 -m strictnorm.bench --json '$W/bench.json'" \
                 "--markdown '$W/bench.md' ${BENCH_ARGS:-} > '$log' 2>&1" ;;
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
-    memcheck) echo "PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_TIMEOUT:-240} compute-sanitizer --tool memcheck" \
+    memcheck) echo "PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_TIMEOUT:-240}" \
+                   "\$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer) --tool memcheck" \
                    "--report-api-errors no --print-limit 8 python3 -m pytest -q -p no:xdist -p no:cacheprovider" \
                    "tests/test_gpu.py -k '${MEMCHECK_K:-reads_nothing or cuda_backward_bitwise and 5120}' > '$log' 2>&1" ;;
     *) echo "echo 'device_call.sh: unknown job $job' | tee '$log' >&2" ;;
