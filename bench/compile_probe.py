@@ -82,9 +82,10 @@ def main(ns: list[int]) -> None:
                                                     **fwd_tile.forward_constexprs()}, warps)
         print(f"N={n:6d} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
         common, warps = tiled("bwd")
+        bwd_tile = tb.row_tile(n, "bwd")
         c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True,
-                                                    **tb.row_tile(n, "bwd").backward_constexprs(),
-                                                    **tb.row_tile(n, "bwd").chunk_constexprs()}, warps)
+                                                    **bwd_tile.backward_constexprs(), **bwd_tile.chunk_constexprs()},
+                        warps)
         print(f"N={n:6d} bwd  {s:6.1f} s  {_stats(c)}", flush=True)
     c, s = _compile(k.fold_kernel, fold_sig, {"BN": tb._FOLD_BN, "UNROLL": tb._FOLD_UNROLL, "WHAT": 1, "XDT": 1}, 2)
     print(f"fold        {s:6.1f} s  {_stats(c)}")

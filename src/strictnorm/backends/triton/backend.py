@@ -149,7 +149,7 @@ class RowTile:
         return {**self.constexprs(), **_launch_opts(self.num_warps)}
 
     def backward_constexprs(self) -> dict:
-        """The backward's prefetch constexprs."""
+        """The backward's prefetch and pipeline-stage constexprs."""
         return dict(PREFETCH=self.prefetch, STAGES=self.stages)
 
     def forward_constexprs(self) -> dict:

@@ -283,15 +283,20 @@ def _bwd_fetch(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, RSTD, blk, M, N, R1, G, cols
     z_offs, _ = row_offsets(rows, R1, G, zs0, zs1, zsg)
     d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
     rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
-    mask_a = (rows < M)[:, None] & (cols_a < N)[None, :]
-    za = tl.load(Z + z_offs[:, None] + cols_a[None, :], mask=mask_a, other=0.0)
-    da = tl.load(DY + d_offs[:, None] + cols_a[None, :], mask=mask_a, other=0.0)
+    za, da = _bwd_load(Z, z_offs, DY, d_offs, rows, M, N, cols_a)
     zb, db = za, da
     if T > 0:
-        mask_b = (rows < M)[:, None] & (cols_b < N)[None, :]
-        zb = tl.load(Z + z_offs[:, None] + cols_b[None, :], mask=mask_b, other=0.0)
-        db = tl.load(DY + d_offs[:, None] + cols_b[None, :], mask=mask_b, other=0.0)
+        zb, db = _bwd_load(Z, z_offs, DY, d_offs, rows, M, N, cols_b)
     return rstd, za, da, zb, db
+
+
+@triton.jit
+def _bwd_load(Z, z_offs, DY, d_offs, rows, M, N, cols):
+    """z and dy of rows' columns `cols`, as loaded (0 past the end)."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    z = tl.load(Z + z_offs[:, None] + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + d_offs[:, None] + cols[None, :], mask=mask, other=0.0)
+    return z, dy
 
 
 @triton.jit
@@ -324,9 +329,7 @@ def _bwd_output(xh, gr, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols, XDT
 def _bwd_chunk(DY, d_offs, Z, z_offs, W, wsg, g, rows, rstd, M, N, cols, offset, MODE: tl.constexpr,
                XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr):
     """_bwd_input of one column chunk, loaded here (z, dy and the shared weight's chunk)."""
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    z = tl.load(Z + z_offs[:, None] + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + d_offs[:, None] + cols[None, :], mask=mask, other=0.0)
+    z, dy = _bwd_load(Z, z_offs, DY, d_offs, rows, M, N, cols)
     wf = tl.zeros((1, cols.shape[0]), tl.float32)
     if not PER_HEAD:
         wf = effective_weight(W, cols, cols < N, offset, MODE, XDT, HAS_W)[None, :]
