@@ -11,9 +11,12 @@
 #   cute          tests/test_cute.py
 #   pytest:EXPR   tests/ -k EXPR (EXPR without spaces; '+' stands for a space)
 #   sweep-triton, sweep-cuda, sweep-cute, sweep-fold
-#                 bench/sweep_*.py, configured by the SWEEP_* variables; a Triton or CUDA sweep's choices also go
-#                 to /tmp/strictnorm-<name>-tuning.json, which a later call on the same machine takes with
-#                 TUNING_FROM_LAST=1
+#                 bench/sweep_*.py, configured by the SWEEP_* variables; a Triton or CUDA sweep's choices are also
+#                 merged into /tmp/strictnorm-<name>-tuning.json (by padded length), which a later call on the same
+#                 machine takes with TUNING_FROM_LAST=1 (and which comes back as <name>-tuning.json)
+#   sweep-triton:TAG, sweep-cuda:TAG
+#                 the same with the settings of $SWEEP_ENV_TAG added ("SWEEP_SHAPES=2048x4096 SWEEP_PIPELINES=1"):
+#                 several sweeps in one call
 #   bench         `strictnorm bench` ($BENCH_ARGS)
 #   host          bench/host_breakdown.py
 #   memcheck      compute-sanitizer over the guard-band tests ($MEMCHECK_K)
@@ -56,10 +59,12 @@ job_command() {
                "tests/test_cute.py > '$log' 2>&1" ;;
     pytest:*) echo "timeout ${TEST_TIMEOUT:-400} python3 -m pytest -n ${TEST_WORKERS:-12} -q -rfE -p no:cacheprovider" \
                    "tests -k '$(echo "${job#pytest:}" | tr + ' ')' > '$log' 2>&1" ;;
-    sweep-triton|sweep-cuda)
-      local name=${job#sweep-}
-      echo "timeout ${SWEEP_TIMEOUT:-400} python3 bench/sweep_$name.py '$W/$job.json' '$W/$job-tuning.json' > '$log' 2>&1;" \
-           "cp '$W/$job-tuning.json' /tmp/strictnorm-$name-tuning.json 2>/dev/null" ;;
+    sweep-triton|sweep-cuda|sweep-triton:*|sweep-cuda:*)
+      local name=${job#sweep-} base="$W/${job//:/-}" settings=""
+      name=${name%%:*}
+      [[ $job == *:* ]] && { local var="SWEEP_ENV_${job#*:}"; settings=${!var:-}; }
+      echo "env $settings timeout ${SWEEP_TIMEOUT:-400} python3 bench/sweep_$name.py '$base.json' '$base-tuning.json'" \
+           "> '$log' 2>&1; python3 bench/tuning_merge.py /tmp/strictnorm-$name-tuning.json '$base-tuning.json'" ;;
     sweep-cute|sweep-fold)
       echo "timeout ${SWEEP_TIMEOUT:-400} python3 bench/sweep_${job#sweep-}.py '$W/$job.json' > '$log' 2>&1" ;;
     bench) echo "timeout ${BENCH_TIMEOUT:-330} python3 -m strictnorm.bench --json '$W/bench.json'" \
@@ -128,11 +133,14 @@ for job in $ALONE $FIRST $SECOND; do
       { echo "==== $job"; cat "$log"; } >> "$tests_log" 2>/dev/null ;;
     *)
       echo "$job: $(tail -n 1 "$log" 2>/dev/null)"
-      cp "$log" "$W/$job.json" "$OUT/" 2>/dev/null
+      cp "$log" "$W/${job//:/-}.json" "$OUT/" 2>/dev/null
       [ "$job" = bench ] && { cp "$W/bench.md" "$OUT/"; tail -n 40 "$W/bench.md"; }
-      [[ $job == sweep-triton || $job == sweep-cuda ]] && { cp "$W/$job-tuning.json" "$OUT/" 2>/dev/null; sed -n '/best per shape/,$p' "$log"; }
+      [[ $job == sweep-triton* || $job == sweep-cuda* ]] && sed -n '/best per shape/,$p' "$log"
       [ "$job" = host ] && cp "$W/host.json" "$OUT/" 2>/dev/null ;;
   esac
+done
+for name in triton cuda; do  # the choices of this call's sweeps, merged
+  [[ " $ALONE $FIRST $SECOND " == *" sweep-$name"* ]] && cp "/tmp/strictnorm-$name-tuning.json" "$OUT/$name-tuning.json"
 done
 [ -f "$W/failures.log" ] && { echo "==== failures"; cat "$W/failures.log"; } >> "$tests_log"
 bash bench/device_cache.sh save

@@ -6,9 +6,9 @@ plans. SWEEP_WFIRST=1 tries each configuration also with the forward's weight lo
 SWEEP_CHUNKS=1024,2048 adds rows in column chunks of those lanes (rows longer than a chunk; one or two rows a
 program, SWEEP_PROGRAMS (2,4) programs an SM in the backward, SWEEP_WARPS (1,2,4,8,16) warps, the chunk loops' loads
 in SWEEP_STAGES (1) shared-memory stages); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction.
-SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (and with twice its warps), its
-pipelining: the next block prefetched into registers, the loop's loads in 2 or 3 shared-memory stages,
-2 or 4 programs an SM. Every result is checked against the torch reference's bits
+SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (the forward's with
+SWEEP_DIRECTIONS=fwd; and with twice its warps), its pipelining: the next block prefetched into registers, the loop's
+loads in 2 or 3 shared-memory stages, 2 or 4 programs an SM. Every result is checked against the torch reference's bits
 (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and timed kernel-only as in strictnorm.bench.
 SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the time: about 2 s per configuration and direction on
 an H200 machine). Run on the GPU machine:
@@ -64,19 +64,23 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
 
 
 def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:
-    """The backward's choice for M x N, with its warps and twice them, each with every pipelining (TileChoice:
-    programs_per_sm, prefetch, stages)."""
+    """The choice for M x N of the direction swept (the backward's, or the forward's with SWEEP_DIRECTIONS=fwd), with
+    its warps and twice them, each with every pipelining (TileChoice: programs_per_sm, prefetch, stages; in the
+    forward each makes the grid persistent, so without either it is the choice itself and is not repeated)."""
+    direction = "fwd" if DIRECTIONS == ["fwd"] else "bwd"
     p = next_pow2(n)
-    entry = ORIGINAL_TABLE["bwd"].get(p) or tb.TileChoice(split=tb.DEFAULT_SPLIT["bwd"])
-    tile = tb.row_tile(n, "bwd", m)
+    entry = ORIGINAL_TABLE[direction].get(p) or tb.TileChoice(split=tb.DEFAULT_SPLIT[direction])
+    tile = tb.row_tile(n, direction, m)
     base = dataclasses.replace(entry if isinstance(entry, tb.TileChoice) else tb.TileChoice(split=tile.t > 0),
-                               rows=tile.rows, num_warps=tile.num_warps)
+                               rows=tile.rows, num_warps=tile.num_warps, chunk=0)
+    pipelines = ((True, 1), (False, 2), (False, 3), (True, 2)) if direction == "fwd" else \
+        ((False, 1), (True, 1), (False, 2), (False, 3))
     out = []
     for warps in (tile.num_warps, 2 * tile.num_warps):
         if warps * 32 > tile.rows * (tile.pa + tile.t) or warps > 32:
             continue
         for programs in (2, 4):
-            for prefetch, stages in ((False, 1), (True, 1), (False, 2), (False, 3)):
+            for prefetch, stages in pipelines:
                 out.append(dataclasses.replace(base, num_warps=warps, programs_per_sm=programs, prefetch=prefetch,
                                                stages=stages))
     return out

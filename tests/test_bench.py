@@ -226,3 +226,29 @@ def test_device_call_plans_its_jobs(tmp_path):
     assert all(f"{tmp_path}/w/" in line for line in lines)
     bad = subprocess.run(["bash", "bench/device_call.sh", "--bogus"], cwd=root, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
+
+
+def test_device_call_runs_tagged_sweeps_with_their_settings(tmp_path):
+    """device_call.sh's sweep-triton:TAG runs the sweep with $SWEEP_ENV_TAG's settings, its files named by the tag,
+    and merges its choices into the machine's tuning file; bench/tuning_merge.py replaces entries per direction and
+    padded length and keeps the rest."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"),
+           "SWEEP_ENV_fwd": "SWEEP_DIRECTIONS=fwd SWEEP_PIPELINES=1"}
+    run = subprocess.run(["bash", "bench/device_call.sh", "--first", "sweep-triton:fwd sweep-triton:other"],
+                         cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    fwd, other = run.stdout.splitlines()
+    assert "env SWEEP_DIRECTIONS=fwd SWEEP_PIPELINES=1 timeout" in fwd and f"{tmp_path}/w/sweep-triton-fwd.json" in fwd
+    assert "tuning_merge.py /tmp/strictnorm-triton-tuning.json" in fwd and "SWEEP_" not in other
+    into, new = tmp_path / "into.json", tmp_path / "new.json"
+    into.write_text(json.dumps({"fwd": {"4096": {"rows": 2}, "128": {"rows": 8}}, "bwd": {"128": {"rows": 16}}}))
+    new.write_text(json.dumps({"fwd": {"4096": {"rows": 1, "prefetch": True}}}))
+    subprocess.run([sys.executable, str(root / "bench" / "tuning_merge.py"), str(into), str(new)], check=True)
+    assert json.loads(into.read_text()) == {"fwd": {"4096": {"rows": 1, "prefetch": True}, "128": {"rows": 8}},
+                                            "bwd": {"128": {"rows": 16}}}
+    subprocess.run([sys.executable, str(root / "bench" / "tuning_merge.py"), str(into), str(tmp_path / "none.json")],
+                   check=True)  # a sweep that wrote nothing changes nothing
+    assert json.loads(into.read_text())["fwd"]["4096"] == {"rows": 1, "prefetch": True}

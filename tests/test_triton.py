@@ -420,6 +420,29 @@ def test_backward_prefetch_and_stages_give_the_same_bits(n, split, qk, seed, mon
         _assert_same(outs[0], outs[-1])
 
 
+@pytest.mark.parametrize("n, split, qk", [(5, True, False), (40, False, True), (40, True, True), (64, False, False)])
+def test_forward_persistent_grid_gives_the_same_bits(n, split, qk, seed, monkeypatch):
+    """The forward's persistent grid (rows held whole, programs striding over blocks with the next block prefetched
+    into registers and/or the loop's loads pipelined; a shared weight loaded once a program) changes no bit: y, z and
+    rstd against the reference. Four programs (one an SM of the CPU's stand-in four), so the last prefetch runs past
+    the end; the fused add, or per-head weights (loaded per block); the weight first or after the sum."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    p = next_pow2(n)
+    x, w, dy, kw = _per_head_or_fused_case(n, qk, 22, "strict", g)
+    want = _run("torch", x, w, dy, **kw)
+    for prefetch, stages, w_first in ((True, 1, False), (False, 2, True), (True, 3, False)):
+        choice = tb.TileChoice(rows=2, split=split, programs_per_sm=1, prefetch=prefetch, stages=stages,
+                               w_first=w_first)
+        monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {p: choice}, "bwd": {}})
+        monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+        assert tb.row_tile(n, "fwd").forward_persistent
+        _assert_same(want, _run("triton", x, w, dy, **kw))
+        (plan,) = get_backend("triton")._fwd_plans.values()
+        assert plan.grid == (4,) and plan.meta["PERSISTENT"] and plan.meta["PREFETCH"] == prefetch
+
+
 @pytest.mark.parametrize("n, qk, chunk", [(5, False, 2), (40, False, 8), (40, True, 16), (64, False, 8),
                                           (100, False, 32)])
 def test_backward_column_chunks_give_the_same_bits(n, qk, chunk, seed, monkeypatch):

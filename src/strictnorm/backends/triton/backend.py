@@ -67,9 +67,11 @@ class TileChoice:
     # (kernels.py, CHUNK; fewer registers a row, so more rows in flight; in the backward, the fast dW's partials in
     # a row of global memory per program instead of registers); 0: held whole
     chunk: int = 0
-    # backward: programs striding over the row blocks (persistent grid) per SM; the next block's rows loaded into
-    # registers before this block's sums (kernels.py, PREFETCH); the loop's loads pipelined through shared memory in
-    # `stages` stages (STAGES; 1: not pipelined; in the forward, the column-chunk loops' only)
+    # programs striding over the row blocks (persistent grid) per SM; the next block's rows loaded into registers
+    # before this block's sums (kernels.py, PREFETCH); the loop's loads pipelined through shared memory in `stages`
+    # stages (STAGES; 1: not pipelined; rows in column chunks: the chunk loops'). The forward's grid is persistent
+    # where its rows are held whole and prefetched or pipelined (a shared weight then loaded once a program); the
+    # backward's also where its fast dW adds partials in the kernel
     programs_per_sm: int = 4
     prefetch: bool = False
     stages: int = 1
@@ -136,7 +138,7 @@ class RowTile:
     num_warps: int
     w_first: bool = False
     chunk: int = 0  # column chunks (0: rows held whole)
-    programs_per_sm: int = 4  # the backward's persistent grid, prefetch and pipeline stages (TileChoice)
+    programs_per_sm: int = 4  # the persistent grid, prefetch and pipeline stages (TileChoice)
     prefetch: bool = False
     stages: int = 1
 
@@ -152,9 +154,17 @@ class RowTile:
         """The backward's prefetch and pipeline-stage constexprs."""
         return dict(PREFETCH=self.prefetch, STAGES=self.stages)
 
+    @property
+    def forward_persistent(self) -> bool:
+        """Whether the forward's programs stride over the blocks (rows held whole, prefetched or pipelined)."""
+        return not self.chunk and (self.prefetch or self.stages > 1)
+
     def forward_constexprs(self) -> dict:
-        """The forward's weight-first, chunk and (chunk loops only) stage constexprs."""
-        return dict(W_FIRST=self.w_first, STAGES=self.stages if self.chunk else 1, **self.chunk_constexprs())
+        """The forward's weight-first, chunk, persistent-grid and stage constexprs (the chunk loops' stages, or the
+        persistent grid's)."""
+        persistent = self.forward_persistent
+        return dict(W_FIRST=self.w_first, STAGES=self.stages if self.chunk or persistent else 1,
+                    PERSISTENT=persistent, PREFETCH=self.prefetch and persistent, **self.chunk_constexprs())
 
     def chunk_constexprs(self) -> dict:
         """The column-chunk constexprs (CHUNK = 0: none)."""
@@ -310,7 +320,9 @@ class TritonBackend:
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
                     **tile.forward_constexprs(), **tile.meta())
-        return _Plan(views, (_cdiv(lay.rows, tile.rows),), w.stride(0) if views.per_head else 0,
+        blocks = _cdiv(lay.rows, tile.rows)
+        nprog = min(blocks, _num_sms(x.device) * tile.programs_per_sm) if tile.forward_persistent else blocks
+        return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,
                      _Launcher(_kernels().rms_fwd_kernel, meta))
 

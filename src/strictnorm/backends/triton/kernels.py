@@ -151,18 +151,34 @@ def normalized_as_used(xf, rstd, MODE: tl.constexpr, XDT: tl.constexpr):
 
 
 @triton.jit
+def _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols, HAS_RES: tl.constexpr):
+    """One column tile of the forward's input rows as loaded: x, and the residual (x again without one)."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    x = tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0)
+    r = x
+    if HAS_RES:
+        r = tl.load(RES + r_offs[:, None] + cols[None, :], mask=mask, other=0.0)
+    return x, r
+
+
+@triton.jit
+def _fwd_widen(x, r, Z, rows, M, N, cols, XDT: tl.constexpr, HAS_RES: tl.constexpr, STORE_Z: tl.constexpr = True):
+    """The norm's input of one loaded column tile, widened: x, or z = rd(f32(x) + f32(residual), residual dtype)
+    (stored to Z unless STORE_Z is False)."""
+    xf = widen(x)
+    if HAS_RES:
+        xf = round_f32(xf + widen(r), XDT)
+        if STORE_Z:
+            store_rounded(Z + rows[:, None] * N + cols[None, :], xf, (rows < M)[:, None] & (cols < N)[None, :], XDT)
+    return xf
+
+
+@triton.jit
 def _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT: tl.constexpr, HAS_RES: tl.constexpr,
                STORE_Z: tl.constexpr = True):
-    """One column tile of the norm's input rows, widened: x, or z = rd(f32(x) + f32(residual), residual
-    dtype) (stored to Z unless STORE_Z is False)."""
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    xf = widen(tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0))
-    if HAS_RES:
-        rf = widen(tl.load(RES + r_offs[:, None] + cols[None, :], mask=mask, other=0.0))
-        xf = round_f32(xf + rf, XDT)
-        if STORE_Z:
-            store_rounded(Z + rows[:, None] * N + cols[None, :], xf, mask, XDT)
-    return xf
+    """_fwd_widen of one column tile, loaded here."""
+    x, r = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols, HAS_RES)
+    return _fwd_widen(x, r, Z, rows, M, N, cols, XDT, HAS_RES, STORE_Z)
 
 
 @triton.jit
@@ -229,49 +245,122 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
                    HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, W_FIRST: tl.constexpr,
                    CHUNK: tl.constexpr = 0, LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1,
-                   LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1):
+                   LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
+                   PREFETCH: tl.constexpr = False):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
-    y needs it); the same bits either way."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
-    r_offs = x_offs
-    if HAS_RES:
-        r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
+    y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). The same bits
+    every way."""
+    pid = tl.program_id(0)
+    cols_a = tl.arange(0, PA)
+    cols_b = PA + tl.arange(0, T if T > 0 else 1)
     if CHUNK > 0:
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
+        r_offs = x_offs
+        if HAS_RES:
+            r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
         _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
                      NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES)
+    elif PERSISTENT:
+        _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pid, M, N, R1, G, eps, offset,
+                        cols_a, cols_b, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES,
+                        PREFETCH)
     else:
-        _fwd_tiles(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, PA, LOG2PA, T, LOG2T,
-                   MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST)
+        xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b, ROWS, T,
+                                    HAS_RES)
+        wf_a, wf_b = tl.zeros((1, PA), tl.float32), tl.zeros((1, T if T > 0 else 1), tl.float32)
+        if W_FIRST:
+            wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W,
+                                      PER_HEAD)
+        _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST)
 
 
 @triton.jit
-def _fwd_tiles(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
-               PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr, LOG2T: tl.constexpr, MODE: tl.constexpr,
-               XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-               HAS_RES: tl.constexpr, W_FIRST: tl.constexpr):
-    """y and rstd of rows held whole, in one or two column tiles."""
-    cols_a = tl.arange(0, PA)
-    xa = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols_a, XDT, HAS_RES)
-    xb = xa
-    cols_b = PA + tl.arange(0, T if T > 0 else 1)
+def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pid, M, N, R1, G, eps, offset, cols_a,
+                    cols_b, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
+                    LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
+                    HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr,
+                    PREFETCH: tl.constexpr):
+    """Rows held whole, programs striding over the blocks: a shared weight loaded once a program; PREFETCH: the next
+    block's rows loaded into registers before this block's sum (their loads in flight while it computes and
+    stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory."""
+    nprog = tl.num_programs(0)
+    wf_a, wf_b = tl.zeros((1, PA), tl.float32), tl.zeros((1, T if T > 0 else 1), tl.float32)
+    if not PER_HEAD:
+        wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD)
+    if PREFETCH:
+        n_xa, n_ra, n_xb, n_rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b,
+                                            ROWS, T, HAS_RES)
+    for blk in tl.range(pid, tl.cdiv(M, ROWS), nprog, num_stages=STAGES):
+        if PREFETCH:
+            xa, ra, xb, rb = n_xa, n_ra, n_xb, n_rb
+            n_xa, n_ra, n_xb, n_rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, blk + nprog, M, N, R1, G,
+                                                cols_a, cols_b, ROWS, T, HAS_RES)
+        else:
+            xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, blk, M, N, R1, G, cols_a, cols_b, ROWS,
+                                        T, HAS_RES)
+        # per-head weights: loaded for each block, after its sum
+        _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b, ROWS,
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD)
+
+
+@triton.jit
+def _block_rows(blk, ROWS: tl.constexpr):
+    """The logical rows of block blk (64-bit)."""
+    return tl.cast(blk, tl.int64) * ROWS + tl.arange(0, ROWS)
+
+
+@triton.jit
+def _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, blk, M, N, R1, G, cols_a, cols_b, ROWS: tl.constexpr,
+               T: tl.constexpr, HAS_RES: tl.constexpr):
+    """The forward's loads of one block of rows, as loaded (x and the residual of each column tile; tile b is tile a
+    when T == 0). A block past the end loads nothing (every lane masked)."""
+    rows = _block_rows(blk, ROWS)
+    x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
+    r_offs = x_offs
+    if HAS_RES:
+        r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
+    xa, ra = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols_a, HAS_RES)
+    xb, rb = xa, ra
     if T > 0:
-        xb = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols_b, XDT, HAS_RES)
-    if W_FIRST:
-        wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD)
-        wf_b = wf_a
-        if T > 0:
-            wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD)
-    rstd = _rstd(tiled_canon_sum(xa * xa, xb * xb, ROWS, PA, LOG2PA, T, LOG2T), N, eps, ROWS)
+        xb, rb = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols_b, HAS_RES)
+    return xa, ra, xb, rb
+
+
+@triton.jit
+def _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS: tl.constexpr, T: tl.constexpr,
+                 MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr):
+    """The effective weight of block blk's column tiles (tile b is tile a when T == 0)."""
+    rows = _block_rows(blk, ROWS)
+    g = rows % G
+    wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD)
+    wf_b = wf_a
+    if T > 0:
+        wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD)
+    return wf_a, wf_b
+
+
+@triton.jit
+def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b,
+              ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr, LOG2T: tl.constexpr,
+              MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
+              HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr):
+    """y and rstd of block blk's rows held whole, from their loaded column tiles. W_GIVEN: wf_a and wf_b are the
+    effective weight; else it is loaded after the rows' sum."""
+    rows = _block_rows(blk, ROWS)
+    xfa = _fwd_widen(xa, ra, Z, rows, M, N, cols_a, XDT, HAS_RES)
+    xfb = xfa
+    if T > 0:
+        xfb = _fwd_widen(xb, rb, Z, rows, M, N, cols_b, XDT, HAS_RES)
+    rstd = _rstd(tiled_canon_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T), N, eps, ROWS)
     tl.store(RSTD + rows, rstd, mask=rows < M)
-    if not W_FIRST:
-        wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD)
-    _fwd_output(xa, rstd, wf_a, Y, rows, M, N, cols_a, MODE, XDT, YDT)
+    if not W_GIVEN:
+        wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD)
+    _fwd_output(xfa, rstd, wf_a, Y, rows, M, N, cols_a, MODE, XDT, YDT)
     if T > 0:
-        if not W_FIRST:
-            wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD)
-        _fwd_output(xb, rstd, wf_b, Y, rows, M, N, cols_b, MODE, XDT, YDT)
+        _fwd_output(xfb, rstd, wf_b, Y, rows, M, N, cols_b, MODE, XDT, YDT)
 
 
 @triton.jit
@@ -279,7 +368,7 @@ def _bwd_fetch(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, RSTD, blk, M, N, R1, G, cols
                T: tl.constexpr):
     """The backward's loads of one block of rows, as loaded (rstd, then z and dy of each column tile; tile b is tile
     a when T == 0). A block past the end loads nothing (every lane masked)."""
-    rows = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    rows = _block_rows(blk, ROWS)
     z_offs, _ = row_offsets(rows, R1, G, zs0, zs1, zsg)
     d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
     rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
@@ -351,7 +440,7 @@ def _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, e
     chunks = tl.cdiv(N, CHUNK)
     part_row = DW_PART + pid.to(tl.int64) * N
     for blk in range(pid, tl.cdiv(M, ROWS), nprog):
-        rows = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        rows = _block_rows(blk, ROWS)
         z_offs, g = row_offsets(rows, R1, G, zs0, zs1, zsg)
         d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
         rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
@@ -412,7 +501,7 @@ def _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1,
         else:
             rstd, za, da, zb, db = _bwd_fetch(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, RSTD, blk, M, N, R1, G, cols_a,
                                               cols_b, ROWS, T)
-        rows = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        rows = _block_rows(blk, ROWS)
         _, g = row_offsets(rows, R1, G, zs0, zs1, zsg)
         x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
         e_offs = x_offs
