@@ -75,7 +75,7 @@ def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:
                                rows=tile.rows, num_warps=tile.num_warps, chunk=0)
     pipelines = ((True, 1), (False, 2), (False, 3), (True, 2)) if direction == "fwd" else \
         ((False, 1), (True, 1), (False, 2), (False, 3))
-    out = []
+    out = [base] if direction == "fwd" else []  # the choice itself (measured as a configuration, see best_tunings)
     for warps in (tile.num_warps, 2 * tile.num_warps):
         if warps * 32 > tile.rows * (tile.pa + tile.t) or warps > 32:
             continue

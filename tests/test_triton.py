@@ -424,10 +424,12 @@ def test_backward_prefetch_and_stages_give_the_same_bits(n, split, qk, seed, mon
 def test_forward_persistent_grid_gives_the_same_bits(n, split, qk, seed, monkeypatch):
     """The forward's persistent grid (rows held whole, programs striding over blocks with the next block prefetched
     into registers and/or the loop's loads pipelined; a shared weight loaded once a program) changes no bit: y, z and
-    rstd against the reference. Four programs (one an SM of the CPU's stand-in four), so the last prefetch runs past
-    the end; the fused add, or per-head weights (loaded per block); the weight first or after the sum."""
+    rstd against the reference. Four programs (one an SM of four, the GPU's SMs counted as four), so programs stride
+    over blocks and the last prefetch runs past the end; the fused add, or per-head weights (loaded per block); the
+    weight first or after the sum."""
     from strictnorm.backends.triton import backend as tb
 
+    monkeypatch.setattr(tb, "_num_sms", lambda device: 4)
     g = torch.Generator().manual_seed(seed)
     p = next_pow2(n)
     x, w, dy, kw = _per_head_or_fused_case(n, qk, 22, "strict", g)

@@ -100,11 +100,16 @@ DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 # stages, the backward two rows a program and one program an SM (its fast dW's partial rows in global memory;
 # bench/results/2026-11-30-h200-run15, call b, SWEEP_CHUNKS / SWEEP_STAGES, every configuration bitwise; call c's
 # anchored bench: 2048 x 18432 backward 150.6 -> 130.4 us, forward 56.7 -> 52.3). The backward at P = 65536 in chunks
-# of 2048 (call d: 1024 x 65536 639.2 -> 246.2 us; rows held whole took the strict fold for the fast dW).
+# of 2048 (call d: 1024 x 65536 639.2 -> 246.2 us; rows held whole took the strict fold for the fast dW). The forward's
+# persistent grid (bench/results/2026-11-30-h200-run16, call a, SWEEP_PIPELINES, every configuration bitwise) won at
+# 2048 x 4096 only (prefetched and in 2 stages, 2 programs an SM: 11.0 -> 10.6 us) and lost from 8192 rows of 4096
+# (34.9 -> 36.4+, 130.2 -> 138.8+), at 8192 x 8192 (67.6 -> 70.3+) and 262144 x 128 (34.4 -> 45.1+).
 TileEntry = TileChoice | Bounded[TileChoice]
 TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "fwd": {128: TileChoice(rows=8, num_warps=2),
-            4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True)), (None, TileChoice(rows=2, num_warps=8))),
+            4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True)),
+                   (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
+                   (None, TileChoice(rows=2, num_warps=8))),
             8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=4, chunk=4096, stages=3),
             65536: TileChoice(rows=1, num_warps=4, chunk=2048)},
     "bwd": {128: TileChoice(rows=16, num_warps=8),
