@@ -109,12 +109,39 @@ def test_backward_compiles_with_only_rounded_fp32_ops(n, mode, vector, has_dres,
     assert ("ld.global.v4" in ptx) == vector
 
 
+@pytest.fixture(params=[False, True], ids=["", "prefetch"])
+def backward_prefetch(request, monkeypatch):
+    """The cute backward with and without the next row prefetched into registers (ForwardShape.prefetch)."""
+    monkeypatch.setitem(K.HOLD, "backward_prefetch", request.param)
+    for cached in (K.tuned_shape, K.compile_backward):
+        cached.cache_clear()
+    yield request.param
+    for cached in (K.tuned_shape, K.compile_backward):
+        cached.cache_clear()
+
+
+@pytest.mark.parametrize("n, hold", [(128, True), (4096, True), (8192, False), (7, True)])
+def test_prefetched_rows_are_loaded_once(n, hold, backward_prefetch, tmp_path):
+    """With prefetch the backward loads each piece of z and dy once a row as without (the first row before the loop,
+    the next one in it: twice the load instructions), and the same weight loads; rounded fp32 ops only."""
+    bf16 = cutlass.BFloat16
+    op, args = K.backward_args(n, bf16, bf16, bf16, "llama", n % 8 == 0, False, True)
+    assert (op.s.prefetch, op.s.hold) == (backward_prefetch, hold)
+    ptx = _compiled_ptx(tmp_path, op, args)
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+    if n % 8:
+        return
+    z_dy = 2 * (2 if backward_prefetch else 1) + (0 if hold else 2)  # without hold pass 2 reads z and dy again
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (z_dy + 2) * op.s.k
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [1, 7, 128, 1000, 4096, 18432])
+@pytest.mark.parametrize("n", [1, 7, 128, 1000, 4096, 8192, 18432])
 @pytest.mark.parametrize("mode", ["llama", "gemma", "none"])
-def test_backward_bitwise_on_gpu(n, mode, seed):
+def test_backward_bitwise_on_gpu(n, mode, seed, backward_prefetch):
     """dx bitwise against the reference, with and without a residual gradient, in vector and
-    element-wise rows; the fast dW (sum of the partials) close to the strict one and repeatable."""
+    element-wise rows; the fast dW (sum of the partials) close to the strict one and repeatable. With and without
+    prefetch (the last row's prefetch runs past the end)."""
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec
 

@@ -83,6 +83,9 @@ class ForwardShape:
     hold: bool = False
     persistent: bool = True
     hold_weight: bool = False  # the backward with hold: the weight's lanes held too (else read again in pass 2)
+    # the backward: the next row's z, dy and rstd loaded into registers (as loaded) before this row's sums, so their
+    # loads are in flight while it computes and stores
+    prefetch: bool = False
 
     @property
     def threads(self) -> int:
@@ -98,7 +101,7 @@ class ForwardShape:
 _HOLD_MAX_VALUES = {False: 32, True: 16}
 # what the tables' shapes hold between the passes (bench/sweep_cute.py times the alternatives on a GPU; any
 # choice gives the same bits)
-HOLD = {"forward": True, "backward": True, "backward_weight": False}
+HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": False}
 
 
 def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardShape:
@@ -128,7 +131,8 @@ def tuned_shape(n: int, backward: bool) -> ForwardShape:
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
-                   hold_weight=hold and backward and HOLD["backward_weight"])
+                   hold_weight=hold and backward and HOLD["backward_weight"],
+                   prefetch=backward and HOLD["backward_prefetch"])
 
 
 @dataclass
@@ -216,22 +220,36 @@ class _RowKernel:
                ) -> cute.Tensor:
         """Piece kk of thread t of a row (a 1D tensor), widened to fp32; +0.0 past N or when not ok.
         Every address read is inside the row."""
+        raw = cute.make_rmem_tensor((self.s.piece,), line.element_type)
+        self._load_piece(line, kk, t, n, ok, raw)
+        return self._widen_piece(raw.load(), kk, t, n, ok)
+
+    @cute.jit
+    def _load_piece(self, line: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean,
+                    raw: cute.Tensor) -> None:
+        """Piece kk of thread t of a row as loaded, into raw (the row's dtype): with vector access zeros past N or
+        when not ok; else every lane from a column inside the row (_widen_piece zeroes the lanes past N)."""
         s = self.s
-        out = cute.make_rmem_tensor((s.piece,), Float32)
         if const_expr(self.vector):
-            raw = cute.make_rmem_tensor((s.piece,), line.element_type)
             idx = kk * s.tpr + t
             if ok & (idx * s.piece < n):
                 atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), line.element_type, num_bits_per_copy=128)
                 cute.copy(atom, cute.zipped_divide(line, (s.piece,))[None, idx], raw)
             else:
                 raw.fill(0)
-            out.store(raw.load().to(Float32))
         else:
             for i in cutlass.range_constexpr(s.piece):
-                col = (kk * s.tpr + t) * s.piece + i
-                v = line[cutlass.min(col, n - 1)].to(Float32)
-                out[i] = cutlass.select_(ok & (col < n), v, Float32(0.0))
+                raw[i] = line[cutlass.min((kk * s.tpr + t) * s.piece + i, n - 1)]
+
+    @cute.jit
+    def _widen_piece(self, raw, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean) -> cute.Tensor:
+        """A loaded piece (_load_piece's values) widened to fp32, +0.0 past N or when not ok."""
+        s = self.s
+        out = cute.make_rmem_tensor((s.piece,), Float32)
+        out.store(raw.to(Float32))
+        if const_expr(not self.vector):
+            for i in cutlass.range_constexpr(s.piece):
+                out[i] = cutlass.select_(ok & ((kk * s.tpr + t) * s.piece + i < n), out[i], Float32(0.0))
         return out
 
     @cute.jit
@@ -330,6 +348,18 @@ class RMSNormBackward(_RowKernel):
         self.partials = partials
 
     @cute.jit
+    def _fetch(self, mZ: cute.Tensor, mDY: cute.Tensor, mRstd: cute.Tensor, row: Int32, rows: Int32, t: Int32, n: Int32,
+               next_z: list, next_d: list, next_rstd: cute.Tensor) -> None:
+        """Loads a row's pieces of z and dy (as loaded) and its rstd into the prefetch registers; a row past the end
+        reads row rows - 1's rstd and no piece."""
+        live = row < rows
+        r = cutlass.min(row, rows - 1)
+        for kk in cutlass.range_constexpr(self.s.k):
+            self._load_piece(mZ[r, None], kk, t, n, live, next_z[kk])
+            self._load_piece(mDY[r, None], kk, t, n, live, next_d[kk])
+        next_rstd[0] = mRstd[r]
+
+    @cute.jit
     def __call__(self, mDY: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mRstd: cute.Tensor, mDres: cute.Tensor,
                  mDX: cute.Tensor, mPart: cute.Tensor, rows: Int32, n: Int32, offset: Float32, grid: Int32,
                  stream: cuda_driver.CUstream):
@@ -344,18 +374,34 @@ class RMSNormBackward(_RowKernel):
         t = th.t
         dw_acc = cute.make_rmem_tensor((s.k, s.piece), Float32)
         dw_acc.fill(0.0)
+        # with prefetch: the next row's pieces of z and dy, as loaded, and its rstd
+        next_z = [cute.make_rmem_tensor((s.piece,), mZ.element_type) for _ in range(s.k)]
+        next_d = [cute.make_rmem_tensor((s.piece,), mDY.element_type) for _ in range(s.k)]
+        next_rstd = cute.make_rmem_tensor((1,), Float32)
+        if const_expr(s.prefetch):
+            self._fetch(mZ, mDY, mRstd, th.row(s, 0), rows, t, n, next_z, next_d, next_rstd)
         for it in cutlass.range(th.iters):
             row = th.row(s, it)
             live = row < rows
             r = cutlass.min(row, rows - 1)
             zrow = mZ[r, None]
             drow = mDY[r, None]
-            rstd = mRstd[r]  # a dead row (r clamped) reads a real rstd; its pieces are zero and nothing is stored
+            if const_expr(s.prefetch):
+                raw_z = [v.load() for v in next_z]
+                raw_d = [v.load() for v in next_d]
+                rstd = next_rstd[0]
+                self._fetch(mZ, mDY, mRstd, th.row(s, it + 1), rows, t, n, next_z, next_d, next_rstd)
+            else:
+                rstd = mRstd[r]  # a dead row (r clamped) reads a real rstd; its pieces are zero and nothing is stored
             # pass 1: the piece trees of xh * g
             part, held = [], []
             for kk in cutlass.range_constexpr(s.k):
-                zs = self._piece(zrow, kk, t, n, live)
-                ds = self._piece(drow, kk, t, n, live)
+                if const_expr(s.prefetch):
+                    zs = self._widen_piece(raw_z[kk], kk, t, n, live)
+                    ds = self._widen_piece(raw_d[kk], kk, t, n, live)
+                else:
+                    zs = self._piece(zrow, kk, t, n, live)
+                    ds = self._piece(drow, kk, t, n, live)
                 if const_expr(self.has_weight):
                     ws = self._piece(mW, kk, t, n, live)
                 held.append((zs, ds, ws if const_expr(self.has_weight and s.hold_weight) else None))
