@@ -110,7 +110,7 @@ if [ -z "${DRY_RUN:-}" ]; then
     done
   fi
 fi
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}  # GPUS: the count to plan for (tests)
 # shellcheck disable=SC2086  # job lists split on spaces
 run_jobs "" $ALONE
 if [ "${gpus:-0}" -gt 1 ]; then

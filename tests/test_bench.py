@@ -213,7 +213,7 @@ def test_device_call_plans_its_jobs(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out")}
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"), "GPUS": "1"}
     run = subprocess.run(["bash", "bench/device_call.sh", "--alone", "devices", "--first", "sweep-triton bench",
                           "--second", "suite pytest:65536+or+long_rows nonsense"], cwd=root, env=env,
                          capture_output=True, text=True)

@@ -101,7 +101,11 @@ class ForwardShape:
 _HOLD_MAX_VALUES = {False: 32, True: 16}
 # what the tables' shapes hold between the passes (bench/sweep_cute.py times the alternatives on a GPU; any
 # choice gives the same bits)
-HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": False}
+# The backward's prefetch applies where its rows are held (on an H200, bench/results/2026-11-30-h200-run16, call d,
+# sweep_cute, every configuration bitwise: with 2 blocks an SM, 2048 x 4096 26.8 -> 19.9 us, 8192 x 4096 73.0 -> 58.6,
+# 32768 x 4096 246.6 -> 207.7; with 4 at 262144 x 128, 70.2 -> 58.1; rows read twice lost: 8192 x 8192 141.7 -> 159.1,
+# 2048 x 18432 173.1 -> 207.3)
+HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True}
 
 
 def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardShape:
@@ -132,7 +136,7 @@ def tuned_shape(n: int, backward: bool) -> ForwardShape:
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
                    hold_weight=hold and backward and HOLD["backward_weight"],
-                   prefetch=backward and HOLD["backward_prefetch"])
+                   prefetch=hold and backward and HOLD["backward_prefetch"])
 
 
 @dataclass
@@ -584,8 +588,10 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
 # absent for as many as 2048 threads an SM allow (whether or not its registers let that many run at once).
 # bench/sweep_cute.py SWEEP_BLOCKS on an H200 (bench/results/2026-11-30-h200-run15, call c; every configuration
 # bitwise): at P = 8192, 2 blocks an SM, 8192 x 8192 156.7 -> 142.4 us; at P = 4096 fewer blocks won at 2048 rows
-# (27.0 -> 24.7) and lost from 8192 (72.7 -> 75.2, 32768 rows 246.7 -> 269.7): unchanged there.
-BACKWARD_BLOCKS_PER_SM: dict[int, int] = {8192: 2}
+# (27.0 -> 24.7) and lost from 8192 (72.7 -> 75.2, 32768 rows 246.7 -> 269.7). With the next row prefetched (run 16,
+# call d): at P = 4096 2 blocks an SM at every row count (2048 x 4096 30.0 -> 19.9 us, 32768 x 4096 217.3 -> 207.7),
+# at P = 128 4 (262144 x 128 70.2 -> 58.1).
+BACKWARD_BLOCKS_PER_SM: dict[int, int] = {128: 4, 4096: 2, 8192: 2}
 
 
 def backward_blocks_per_sm(n: int) -> int:
