@@ -128,6 +128,7 @@ def test_prefetched_rows_are_loaded_once(n, hold, backward_prefetch, tmp_path):
     once a row as without (the first row before the loop, the next one in it: twice the load instructions), and the
     same weight loads; rounded fp32 ops only."""
     bf16 = cutlass.BFloat16
+    assert not K.backward_args(n, bf16, bf16, bf16, "llama", n % 8 == 0, False, False)[0].s.prefetch  # no partials
     op, args = K.backward_args(n, bf16, bf16, bf16, "llama", n % 8 == 0, False, True)
     assert (op.s.prefetch, op.s.hold) == (backward_prefetch and hold, hold)
     ptx = _compiled_ptx(tmp_path, op, args)
@@ -431,3 +432,4 @@ def test_backward_grid_blocks_per_sm(monkeypatch):
     assert K._grid(K.ForwardShape(piece=8, tpr=8, k=2, rpb=16, persistent=True), 100_000, dev) == 132 * 16
     assert K._grid(K.ForwardShape(piece=8, tpr=256, k=2, rpb=1, persistent=False), 100_000, dev, 2) == 100_000
     assert [K.backward_blocks_per_sm(n) for n in (100, 4096, 5000, 8192, 18432)] == [4, 2, 2, 2, 0]  # the table
+    assert [K.backward_blocks_per_sm(n, partials=False) for n in (100, 4096, 8192)] == [0, 0, 2]  # without partials

@@ -496,7 +496,10 @@ def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, h
     """The backward operator and its fake arguments (see forward_args); the partials have their own
     row count."""
     f = _Fakes(n, vector, backward=True)
-    op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
+    # the prefetch was measured with the fast dW's partials only (without them, as in the strict backward beside the
+    # CUDA fold, the kernel keeps the shape its runs up to run 15 measured)
+    op = RMSNormBackward(replace(f.shape, prefetch=f.shape.prefetch and partials), mode, w_dtype is not None, z_dtype,
+                         vector, has_dres, partials)
     return op, (f.rows(dy_dtype), f.rows(z_dtype), f.weight(w_dtype or z_dtype), f.per_row(), f.rows(z_dtype),
                 f.rows(z_dtype), f.rows(Float32, own_count=True), Int32(1), Int32(n), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
@@ -591,11 +594,15 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
 # (27.0 -> 24.7) and lost from 8192 (72.7 -> 75.2, 32768 rows 246.7 -> 269.7). With the next row prefetched (run 16,
 # call d): at P = 4096 2 blocks an SM at every row count (2048 x 4096 30.0 -> 19.9 us, 32768 x 4096 217.3 -> 207.7),
 # at P = 128 4 (262144 x 128 70.2 -> 58.1).
+# Those choices were measured with the fast dW's partials; the backward without them (strict or per-head dW, no weight
+# gradient) keeps run 15's (with the CUDA fold beside it, 2 blocks an SM made the strict backward at 32768 x 4096
+# 492.3 -> 569.3 us in run 16, call e).
 BACKWARD_BLOCKS_PER_SM: dict[int, int] = {128: 4, 4096: 2, 8192: 2}
+DX_BLOCKS_PER_SM: dict[int, int] = {8192: 2}
 
 
-def backward_blocks_per_sm(n: int) -> int:
-    return BACKWARD_BLOCKS_PER_SM.get(next_pow2(n), 0)
+def backward_blocks_per_sm(n: int, partials: bool = True) -> int:
+    return (BACKWARD_BLOCKS_PER_SM if partials else DX_BLOCKS_PER_SM).get(next_pow2(n), 0)
 
 
 def _grid(shape: ForwardShape, rows: int, device, blocks_per_sm: int = 0) -> int:
@@ -645,7 +652,7 @@ def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool
         n, _TORCH_TO_CUTE[str(z.dtype)], _TORCH_TO_CUTE[str(dy.dtype)],
         _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
         _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi)
-    grid = _grid(shape, rows, z.device, backward_blocks_per_sm(n))
+    grid = _grid(shape, rows, z.device, backward_blocks_per_sm(n, partials))
     part = torch.empty((grid * shape.rpb, n), dtype=torch.float32, device=z.device)
     w = weight if weight is not None else z[0]
     _launch(compiled, tvm_ffi, (dy, z, w, rstd, dres if dres is not None else dy, dx, part),
