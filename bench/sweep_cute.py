@@ -1,7 +1,7 @@
 """The cute backend's hold choices (backends/cute/kernels.py HOLD) timed at the PERF.md shapes.
 
 Variants: rows read twice (no hold), rows held between the passes, and for the backward the weight held too or the
-next row prefetched into registers (with or without hold).
+next row prefetched into registers (where rows are held), also with rows of up to 512 threads held.
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -24,12 +24,12 @@ from strictnorm.backends.cute import kernels as K
 from strictnorm.bench import NORM_SHAPES, Timer
 from strictnorm.reference import next_pow2
 
-VARIANTS = {"read twice": {"forward": False, "backward": False, "backward_weight": False, "backward_prefetch": False},
-            "hold": {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": False},
-            "hold + weight": {"forward": True, "backward": True, "backward_weight": True, "backward_prefetch": False},
-            "hold + prefetch": {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True},
-            "read twice + prefetch": {"forward": False, "backward": False, "backward_weight": False,
-                                      "backward_prefetch": True}}
+_HELD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": False, "threads": 256}
+VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
+            "hold": _HELD,
+            "hold + weight": {**_HELD, "backward_weight": True},
+            "hold + prefetch": {**_HELD, "backward_prefetch": True},
+            "hold 512 + prefetch": {**_HELD, "backward_prefetch": True, "threads": 512}}
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
 TABLE_BLOCKS = dict(K.BACKWARD_BLOCKS_PER_SM)  # 0 in a row's label: what 2048 threads an SM allow, not the table's
@@ -50,8 +50,8 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
             continue
         use(variant)
         for direction, blocks in [("fwd", 0)] + [("bwd", b) for b in BLOCKS]:
-            if direction == "fwd" and name.endswith(("weight", "prefetch")):
-                continue  # the forward's kernel is the "hold" or "read twice" one
+            if direction == "fwd" and name in ("hold + weight", "hold + prefetch"):
+                continue  # the forward's kernel is the "hold" one
             K.BACKWARD_BLOCKS_PER_SM = {**TABLE_BLOCKS, next_pow2(n): blocks}
             label = f"{name}, {blocks} blocks an SM" if blocks else name
             row = {"M": m, "N": n, "direction": direction, "variant": label,

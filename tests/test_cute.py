@@ -139,6 +139,24 @@ def test_prefetched_rows_are_loaded_once(n, hold, backward_prefetch, tmp_path):
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (z_dy + 2) * op.s.k
 
 
+def test_rows_of_512_threads_may_be_held(monkeypatch, tmp_path):
+    """HOLD["threads"] = 512 (a sweep variant): the backward's rows of P = 8192 held by 512 threads, 16 lanes each,
+    with the next row prefetched (rounded fp32 ops only); rows of P = 32768 still read twice."""
+    monkeypatch.setitem(K.HOLD, "threads", 512)
+    for cached in (K.tuned_shape, K.compile_backward):
+        cached.cache_clear()
+    try:
+        bwd = K.tuned_shape(8192, True)
+        assert (bwd.hold, bwd.prefetch, bwd.tpr, bwd.k * bwd.piece) == (True, True, 512, 16)
+        assert not K.tuned_shape(18432, True).hold and not K.tuned_shape(18432, False).hold
+        bf16 = cutlass.BFloat16
+        ptx = _compiled_ptx(tmp_path, *K.backward_args(8192, bf16, bf16, bf16, "llama", True, False, True))
+        assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+    finally:
+        for cached in (K.tuned_shape, K.compile_backward):
+            cached.cache_clear()
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [1, 7, 128, 1000, 4096, 8192, 18432])
 @pytest.mark.parametrize("mode", ["llama", "gemma", "none"])

@@ -105,7 +105,8 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # sweep_cute, every configuration bitwise: with 2 blocks an SM, 2048 x 4096 26.8 -> 19.9 us, 8192 x 4096 73.0 -> 58.6,
 # 32768 x 4096 246.6 -> 207.7; with 4 at 262144 x 128, 70.2 -> 58.1; rows read twice lost: 8192 x 8192 141.7 -> 159.1,
 # 2048 x 18432 173.1 -> 207.3)
-HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True}
+# "threads": the most threads a row may take to hold its lanes (longer rows are read twice).
+HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256}
 
 
 def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardShape:
@@ -121,7 +122,7 @@ def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardSh
 def tuned_shape(n: int, backward: bool) -> ForwardShape:
     """The block shape of the CUDA backend's table entry for N's padded length at its largest row counts
     (../cuda/backend.py: the same mapping of a row onto threads, swept on an H200), holding at most
-    _HOLD_MAX_VALUES lanes a thread; rows past the entry's hold_max_p, or longer than 256 threads holding
+    _HOLD_MAX_VALUES lanes a thread; rows past the entry's hold_max_p, or longer than HOLD["threads"] threads holding
     that many, are read twice."""
     from ..cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
 
@@ -129,9 +130,10 @@ def tuned_shape(n: int, backward: bool) -> ForwardShape:
     p = next_pow2(n)
     # held only where 256 threads a row can hold it: on an H200 rows held by 512 or 1024 threads lost to rows read
     # twice by 256 (bench/results/2026-11-30-h200-run11, d-sweep-cute: 2048 x 18432 forward 56.5 -> 72.3 us,
-    # 8192 x 8192 backward 156.6 -> 162.2), where at 4096 columns holding won (32768 rows forward 152.4 -> 132.4)
+    # 8192 x 8192 backward 156.6 -> 162.2), where at 4096 columns holding won (32768 rows forward 152.4 -> 132.4);
+    # that was before the backward's prefetch, which needs held rows (sweep_cute's "hold 512 + prefetch")
     hold = (HOLD["backward" if backward else "forward"] and p <= t.hold_max_p
-            and p // 256 <= _HOLD_MAX_VALUES[backward])
+            and p // HOLD["threads"] <= _HOLD_MAX_VALUES[backward])
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
