@@ -103,7 +103,7 @@ DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 # of 2048 (call d: 1024 x 65536 639.2 -> 246.2 us; rows held whole took the strict fold for the fast dW). The forward's
 # persistent grid (bench/results/2026-11-30-h200-run16, call a, SWEEP_PIPELINES, every configuration bitwise) won at
 # 2048 x 4096 only (prefetched and in 2 stages, 2 programs an SM: 11.0 -> 10.6 us) and lost from 8192 rows of 4096
-# (34.9 -> 36.4+, 130.2 -> 138.8+), at 8192 x 8192 (67.6 -> 70.3+) and 262144 x 128 (34.4 -> 45.1+).
+# (34.9 -> 36.4+, 130.2 -> 138.8+), at 8192 x 8192 (67.6 -> 70.3+) and 262144 x 128 (34.4 -> 45.1+), as in run 14.
 TileEntry = TileChoice | Bounded[TileChoice]
 TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "fwd": {128: TileChoice(rows=8, num_warps=2),
