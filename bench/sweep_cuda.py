@@ -11,7 +11,8 @@ per shape with EVEN off, on with predicated loads and on with unpredicated ones 
 16-byte paths), in the backward at each SWEEP_PBS partial blocks an SM where that is set;
 SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction; SWEEP_STAGED=1 tries each backward
 configuration also with the next row copied ahead into shared memory (`staged`; held rows with EVEN only);
-SWEEP_F32=1 each held backward configuration also with xh and g kept in fp32 between the passes (`hold_f32`).
+SWEEP_F32=1 each held backward configuration also with xh and g kept in fp32 between the passes (`hold_f32`);
+SWEEP_PREFETCH=1 each held backward configuration also with the next row loaded into registers (`prefetch`).
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
     python3 bench/sweep_cuda.py --merge OUT_DIR NAME...   (the best of several sweeps' results as a tuning file)
@@ -79,6 +80,7 @@ DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
 VARIANTS = os.environ.get("SWEEP_VARIANTS") == "1"
 STAGED = os.environ.get("SWEEP_STAGED") == "1"
 HOLD_F32 = os.environ.get("SWEEP_F32") == "1"
+PREFETCH = os.environ.get("SWEEP_PREFETCH") == "1"
 
 
 def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
@@ -104,7 +106,9 @@ def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
                      if t.even and t.hold_max_p >= next_pow2(n) and not t.dw_smem]
     if HOLD_F32 and direction == "bwd":  # held rows only
         out = out + [dataclasses.replace(t, hold_f32=True) for t in out if t.hold_max_p >= next_pow2(n)]
-    return out
+    if PREFETCH and direction == "bwd":  # held rows only; it takes a staged configuration's place
+        out = out + [dataclasses.replace(t, prefetch=True, staged=False) for t in out if t.hold_max_p >= next_pow2(n)]
+    return list(dict.fromkeys(out))
 
 
 def _compile(defines: dict) -> None:
@@ -241,7 +245,7 @@ def main() -> None:
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
     knobs = ("values", "min_threads", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm",
-             "dw_smem", "persistent", "trim", "even", "unpredicated", "staged", "hold_f32")
+             "dw_smem", "persistent", "trim", "even", "unpredicated", "staged", "hold_f32", "prefetch")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):
@@ -251,13 +255,15 @@ def main() -> None:
                 line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
         print(line)
     if VARIANTS:
-        print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged, f: hold_f32): us")
+        print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged, f: hold_f32, p: prefetch; b: "
+              "partial blocks an SM): us")
         for m, n in SHAPES:
             for key in DIRECTIONS:
                 ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
                 print(f"{m:>7d}x{n:<6d} {key} " + " ".join(
                     f"{int(r['even']) + int(r['even'] and r['unpredicated'])}{'s' * r['staged']}"
-                    f"{'f' * r.get('hold_f32', False)}:{r['us']:.1f}"
+                    f"{'f' * r.get('hold_f32', False)}{'p' * r.get('prefetch', False)}"
+                    f"b{r['partial_blocks_per_sm']}:{r['us']:.1f}"
                     for r in ok))
 
 
@@ -279,7 +285,7 @@ def merge(out_dir: str, names: list[str], copies: tuple[str, ...] = ("/tmp/stric
     for path in (f"{out_dir}/tuning.json", *copies):
         with open(path, "w") as f:
             json.dump(best, f, indent=1)
-    shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "hold_f32",
+    shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "hold_f32", "prefetch",
              "partial_blocks_per_sm", "hold_weight", "dw_smem")
     for key in ("fwd", "bwd"):
         for p, entries in best[key].items():

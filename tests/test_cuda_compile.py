@@ -143,6 +143,12 @@ def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
                              tuning=NormTuning(values=values, hold_max_p=65536, staged=True))
         assert bl.defines.get("STAGED") == 1
         assert nvrtc.compile_cubin("rms_norm.cu", arch, bl.defines, use_cache=False)[:4] == b"\x7fELF"
+        # the same with the next row prefetched into registers instead (it takes STAGED's place), and unaligned
+        for aligned in (True, False):
+            bl = norm_bwd_launch(n, z, dy, w, "gemma", ph, has_dres=True, dw_partials=not ph, aligned=aligned,
+                                 tuning=NormTuning(values=values, hold_max_p=65536, staged=True, prefetch=True))
+            assert (bl.defines.get("PREFETCH"), bl.defines.get("STAGED")) == (1, None)
+            assert nvrtc.compile_cubin("rms_norm.cu", arch, bl.defines, use_cache=False)[:4] == b"\x7fELF"
 
 
 def _emulate_row_sum(row: torch.Tensor, piece: int, tpr: int, k: int) -> torch.Tensor:

@@ -131,14 +131,19 @@ def test_emulated_backward_bitwise(n, tuning, aligned, seed, tmp_path):
                                        (1000, NormTuning(values=8, staged=True)),
                                        (4096, NormTuning(values=32, min_threads=256, staged=True)),
                                        (5120, NormTuning(values=32, staged=True, hold_f32=True)),
-                                       (1000, NormTuning(values=16, staged=True, hold_f32=True))])
+                                       (1000, NormTuning(values=16, staged=True, hold_f32=True)),
+                                       (5120, NormTuning(values=32, prefetch=True)),
+                                       (1000, NormTuning(values=8, prefetch=True, staged=True)),
+                                       (4096, NormTuning(values=32, min_threads=256, prefetch=True, hold_f32=True)),
+                                       (1000, NormTuning(values=16, prefetch=True, unpredicated=False))])
 def test_emulated_staged_backward_bitwise(n, tuning, seed, tmp_path):
     """STAGED: each row's z and dy copied ahead into shared memory, one block walking every row group (the
     stages alternate from row to row; rows past the end and padding pieces are zero-filled copies), with special
-    values, a zero dy row and a residual gradient; HOLD_F32 (xh and g kept in fp32 between the passes) too."""
+    values, a zero dy row and a residual gradient; HOLD_F32 (xh and g kept in fp32 between the passes) too. PREFETCH
+    (the next row into registers; it takes STAGED's place) the same way, with predicated loads too."""
     bf16 = torch.bfloat16
     bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, True, False, tuning, True)
-    assert bl.defines.get("STAGED") == 1
+    assert (bl.defines.get("STAGED"), bl.defines.get("PREFETCH")) == ((None, 1) if tuning.prefetch else (1, None))
     rows = 3 * bl.rows_per_block + 2  # several groups, the last one partial
     t = _inputs(rows, n, seed)
     # an ordinary weight (the largest values there make every row's dx NaN, which would hide any error)

@@ -242,6 +242,11 @@ class NormTuning:
     # backward with held rows and EVEN (not dw_smem): the next row's z and dy copied into shared memory (cp.async)
     # while a row is computed (rms_norm.cu's STAGED; same arithmetic, same bits)
     staged: bool = False
+    # backward with held rows: the slot's next row's z, dy and rstd loaded into registers while a row is computed
+    # (rms_norm.cu's PREFETCH; same loads, same bits; takes the place of `staged`). Measured slower at the tables'
+    # grids before run 10; with 2 blocks an SM it won in the Triton and cute backwards (runs 14, 16): not measured
+    # here yet, in no table
+    prefetch: bool = False
     # backward with held rows: each lane's xh and g kept in fp32 between the passes, the dW contributions added in
     # the first (rms_norm.cu's HOLD_F32; same arithmetic, same bits): fewer instructions, more registers. On an
     # H200 slower where rows are long (8192 x 8192 130 -> 168 us), level or 2% faster elsewhere (run 12, call i):
@@ -360,7 +365,9 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
                    DW_PARTIALS=int(dw_partials), DW_SMEM=int(dw_smem), PADDED=int(n < next_pow2(n)))
     if tuning.hold_f32 and fl.defines["HOLD"]:
         defines["HOLD_F32"] = 1
-    if tuning.staged and fl.defines["HOLD"] and fl.defines.get("EVEN") and not dw_smem:
+    if tuning.prefetch and fl.defines["HOLD"]:
+        defines["PREFETCH"] = 1
+    elif tuning.staged and fl.defines["HOLD"] and fl.defines.get("EVEN") and not dw_smem:
         defines["STAGED"] = 1
         if staged_smem(defines, z_dtype, dy_dtype) > _STAGED_SMEM_MAX:
             del defines["STAGED"]

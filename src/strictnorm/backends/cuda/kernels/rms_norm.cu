@@ -70,6 +70,9 @@ typedef Elem<YC>::T y_t;
 #ifndef HOLD_F32  // host-set in the backward with HOLD: a row's xh and g kept as fp32 between the passes
 #define HOLD_F32 0
 #endif
+#ifndef PREFETCH  // host-set in the backward with HOLD (not STAGED): the slot's next row loaded into registers ahead
+#define PREFETCH 0
+#endif
 constexpr bool EVEN_UNPREDICATED = EVEN && UNPREDICATED;
 static_assert(KR >= 1 && KR <= K, "pieces with data");
 constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
@@ -463,10 +466,15 @@ __device__ __forceinline__ void unstage_row(Held<CODE>& h, const uint4* slot) {
 // HOLD_F32: pass 1 keeps each lane's xh and g in fp32 registers and adds the row's dW contributions (rstd is an
 // input: they need not wait for the row's sum), so pass 2 only computes dx from them: about half the instructions
 // an element of widening z, dy and the weight twice, for twice the registers of the packed rows.
+// PREFETCH: the slot's next row's z and dy (packed, as held) and rstd loaded into registers before this row's sums, so
+// their loads are in flight while this row computes and stores; the same loads, earlier. (Measured slower at the
+// tables' grids before run 10; the Triton and cute backwards won with it at 2 blocks or programs an SM, fewer and
+// fuller: bench/NOTES.md, runs 14 and 16.)
 // Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM, PADDED (N below P: padded lanes exist), STAGED,
-// HOLD_F32.
+// HOLD_F32, PREFETCH.
 typedef Elem<DYC>::T dy_t;
 static_assert(!STAGED || (HOLD && EVEN && !DW_SMEM), "STAGED: held rows of whole pieces, shared memory for them");
+static_assert(!PREFETCH || (HOLD && !STAGED), "PREFETCH: held rows, not staged");
 static_assert(!HOLD_F32 || HOLD, "HOLD_F32: held rows");
 constexpr int STAGE_CHUNKS = KR * (CHUNKS<NC> + CHUNKS<DYC>);  // a thread's chunks in one stage (z, then dy)
 
@@ -513,6 +521,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
     };
     stage(0, walk.row, walk.iters > 0 && walk.row < rows);
 #endif
+#if PREFETCH
+    Held<NC> next_z;  // the slot's next row, as held, and its rstd
+    Held<DYC> next_d;
+    float next_rstd;
+    auto prefetch = [&](long long row, bool lv) {  // a row past the end reads row 0 (nothing of it is used)
+        const long long rs = lv ? row : 0;
+        load_held<NC>(next_z, zin + offset_of(rs, zs0, zs1, zsg, r1, g), t, n, lv, aligned);
+        load_held<DYC>(next_d, dy + offset_of(rs, ds0, ds1, dsg, r1, g), t, n, lv, aligned);
+        next_rstd = lv ? rstd_in[rs] : 0.0f;
+    };
+    prefetch(walk.row, walk.iters > 0 && walk.row < rows);
+#endif
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
@@ -533,12 +553,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             unstage_row<NC>(zh, slot);
             unstage_row<DYC>(dh, slot + KR * CHUNKS<NC> * THREADS);
         }
+#elif PREFETCH
+        zh = next_z, dh = next_d;
+        const float rstd = next_rstd;
+        {
+            const long long next = walk.row + walk.stride;
+            prefetch(next, it + 1 < walk.iters && next < rows);
+        }
 #elif HOLD
         load_held<NC>(zh, zrow, t, n, live, aligned);
         load_held<DYC>(dh, drow, t, n, live, aligned);
 #endif
         if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
+#if !PREFETCH
         const float rstd = live ? rstd_in[r] : 0.0f;
+#endif
         // this thread's pieces of z, dy and the effective weight (1.0 without one)
         auto get = [&](int k, float* zp, float* dp, float* wp) {
             const int left = live ? piece_left(k, t, n) : 0;
