@@ -325,8 +325,7 @@ class TritonBackend:
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
                     **tile.forward_constexprs(), **tile.meta())
-        blocks = _cdiv(lay.rows, tile.rows)
-        nprog = min(blocks, _num_sms(x.device) * tile.programs_per_sm) if tile.forward_persistent else blocks
+        nprog = _programs(_cdiv(lay.rows, tile.rows), tile, x.device, tile.forward_persistent)
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,
                      _Launcher(_kernels().rms_fwd_kernel, meta))
@@ -381,9 +380,7 @@ class TritonBackend:
         wants_partials = need_dw and dw_mode == "fast" and not views.per_head
         tile = row_tile(n, "bwd" if wants_partials else "bwd_dx", rows)
         partials = wants_partials and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0)
-        blocks = _cdiv(rows, tile.rows)
-        persistent = partials or tile.prefetch or tile.stages > 1
-        nprog = min(blocks, _num_sms(z.device) * tile.programs_per_sm) if persistent else blocks
+        nprog = _programs(_cdiv(rows, tile.rows), tile, z.device, partials or tile.prefetch or tile.stages > 1)
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
                     HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(),
                     **tile.chunk_constexprs(), **tile.meta())
@@ -434,6 +431,11 @@ class TritonBackend:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _programs(blocks: int, tile: RowTile, device: torch.device, persistent: bool) -> int:
+    """A row kernel's grid: a program a block, or persistent: at most tile.programs_per_sm an SM, striding."""
+    return min(blocks, _num_sms(device) * tile.programs_per_sm) if persistent else blocks
 
 
 def _num_sms(device: torch.device) -> int:
