@@ -1,7 +1,9 @@
 """The cute backend's hold choices (backends/cute/kernels.py HOLD) timed at the PERF.md shapes.
 
 Variants: rows read twice (no hold), rows held between the passes, and for the backward the weight held too or the
-next row prefetched into registers (where rows are held), also with rows of up to 512 threads held.
+next row prefetched into registers (where rows are held), also with rows of up to 512 threads held; the defaults
+(K.HOLD) without the trim of pieces wholly past N (K.TRIM), and with the fast dW's partials in the backward kernel up to
+P = 32768 (the backend's _PARTIALS_MAX_P; past it the strict fold serves dw="fast").
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -20,22 +22,32 @@ import sys
 import torch
 from sweep_cuda import Case, Sweep, measure, shapes_from_env
 
+from strictnorm.backends.cute import backend as B
 from strictnorm.backends.cute import kernels as K
 from strictnorm.bench import NORM_SHAPES, Timer
 from strictnorm.reference import next_pow2
 
-_HELD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": False, "threads": 256}
+DEFAULT = dict(K.HOLD)
+_HELD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": False, "threads": 256,
+         "prefetch_threads": 256}
 VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "hold": _HELD,
             "hold + weight": {**_HELD, "backward_weight": True},
             "hold + prefetch": {**_HELD, "backward_prefetch": True},
-            "hold 512 + prefetch": {**_HELD, "backward_prefetch": True, "threads": 512}}
+            "hold 512 + prefetch": {**_HELD, "backward_prefetch": True, "prefetch_threads": 512},
+            "default": DEFAULT,
+            "default, no trim": {**DEFAULT, "trim": False},
+            "default, partials to 32768": {**DEFAULT, "partials_max_p": 32768}}
+PARTIALS_MAX_P = B._PARTIALS_MAX_P
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
 TABLE_BLOCKS = dict(K.BACKWARD_BLOCKS_PER_SM)  # 0 in a row's label: what 2048 threads an SM allow, not the table's
 
 
 def use(variant: dict) -> None:
+    variant = dict(variant)
+    K.TRIM = variant.pop("trim", True)
+    B._PARTIALS_MAX_P = variant.pop("partials_max_p", PARTIALS_MAX_P)
     K.HOLD.update(variant)
     for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
         cached.cache_clear()
@@ -50,8 +62,8 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
             continue
         use(variant)
         for direction, blocks in [("fwd", 0)] + [("bwd", b) for b in BLOCKS]:
-            if direction == "fwd" and name in ("hold + weight", "hold + prefetch"):
-                continue  # the forward's kernel is the "hold" one
+            if direction == "fwd" and name in ("hold + weight", "hold + prefetch", "default, partials to 32768"):
+                continue  # the forward's kernel is the "hold" (or "default") one
             K.BACKWARD_BLOCKS_PER_SM = {**TABLE_BLOCKS, next_pow2(n): blocks}
             label = f"{name}, {blocks} blocks an SM" if blocks else name
             row = {"M": m, "N": n, "direction": direction, "variant": label,

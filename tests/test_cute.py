@@ -67,6 +67,32 @@ def test_held_rows_are_read_once(n, backward, tmp_path):
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (rows + weight_loads) * op.s.k
 
 
+@pytest.mark.parametrize("trim", [True, False])
+@pytest.mark.parametrize("backward", [False, True])
+def test_pieces_wholly_past_n_are_trimmed(trim, backward, monkeypatch, tmp_path):
+    """N = 18432 (P = 32768, rows read twice by 256 threads, 16 pieces a thread): with TRIM only the 9 pieces that
+    reach into N are loaded (pieces 9-15 are padding in every thread: their sums are the +0.0 pads); rounded fp32 ops
+    only. The GPU tests check the bits."""
+    monkeypatch.setattr(K, "TRIM", trim)
+    for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
+        cached.cache_clear()
+    try:
+        bf16 = cutlass.BFloat16
+        if backward:
+            op, args = K.backward_args(18432, bf16, bf16, bf16, "llama", True, False, False)
+        else:
+            op, args = K.forward_args(18432, bf16, bf16, bf16, "llama", True)
+        assert (op.s.tpr, op.s.k, op.s.kr, op.s.live, op.s.hold) == (256, 16, 9 if trim else 0, 9 if trim else 16,
+                                                                      False)
+        ptx = _compiled_ptx(tmp_path, op, args)
+        assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+        loads = (4 + 2) if backward else (1 + 1 + 1)  # z, dy twice and w twice; x twice and w once
+        assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == loads * op.s.live
+    finally:
+        for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
+            cached.cache_clear()
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [1, 7, 127, 128, 1000, 4096, 5120, 8192, 18432])
 @pytest.mark.parametrize("mode", ["llama", "gemma", "none"])
@@ -122,13 +148,15 @@ def backward_prefetch(request, monkeypatch):
         cached.cache_clear()
 
 
-@pytest.mark.parametrize("n, hold", [(128, True), (4096, True), (8192, False), (7, True)])
+@pytest.mark.parametrize("n, hold", [(128, True), (4096, True), (8192, "prefetch"), (18432, False), (7, True)])
 def test_prefetched_rows_are_loaded_once(n, hold, backward_prefetch, tmp_path):
     """With prefetch (where rows are held: rows read twice lost with it) the backward loads each piece of z and dy
     once a row as without (the first row before the loop, the next one in it: twice the load instructions), and the
-    same weight loads; rounded fp32 ops only."""
+    same weight loads; rounded fp32 ops only. Rows of P = 8192 are held (by 512 threads) only with the prefetch."""
     bf16 = cutlass.BFloat16
-    assert not K.backward_args(n, bf16, bf16, bf16, "llama", n % 8 == 0, False, False)[0].s.prefetch  # no partials
+    hold = backward_prefetch if hold == "prefetch" else hold
+    no_partials = K.backward_args(n, bf16, bf16, bf16, "llama", n % 8 == 0, False, False)[0].s
+    assert not no_partials.prefetch and no_partials.hold == (n <= 4096)  # the shape measured up to run 15
     op, args = K.backward_args(n, bf16, bf16, bf16, "llama", n % 8 == 0, False, True)
     assert (op.s.prefetch, op.s.hold) == (backward_prefetch and hold, hold)
     ptx = _compiled_ptx(tmp_path, op, args)
@@ -136,18 +164,22 @@ def test_prefetched_rows_are_loaded_once(n, hold, backward_prefetch, tmp_path):
     if n % 8:
         return
     z_dy = 2 * (2 if op.s.prefetch else 1) + (0 if hold else 2)  # without hold pass 2 reads z and dy again
-    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (z_dy + 2) * op.s.k
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (z_dy + 2) * op.s.live
 
 
-def test_rows_of_512_threads_may_be_held(monkeypatch, tmp_path):
-    """HOLD["threads"] = 512 (a sweep variant): the backward's rows of P = 8192 held by 512 threads, 16 lanes each,
-    with the next row prefetched (rounded fp32 ops only); rows of P = 32768 still read twice."""
-    monkeypatch.setitem(K.HOLD, "threads", 512)
+def test_rows_of_512_threads_are_held_where_prefetched(tmp_path):
+    """HOLD["prefetch_threads"] = 512: the backward's rows of P = 8192 held by 512 threads, 16 lanes each, with the
+    next row prefetched (rounded fp32 ops only), at 1 block an SM; the backward's without partials still reads them
+    twice with 256 threads (HOLD["threads"]); rows of P = 16384 and 32768 read twice."""
     for cached in (K.tuned_shape, K.compile_backward):
         cached.cache_clear()
     try:
         bwd = K.tuned_shape(8192, True)
         assert (bwd.hold, bwd.prefetch, bwd.tpr, bwd.k * bwd.piece) == (True, True, 512, 16)
+        assert K.backward_blocks_per_sm(8192) == 1
+        for n in (8192, 16384):
+            assert not K.tuned_shape(n, True, partials=False).hold and K.tuned_shape(n, True, False).tpr == 256
+        assert not K.tuned_shape(16384, True).hold and not K.tuned_shape(16384, False).hold
         assert not K.tuned_shape(18432, True).hold and not K.tuned_shape(18432, False).hold
         bf16 = cutlass.BFloat16
         ptx = _compiled_ptx(tmp_path, *K.backward_args(8192, bf16, bf16, bf16, "llama", True, False, True))
@@ -449,5 +481,5 @@ def test_backward_grid_blocks_per_sm(monkeypatch):
     assert K._grid(shape, 100, dev, 2) == 100
     assert K._grid(K.ForwardShape(piece=8, tpr=8, k=2, rpb=16, persistent=True), 100_000, dev) == 132 * 16
     assert K._grid(K.ForwardShape(piece=8, tpr=256, k=2, rpb=1, persistent=False), 100_000, dev, 2) == 100_000
-    assert [K.backward_blocks_per_sm(n) for n in (100, 4096, 5000, 8192, 18432)] == [4, 2, 2, 2, 0]  # the table
+    assert [K.backward_blocks_per_sm(n) for n in (100, 4096, 5000, 8192, 18432)] == [4, 2, 1, 1, 0]  # the table
     assert [K.backward_blocks_per_sm(n, partials=False) for n in (100, 4096, 8192)] == [0, 0, 2]  # without partials

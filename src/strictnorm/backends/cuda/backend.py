@@ -244,8 +244,8 @@ class NormTuning:
     staged: bool = False
     # backward with held rows: the slot's next row's z, dy and rstd loaded into registers while a row is computed
     # (rms_norm.cu's PREFETCH; same loads, same bits; takes the place of `staged`). Measured slower at the tables'
-    # grids before run 10; with 2 blocks an SM it won in the Triton and cute backwards (runs 14, 16): not measured
-    # here yet, in no table
+    # grids before run 10; with fewer blocks an SM it won in the Triton and cute backwards (runs 14, 16) and here
+    # (run 17, call a: the P = 4096 entries)
     prefetch: bool = False
     # backward with held rows: each lane's xh and g kept in fp32 between the passes, the dW contributions added in
     # the first (rms_norm.cu's HOLD_F32; same arithmetic, same bits): fewer instructions, more registers. On an
@@ -289,9 +289,11 @@ BWD_TABLE: dict[int, Tuning] = {
     128: ((None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, hold_f32=True)),),
     4096: ((128, NormTuning(values=64, min_threads=256, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True,
                             unpredicated=False)),
-           (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4, staged=True)),
-           (8192, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, unpredicated=False)),
-           (None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=8, staged=True))),
+           # the next row prefetched into registers (run 17, call a; unpredicated): 2048 x 4096 24.6 -> 21.0 us with
+           # 2 blocks an SM, 8192 x 4096 61.4 -> 59.3, 32768 x 4096 210.2 -> 202.2 with 4
+           (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=2, prefetch=True)),
+           (8192, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, prefetch=True)),
+           (None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4, prefetch=True))),
     8192: ((None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4, unpredicated=False, staged=True)),),
     # EVEN's predicated loads here: run 10's sweep measured them (2048 x 18432 110.0 -> 101.4 us, 1024 x 65536
     # 270.5 -> 263.0), where the unpredicated ones lost (run 11: 118.9, 326.8; run 12: 119.4, 323.8)

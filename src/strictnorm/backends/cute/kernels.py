@@ -86,10 +86,19 @@ class ForwardShape:
     # the backward: the next row's z, dy and rstd loaded into registers (as loaded) before this row's sums, so their
     # loads are in flight while it computes and stores
     prefetch: bool = False
+    # pieces a thread may have inside N (0: all k): pieces kr..k-1 lie wholly in every thread's padding (kk * TPR *
+    # PIECE >= N), so their piece sums are the +0.0 canon_sum pads with and they are neither loaded, held nor
+    # stored (the CUDA backend's trim). A kernel with kr < k is for its N's pieces only (its compile key holds N)
+    kr: int = 0
 
     @property
     def threads(self) -> int:
         return self.tpr * self.rpb
+
+    @property
+    def live(self) -> int:
+        """The pieces a thread computes (kr, or k without a trim)."""
+        return self.kr or self.k
 
     @property
     def subtrees(self) -> int:
@@ -105,25 +114,36 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # sweep_cute, every configuration bitwise: with 2 blocks an SM, 2048 x 4096 26.8 -> 19.9 us, 8192 x 4096 73.0 -> 58.6,
 # 32768 x 4096 246.6 -> 207.7; with 4 at 262144 x 128, 70.2 -> 58.1; rows read twice lost: 8192 x 8192 141.7 -> 159.1,
 # 2048 x 18432 173.1 -> 207.3)
-# "threads": the most threads a row may take to hold its lanes (longer rows are read twice).
-HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256}
+# "threads": the most threads a row may take to hold its lanes (longer rows are read twice); "prefetch_threads" the
+# same for the backward that prefetches (run 17, call b: rows of P = 8192 held by 512 threads and prefetched, 1 block
+# an SM, 8192 x 8192 141.3 -> 113.2 us; Quack 129.1).
+HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
+        "prefetch_threads": 512}
+
+
+# whether shapes trim the pieces wholly past N (ForwardShape.kr; the same bits either way)
+TRIM = True
 
 
 def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardShape:
-    """PIECE = 8 lanes; TPR = P / values threads per row (1 to 1024), RPB rows per block up to threads_min."""
+    """PIECE = 8 lanes; TPR = P / values threads per row (1 to 1024), RPB rows per block up to threads_min; with
+    TRIM, the pieces wholly past N trimmed."""
     p = next_pow2(n)
     piece = min(p, 8)
     tpr = max(1, min(1024, p // max(piece, values)))
     k = p // (piece * tpr)
-    return ForwardShape(piece, tpr, k, max(1, threads_min // tpr))
+    kr = min(k, -(-n // (piece * tpr))) if TRIM else 0
+    return ForwardShape(piece, tpr, k, max(1, threads_min // tpr), kr=kr if kr < k else 0)
 
 
 @cache
-def tuned_shape(n: int, backward: bool) -> ForwardShape:
+def tuned_shape(n: int, backward: bool, partials: bool = True) -> ForwardShape:
     """The block shape of the CUDA backend's table entry for N's padded length at its largest row counts
     (../cuda/backend.py: the same mapping of a row onto threads, swept on an H200), holding at most
     _HOLD_MAX_VALUES lanes a thread; rows past the entry's hold_max_p, or longer than HOLD["threads"] threads holding
-    that many, are read twice."""
+    that many (HOLD["prefetch_threads"] for the backward that prefetches), are read twice. The backward prefetches
+    only with the fast dW's partials: without them (the strict backward beside the CUDA fold) it keeps the shape
+    measured up to run 15."""
     from ..cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
 
     t = tuning_for(BWD_TABLE if backward else FWD_TABLE, n)
@@ -131,14 +151,15 @@ def tuned_shape(n: int, backward: bool) -> ForwardShape:
     # held only where 256 threads a row can hold it: on an H200 rows held by 512 or 1024 threads lost to rows read
     # twice by 256 (bench/results/2026-11-30-h200-run11, d-sweep-cute: 2048 x 18432 forward 56.5 -> 72.3 us,
     # 8192 x 8192 backward 156.6 -> 162.2), where at 4096 columns holding won (32768 rows forward 152.4 -> 132.4);
-    # that was before the backward's prefetch, which needs held rows (sweep_cute's "hold 512 + prefetch")
+    # with the backward's prefetch, which needs held rows, 512 threads a row won (HOLD's comment)
+    prefetch = backward and partials and HOLD["backward_prefetch"]
+    threads = HOLD["prefetch_threads" if prefetch else "threads"]
     hold = (HOLD["backward" if backward else "forward"] and p <= t.hold_max_p
-            and p // HOLD["threads"] <= _HOLD_MAX_VALUES[backward])
+            and p // threads <= _HOLD_MAX_VALUES[backward])
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
-                   hold_weight=hold and backward and HOLD["backward_weight"],
-                   prefetch=hold and backward and HOLD["backward_prefetch"])
+                   hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch)
 
 
 @dataclass
@@ -172,11 +193,13 @@ def row_sum(s: ForwardShape, part: list, th: _Thread, parity):
     """canon_sum of a row from this thread's piece sums part[k] (steps 2 and 3 of the module
     docstring); every thread of the row gets the total. All threads of the block call it together.
     Trace-time helper: no data-dependent branches (every lane of a warp holds the same totals after
-    the butterfly, so all of them may write them)."""
+    the butterfly, so all of them may write them). A trimmed piece's part is None: +0.0 in every thread, so its
+    butterfly sums are +0.0 and need no shuffles."""
     off = 1
     while off < min(s.tpr, _WARP):  # adjacent pieces first
-        part = [_add(p_, cute.arch.shuffle_sync_bfly(p_, offset=off)) for p_ in part]
+        part = [p_ if p_ is None else _add(p_, cute.arch.shuffle_sync_bfly(p_, offset=off)) for p_ in part]
         off *= 2
+    part = [Float32(0.0) if p_ is None else p_ for p_ in part]
     if s.tpr <= _WARP:
         return _pair_tree(part)
     scratch, slot, lane = th.scratch, th.slot, th.lane
@@ -307,15 +330,15 @@ class RMSNormForward(_RowKernel):
             r = cutlass.min(row, rows - 1)  # loads stay in bounds; dead rows read row rows - 1, then zero
             # pass 1: z (x, or rd(x + residual) stored as residual_out), its squares, the piece trees
             xrow = mX[r, None]
-            part, held = [], []
-            for kk in cutlass.range_constexpr(s.k):
+            part, held = [None] * s.k, []  # trimmed pieces: None parts (row_sum)
+            for kk in cutlass.range_constexpr(s.live):
                 v = self._piece(xrow, kk, t, n, live)
                 if const_expr(self.has_res):
                     res = self._piece(mRes[r, None], kk, t, n, live)
                     for i in cutlass.range_constexpr(s.piece):
                         v[i] = _round_to(_add(v[i], res[i]), self.norm_dtype)
                     self._store(mZ[r, None], kk, t, n, live, v)
-                part.append(_pair_tree([_mul(v[i], v[i]) for i in range(s.piece)]))
+                part[kk] = _pair_tree([_mul(v[i], v[i]) for i in range(s.piece)])
                 held.append(v)
             if const_expr(self.has_res):
                 xrow = mZ[r, None]  # without hold, pass 2 reads z back: this thread's own lanes
@@ -324,7 +347,7 @@ class RMSNormForward(_RowKernel):
             if live & (t == 0):
                 mRstd[r] = rstd
             # pass 2: y (the held lanes, or x read again: this thread's own lanes, from L1/L2; w read again)
-            for kk in cutlass.range_constexpr(s.k):
+            for kk in cutlass.range_constexpr(s.live):
                 xs = held[kk] if const_expr(s.hold) else self._piece(xrow, kk, t, n, live)
                 if const_expr(self.has_weight):
                     ws = self._piece(mW, kk, t, n, live)
@@ -360,7 +383,7 @@ class RMSNormBackward(_RowKernel):
         reads row rows - 1's rstd and no piece."""
         live = row < rows
         r = cutlass.min(row, rows - 1)
-        for kk in cutlass.range_constexpr(self.s.k):
+        for kk in cutlass.range_constexpr(self.s.live):
             self._load_piece(mZ[r, None], kk, t, n, live, next_z[kk])
             self._load_piece(mDY[r, None], kk, t, n, live, next_d[kk])
         next_rstd[0] = mRstd[r]
@@ -378,11 +401,11 @@ class RMSNormBackward(_RowKernel):
         s = self.s
         th = thread_place(s, rows)
         t = th.t
-        dw_acc = cute.make_rmem_tensor((s.k, s.piece), Float32)
+        dw_acc = cute.make_rmem_tensor((s.live, s.piece), Float32)
         dw_acc.fill(0.0)
         # with prefetch: the next row's pieces of z and dy, as loaded, and its rstd
-        next_z = [cute.make_rmem_tensor((s.piece,), mZ.element_type) for _ in range(s.k)]
-        next_d = [cute.make_rmem_tensor((s.piece,), mDY.element_type) for _ in range(s.k)]
+        next_z = [cute.make_rmem_tensor((s.piece,), mZ.element_type) for _ in range(s.live)]
+        next_d = [cute.make_rmem_tensor((s.piece,), mDY.element_type) for _ in range(s.live)]
         next_rstd = cute.make_rmem_tensor((1,), Float32)
         if const_expr(s.prefetch):
             self._fetch(mZ, mDY, mRstd, th.row(s, 0), rows, t, n, next_z, next_d, next_rstd)
@@ -399,9 +422,9 @@ class RMSNormBackward(_RowKernel):
                 self._fetch(mZ, mDY, mRstd, th.row(s, it + 1), rows, t, n, next_z, next_d, next_rstd)
             else:
                 rstd = mRstd[r]  # a dead row (r clamped) reads a real rstd; its pieces are zero and nothing is stored
-            # pass 1: the piece trees of xh * g
-            part, held = [], []
-            for kk in cutlass.range_constexpr(s.k):
+            # pass 1: the piece trees of xh * g (trimmed pieces: None parts, row_sum)
+            part, held = [None] * s.k, []
+            for kk in cutlass.range_constexpr(s.live):
                 if const_expr(s.prefetch):
                     zs = self._widen_piece(raw_z[kk], kk, t, n, live)
                     ds = self._widen_piece(raw_d[kk], kk, t, n, live)
@@ -418,10 +441,10 @@ class RMSNormBackward(_RowKernel):
                     # would be 0 * (0 + offset), -0.0 for a negative offset
                     inside = live & ((kk * s.tpr + t) * s.piece + i < n)
                     prods.append(cutlass.select_(inside, _mul(_mul(zs[i], rstd), g), Float32(0.0)))
-                part.append(_pair_tree(prods))
+                part[kk] = _pair_tree(prods)
             c = _div(row_sum(s, part, th, it % 2), n.to(Float32))
             # pass 2: dx (z, dy and maybe w held, or read again: this thread's own lanes), and the dW contributions
-            for kk in cutlass.range_constexpr(s.k):
+            for kk in cutlass.range_constexpr(s.live):
                 if const_expr(s.hold):
                     zs, ds, ws = held[kk]
                 else:
@@ -445,7 +468,7 @@ class RMSNormBackward(_RowKernel):
                 self._store(mDX[r, None], kk, t, n, live, out)
         if const_expr(self.partials):
             prow = mPart[th.block * s.rpb + th.slot, None]
-            for kk in cutlass.range_constexpr(s.k):
+            for kk in cutlass.range_constexpr(s.live):
                 vals = cute.make_rmem_tensor((s.piece,), Float32)
                 for i in cutlass.range_constexpr(s.piece):
                     vals[i] = dw_acc[kk, i]
@@ -456,8 +479,8 @@ class _Fakes:
     """Fake tensors cute.compile specializes on, for rows of N lanes: with `vector`, every row (and the
     weight) 16-byte aligned and N % PIECE == 0. Row strides are 64-bit: offsets past 2^31 elements."""
 
-    def __init__(self, n: int, vector: bool, backward: bool) -> None:
-        self.shape = tuned_shape(n, backward)
+    def __init__(self, n: int, vector: bool, backward: bool, partials: bool = True) -> None:
+        self.shape = tuned_shape(n, backward, partials)
         self.div = self.shape.piece if vector else 1
         self.align = 16 if vector else None
         self.m, self.n = cute.sym_int(), cute.sym_int(divisibility=self.div)
@@ -497,11 +520,8 @@ def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, h
                   tvm_ffi: bool = False) -> tuple:
     """The backward operator and its fake arguments (see forward_args); the partials have their own
     row count."""
-    f = _Fakes(n, vector, backward=True)
-    # the prefetch was measured with the fast dW's partials only (without them, as in the strict backward beside the
-    # CUDA fold, the kernel keeps the shape its runs up to run 15 measured)
-    op = RMSNormBackward(replace(f.shape, prefetch=f.shape.prefetch and partials), mode, w_dtype is not None, z_dtype,
-                         vector, has_dres, partials)
+    f = _Fakes(n, vector, backward=True, partials=partials)
+    op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
     return op, (f.rows(dy_dtype), f.rows(z_dtype), f.weight(w_dtype or z_dtype), f.per_row(), f.rows(z_dtype),
                 f.rows(z_dtype), f.rows(Float32, own_count=True), Int32(1), Int32(n), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
@@ -595,11 +615,12 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
 # bitwise): at P = 8192, 2 blocks an SM, 8192 x 8192 156.7 -> 142.4 us; at P = 4096 fewer blocks won at 2048 rows
 # (27.0 -> 24.7) and lost from 8192 (72.7 -> 75.2, 32768 rows 246.7 -> 269.7). With the next row prefetched (run 16,
 # call d): at P = 4096 2 blocks an SM at every row count (2048 x 4096 30.0 -> 19.9 us, 32768 x 4096 217.3 -> 207.7),
-# at P = 128 4 (262144 x 128 70.2 -> 58.1).
+# at P = 128 4 (262144 x 128 70.2 -> 58.1). Rows of P = 8192 held by 512 threads and prefetched (run 17, call b):
+# 1 block an SM (8192 x 8192: 4 blocks 122.5 us, 2 117.3, 1 113.2).
 # Those choices were measured with the fast dW's partials; the backward without them (strict or per-head dW, no weight
 # gradient) keeps run 15's (with the CUDA fold beside it, 2 blocks an SM made the strict backward at 32768 x 4096
 # 492.3 -> 569.3 us in run 16, call e).
-BACKWARD_BLOCKS_PER_SM: dict[int, int] = {128: 4, 4096: 2, 8192: 2}
+BACKWARD_BLOCKS_PER_SM: dict[int, int] = {128: 4, 4096: 2, 8192: 1}
 DX_BLOCKS_PER_SM: dict[int, int] = {8192: 2}
 
 
