@@ -36,8 +36,8 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "hold + prefetch": {**_HELD, "backward_prefetch": True},
             "hold 512 + prefetch": {**_HELD, "backward_prefetch": True, "prefetch_threads": 512},
             "default": DEFAULT,
-            "default, no trim": {**DEFAULT, "trim": False},
-            "default, partials to 32768": {**DEFAULT, "partials_max_p": 32768}}
+            "no trim": {**DEFAULT, "trim": False},
+            "partials to 32768": {**DEFAULT, "partials_max_p": 32768}}
 PARTIALS_MAX_P = B._PARTIALS_MAX_P
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
@@ -62,7 +62,7 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
             continue
         use(variant)
         for direction, blocks in [("fwd", 0)] + [("bwd", b) for b in BLOCKS]:
-            if direction == "fwd" and name in ("hold + weight", "hold + prefetch", "default, partials to 32768"):
+            if direction == "fwd" and name in ("hold + weight", "hold + prefetch", "partials to 32768"):
                 continue  # the forward's kernel is the "hold" (or "default") one
             K.BACKWARD_BLOCKS_PER_SM = {**TABLE_BLOCKS, next_pow2(n): blocks}
             label = f"{name}, {blocks} blocks an SM" if blocks else name
