@@ -2,8 +2,9 @@
 
 Variants: rows read twice (no hold), rows held between the passes, and for the backward the weight held too or the
 next row prefetched into registers (where rows are held), also with rows of up to 512 threads held; the defaults
-(K.HOLD) without the trim of pieces wholly past N (K.TRIM), and with the fast dW's partials in the backward kernel up to
-P = 32768 (the backend's _PARTIALS_MAX_P; past it the strict fold serves dw="fast").
+(K.HOLD) without the trim of pieces wholly past N (K.TRIM), and with the fast dW's partials in the backward kernel only
+up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fast": rows of P <= 8192, the rule
+before run 17).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -22,7 +23,6 @@ import sys
 import torch
 from sweep_cuda import Case, Sweep, measure, shapes_from_env
 
-from strictnorm.backends.cute import backend as B
 from strictnorm.backends.cute import kernels as K
 from strictnorm.bench import NORM_SHAPES, Timer
 from strictnorm.reference import next_pow2
@@ -37,8 +37,8 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "hold 512 + prefetch": {**_HELD, "backward_prefetch": True, "prefetch_threads": 512},
             "default": DEFAULT,
             "no trim": {**DEFAULT, "trim": False},
-            "partials to 32768": {**DEFAULT, "partials_max_p": 32768}}
-PARTIALS_MAX_P = B._PARTIALS_MAX_P
+            "fold past 8192": {**DEFAULT, "partials_max_values": 16}}
+PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
 TABLE_BLOCKS = dict(K.BACKWARD_BLOCKS_PER_SM)  # 0 in a row's label: what 2048 threads an SM allow, not the table's
@@ -47,7 +47,7 @@ TABLE_BLOCKS = dict(K.BACKWARD_BLOCKS_PER_SM)  # 0 in a row's label: what 2048 t
 def use(variant: dict) -> None:
     variant = dict(variant)
     K.TRIM = variant.pop("trim", True)
-    B._PARTIALS_MAX_P = variant.pop("partials_max_p", PARTIALS_MAX_P)
+    K.PARTIALS_MAX_VALUES = variant.pop("partials_max_values", PARTIALS_MAX_VALUES)
     K.HOLD.update(variant)
     for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
         cached.cache_clear()
@@ -62,7 +62,7 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
             continue
         use(variant)
         for direction, blocks in [("fwd", 0)] + [("bwd", b) for b in BLOCKS]:
-            if direction == "fwd" and name in ("hold + weight", "hold + prefetch", "partials to 32768"):
+            if direction == "fwd" and name in ("hold + weight", "hold + prefetch", "fold past 8192"):
                 continue  # the forward's kernel is the "hold" (or "default") one
             K.BACKWARD_BLOCKS_PER_SM = {**TABLE_BLOCKS, next_pow2(n): blocks}
             label = f"{name}, {blocks} blocks an SM" if blocks else name

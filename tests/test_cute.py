@@ -422,10 +422,11 @@ def test_backend_autograd_in_place_and_graph_replay(dw, seed, cute_calls):
     check_fused_add_graph_replay("cute", dw, data)
 
 
-@pytest.mark.parametrize("n", [4096, 8192])
+@pytest.mark.parametrize("n", [4096, 8192, 16384, 18432])
 def test_backward_partials_stay_in_registers(n, tmp_path):
-    """The backend keeps fast-dW partials in the backward kernel up to P = 8192 (backend.py): there the
-    sm_90a cubin has no stack (past it, at N = 18432, the partials spilled: a 2 KB stack per thread)."""
+    """The backend keeps fast-dW partials in the backward kernel where a thread has at most
+    K.PARTIALS_MAX_VALUES of them (N = 18432: its 9 trimmed pieces): there the sm_90a cubin has no stack (untrimmed,
+    at N = 18432, the partials spilled)."""
     import pathlib
     import subprocess
 
@@ -435,9 +436,7 @@ def test_backward_partials_stay_in_registers(n, tmp_path):
         pytest.skip("no cuobjdump in this Triton install")
     import cutlass.cute as cute
 
-    from strictnorm.backends.cute.backend import _PARTIALS_MAX_P
-
-    assert next_pow2(n) <= _PARTIALS_MAX_P
+    assert K.keeps_partials(n)
     bf16 = cutlass.BFloat16
     op, args = K.backward_args(n, bf16, bf16, bf16, "llama", True, False, True)
     cute.compile(op, *args, options=f"--keep-cubin --dump-dir {tmp_path}")
@@ -445,6 +444,19 @@ def test_backward_partials_stay_in_registers(n, tmp_path):
     usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
     assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+
+
+def test_longer_rows_leave_the_fast_dw_to_the_fold(monkeypatch):
+    """Rows whose threads would hold more than K.PARTIALS_MAX_VALUES partials (N past 18432 at P = 32768, P = 65536)
+    take the strict fold for dw="fast"; so do all rows of P = 32768 with the trim off."""
+    assert K.keeps_partials(128) and K.keeps_partials(16385) and K.keeps_partials(18432)
+    assert not any(K.keeps_partials(n) for n in (18433, 20480, 32768, 40000, 65536))
+    monkeypatch.setattr(K, "TRIM", False)
+    K.tuned_shape.cache_clear()
+    try:
+        assert K.keeps_partials(16384) and not K.keeps_partials(16385) and not K.keeps_partials(18432)
+    finally:
+        K.tuned_shape.cache_clear()
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -481,5 +493,5 @@ def test_backward_grid_blocks_per_sm(monkeypatch):
     assert K._grid(shape, 100, dev, 2) == 100
     assert K._grid(K.ForwardShape(piece=8, tpr=8, k=2, rpb=16, persistent=True), 100_000, dev) == 132 * 16
     assert K._grid(K.ForwardShape(piece=8, tpr=256, k=2, rpb=1, persistent=False), 100_000, dev, 2) == 100_000
-    assert [K.backward_blocks_per_sm(n) for n in (100, 4096, 5000, 8192, 18432)] == [4, 2, 1, 1, 0]  # the table
+    assert [K.backward_blocks_per_sm(n) for n in (100, 4096, 5000, 8192, 18432, 65536)] == [4, 2, 1, 1, 1, 0]
     assert [K.backward_blocks_per_sm(n, partials=False) for n in (100, 4096, 8192)] == [0, 0, 2]  # without partials

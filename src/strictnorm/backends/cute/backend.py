@@ -23,10 +23,6 @@ from ..base import no_join, on_tensor_device
 from ..layout import row_layout
 
 _MAX_P = 32768  # longest padded row the kernels' register mapping was built and tested for
-# Longest padded row whose fast dW keeps per-thread fp32 partials in the backward kernel: past it they
-# spill (N = 18432: 32 registers and a 2 KB stack per thread in the sm_90a cubin; its backward took
-# 1.6 ms on an H200) and the strict fold, deterministic too, serves dw="fast"
-_PARTIALS_MAX_P = 8192
 _MIN_ARCH = (9, 0)
 _INSTALL = "pip install 'strictnorm[cute]'"
 
@@ -109,7 +105,7 @@ class CuteBackend:
         rows = z2.shape[0]
         rstd2 = rstd.reshape(-1).contiguous()
         dw, join = None, no_join
-        strict = dw_mode == "strict" or next_pow2(n) > _PARTIALS_MAX_P
+        strict = dw_mode == "strict" or not _kernels().keeps_partials(n)
         if need_dw and (strict or rows == 0):  # beside the dx pass: dx has a buffer of its own until the join
             cb = _cuda()
             dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight,

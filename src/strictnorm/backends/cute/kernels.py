@@ -616,12 +616,27 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
 # (27.0 -> 24.7) and lost from 8192 (72.7 -> 75.2, 32768 rows 246.7 -> 269.7). With the next row prefetched (run 16,
 # call d): at P = 4096 2 blocks an SM at every row count (2048 x 4096 30.0 -> 19.9 us, 32768 x 4096 217.3 -> 207.7),
 # at P = 128 4 (262144 x 128 70.2 -> 58.1). Rows of P = 8192 held by 512 threads and prefetched (run 17, call b):
-# 1 block an SM (8192 x 8192: 4 blocks 122.5 us, 2 117.3, 1 113.2).
+# 1 block an SM (8192 x 8192: 4 blocks 122.5 us, 2 117.3, 1 113.2). Rows of P = 16384 and 32768 keep their partials
+# (PARTIALS_MAX_VALUES) in registers enough for one block of 256 threads an SM: 1 (2048 x 18432 in run 17, call d:
+# 151.3 us with 8 blocks an SM asked, 108.1 with 1; P = 16384 not measured).
 # Those choices were measured with the fast dW's partials; the backward without them (strict or per-head dW, no weight
 # gradient) keeps run 15's (with the CUDA fold beside it, 2 blocks an SM made the strict backward at 32768 x 4096
 # 492.3 -> 569.3 us in run 16, call e).
-BACKWARD_BLOCKS_PER_SM: dict[int, int] = {128: 4, 4096: 2, 8192: 1}
+BACKWARD_BLOCKS_PER_SM: dict[int, int] = {128: 4, 4096: 2, 8192: 1, 16384: 1, 32768: 1}
 DX_BLOCKS_PER_SM: dict[int, int] = {8192: 2}
+
+
+# The most fp32 dW partials a thread of the backward keeps (ForwardShape.live pieces); rows with more go to the strict
+# fold, deterministic too, for dw="fast". N = 18432 with its trimmed 9 pieces of 8: 255 registers and no stack at sm_90a
+# (all 16 pieces spilled: a 2 KB stack and 1.6 ms on an H200 before the trim); on an H200 (run 17, call d, bitwise) its
+# backward 143.3 us with the fold beside the dx pass -> 108.1 with the partials at 1 block an SM (Quack 153.2).
+PARTIALS_MAX_VALUES = 72
+
+
+def keeps_partials(n: int) -> bool:
+    """Whether the backward with the fast dW keeps its fp32 partials in the kernel for rows of N."""
+    s = tuned_shape(n, True)
+    return s.live * s.piece <= PARTIALS_MAX_VALUES
 
 
 def backward_blocks_per_sm(n: int, partials: bool = True) -> int:
