@@ -19,6 +19,7 @@
 #                 several sweeps in one call
 #   bench         `strictnorm bench` ($BENCH_ARGS)
 #   host          bench/host_breakdown.py
+#   strict-parts  bench/strict_parts.py (the CUDA strict backward's parts alone and together)
 #   memcheck      compute-sanitizer over the guard-band tests ($MEMCHECK_K)
 # --wheels a copies the first half of the device wheels (.device-wheels/a, carried) to /tmp/dw; --wheels b installs
 # them with the second half (.device-wheels/b, carried): two calls back to back on one machine. Every job writes
@@ -70,6 +71,7 @@ job_command() {
     bench) echo "timeout ${BENCH_TIMEOUT:-330} python3 -m strictnorm.bench --json '$W/bench.json'" \
                 "--markdown '$W/bench.md' ${BENCH_ARGS:-} > '$log' 2>&1" ;;
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
+    strict-parts) echo "timeout ${SWEEP_TIMEOUT:-400} python3 bench/strict_parts.py '$W/strict-parts.json' > '$log' 2>&1" ;;
     memcheck) echo "PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_TIMEOUT:-240}" \
                    "\$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer) --tool memcheck" \
                    "--report-api-errors no --print-limit 8 python3 -m pytest -q -p no:xdist -p no:cacheprovider" \
@@ -136,6 +138,7 @@ for job in $ALONE $FIRST $SECOND; do
       cp "$log" "$W/${job//:/-}.json" "$OUT/" 2>/dev/null
       [ "$job" = bench ] && { cp "$W/bench.md" "$OUT/"; tail -n 40 "$W/bench.md"; }
       [[ $job == sweep-triton* || $job == sweep-cuda* ]] && sed -n '/best per shape/,$p' "$log"
+      [ "$job" = strict-parts ] && sed -n '/copy ceiling/,$p' "$log"
       [ "$job" = host ] && cp "$W/host.json" "$OUT/" 2>/dev/null ;;
   esac
 done

@@ -1,0 +1,87 @@
+"""Where the CUDA strict backward's time goes: its parts timed alone and together, kernel-only.
+
+For each shape (SWEEP_SHAPES, default the PERF.md ones with a strict bound far off): the dx pass alone (no dW), the
+strict dW fold alone (from dy, x and rstd), the strict backward with the fold beside the dx pass (a side stream) and
+after it, and the fast backward; then one strict backward's kernels (start offset and duration) at the first
+shape, to show how much the two overlap. Every strict dW is checked against the fold's own bits. Run on the GPU
+machine:
+    python3 bench/strict_parts.py [out.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from sweep_cuda import Case, Sweep, shapes_from_env
+
+from strictnorm.backends.layout import row_layout
+
+SHAPES = shapes_from_env([(32768, 4096), (8192, 8192), (2048, 18432), (262144, 128)])
+
+
+def _parts(sw: Sweep, case: Case) -> dict:
+    b, c = sw.backend, case
+    strict = lambda: b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)  # noqa: E731
+    fold = lambda: b.strict_dw(*row_layout(c.dy), *row_layout(c.x), c.rstd, "llama", c.w)[0]  # noqa: E731
+    want = fold()
+    row = {"dx_only": lambda: b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", False, None),
+           "fold_only": fold,
+           "fast": lambda: b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "fast", True, None)}
+    out = {}
+    for name, fn in row.items():
+        out[name] = sw.timer.kernel_us(fn)
+    for beside in (True, False):
+        b.fold_beside_dx = beside
+        out["strict_beside" if beside else "strict_after"] = sw.timer.kernel_us(strict)
+        out["bitwise_beside" if beside else "bitwise_after"] = bool(torch.equal(strict()[1], want))
+    b.fold_beside_dx = None
+    return out
+
+
+def _timeline(sw: Sweep, case: Case) -> list[dict]:
+    """One strict backward's kernels with the fold beside: name, start (us from the first) and duration."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b, c = sw.backend, case
+    b.fold_beside_dx = True
+    b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
+        torch.cuda.synchronize()
+    b.fold_beside_dx = None
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    t0 = events[0].time_range.start if events else 0
+    return [{"kernel": e.name[:60], "start_us": e.time_range.start - t0,
+             "us": e.time_range.end - e.time_range.start} for e in events]
+
+
+def main() -> None:
+    sw = Sweep.make("cuda", iters=10)
+    rows = []
+    for m, n in SHAPES:
+        case = Case.make(sw.ref, sw.timer.device, m, n, sw.spec)
+        rows.append({"M": m, "N": n, **_parts(sw, case)})
+        print(json.dumps(rows[-1]), flush=True)
+        if len(rows) == 1:
+            timeline = _timeline(sw, case)
+        del case
+        torch.cuda.empty_cache()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"copy_GBps": sw.ceiling, "rows": rows, "timeline": timeline}, f, indent=1)
+    print(f"\ncopy ceiling {sw.ceiling:.0f} GB/s; kernel-only us")
+    print(f"{'shape':>14} {'dx only':>9} {'fold':>9} {'beside':>9} {'after':>9} {'fast':>9}  bitwise")
+    for r in rows:
+        print(f"{r['M']:>7d}x{r['N']:<6d} {r['dx_only']:9.1f} {r['fold_only']:9.1f} {r['strict_beside']:9.1f} "
+              f"{r['strict_after']:9.1f} {r['fast']:9.1f}  {r['bitwise_beside'] and r['bitwise_after']}")
+    print(f"\none strict backward at {rows[0]['M']}x{rows[0]['N']}, fold beside:")
+    for e in timeline:
+        print(f"  {e['start_us']:8.1f} {e['us']:8.1f}  {e['kernel']}")
+
+
+if __name__ == "__main__":
+    main()
