@@ -4,7 +4,8 @@ Variants: rows read twice (no hold), rows held between the passes, and for the b
 next row prefetched into registers (where rows are held), also with rows of up to 512 threads held; the defaults
 (K.HOLD) without the trim of pieces wholly past N (K.TRIM), and with the fast dW's partials in the backward kernel only
 up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fast": rows of P <= 8192, the rule
-before run 17).
+before run 17); for the forward, rows held by the table's threads where a thread's lanes inside N are at most 40
+(HOLD["forward_trimmed"]), and the weight loaded with the row (K.FORWARD_WEIGHT_FIRST_ROWS).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -37,7 +38,10 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "hold 512 + prefetch": {**_HELD, "backward_prefetch": True, "prefetch_threads": 512},
             "default": DEFAULT,
             "no trim": {**DEFAULT, "trim": False},
-            "fold past 8192": {**DEFAULT, "partials_max_values": 16}}
+            "fold past 8192": {**DEFAULT, "partials_max_values": 16},
+            "forward held trimmed": {**DEFAULT, "forward_trimmed": 40},
+            "weight first": {**DEFAULT, "weight_first_rows": 1 << 40}}
+FORWARD_ONLY = ("forward held trimmed", "weight first")
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
@@ -48,6 +52,7 @@ def use(variant: dict) -> None:
     variant = dict(variant)
     K.TRIM = variant.pop("trim", True)
     K.PARTIALS_MAX_VALUES = variant.pop("partials_max_values", PARTIALS_MAX_VALUES)
+    K.FORWARD_WEIGHT_FIRST_ROWS = variant.pop("weight_first_rows", 0)
     K.HOLD.update(variant)
     for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
         cached.cache_clear()
@@ -64,6 +69,8 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
         for direction, blocks in [("fwd", 0)] + [("bwd", b) for b in BLOCKS]:
             if direction == "fwd" and name in ("hold + weight", "hold + prefetch", "fold past 8192"):
                 continue  # the forward's kernel is the "hold" (or "default") one
+            if direction == "bwd" and name in FORWARD_ONLY:
+                continue
             K.BACKWARD_BLOCKS_PER_SM = {**TABLE_BLOCKS, next_pow2(n): blocks}
             label = f"{name}, {blocks} blocks an SM" if blocks else name
             row = {"M": m, "N": n, "direction": direction, "variant": label,

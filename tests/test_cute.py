@@ -67,6 +67,42 @@ def test_held_rows_are_read_once(n, backward, tmp_path):
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (rows + weight_loads) * op.s.k
 
 
+def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, tmp_path):
+    """HOLD["forward_trimmed"] = 40 (a sweep variant): N = 18432 held by the CUDA table's 512 threads a row, 5 live
+    pieces of 8 lanes each, so x is loaded once a row (5 pieces) and the weight once; N = 20481 (6 pieces) still read
+    twice; off by default."""
+    assert not K.tuned_shape(18432, False).hold
+    monkeypatch.setitem(K.HOLD, "forward_trimmed", 40)
+    for cached in (K.tuned_shape, K.compile_forward):
+        cached.cache_clear()
+    try:
+        s = K.tuned_shape(18432, False)
+        assert (s.hold, s.tpr, s.live, s.persistent) == (True, 512, 5, True)
+        assert not K.tuned_shape(20481, False).hold
+        bf16 = cutlass.BFloat16
+        ptx = _compiled_ptx(tmp_path, *K.forward_args(18432, bf16, bf16, bf16, "llama", True))
+        assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+        assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2 * s.live
+    finally:
+        for cached in (K.tuned_shape, K.compile_forward):
+            cached.cache_clear()
+
+
+@pytest.mark.parametrize("weight_first", [False, True])
+def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, tmp_path):
+    """With weight_first (K.FORWARD_WEIGHT_FIRST_ROWS; off by default) the held forward issues its weight loads with
+    the row's, before the row sum's first shuffle; without, after it. Same loads either way."""
+    bf16 = cutlass.BFloat16
+    op, args = K.forward_args(4096, bf16, bf16, bf16, "llama", True, weight_first=weight_first)
+    assert op.s.hold and op.s.hold_weight == weight_first
+    ptx = _compiled_ptx(tmp_path, op, args)
+    before_sum = ptx[:ptx.index("shfl.sync.bfly")]  # the row sum's first butterfly
+    loads = r"ld\.global[.a-z0-9]*\.v4"
+    assert len(re.findall(loads, ptx)) == 2 * op.s.k
+    assert len(re.findall(loads, before_sum)) == (2 if weight_first else 1) * op.s.k
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+
+
 @pytest.mark.parametrize("trim", [True, False])
 @pytest.mark.parametrize("backward", [False, True])
 def test_pieces_wholly_past_n_are_trimmed(trim, backward, monkeypatch, tmp_path):
@@ -98,6 +134,28 @@ def test_pieces_wholly_past_n_are_trimmed(trim, backward, monkeypatch, tmp_path)
 @pytest.mark.parametrize("mode", ["llama", "gemma", "none"])
 def test_forward_bitwise_on_gpu(n, mode, seed):
     """Element-wise rows (odd N, or a view at an odd offset) and vector rows, against the reference."""
+    _check_forward(n, mode, seed)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [1000, 4096, 16384, 18432, 20000])
+@pytest.mark.parametrize("mode", ["llama", "gemma"])
+def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch):
+    """The forward's opt-in shapes (sweep variants, off by default): rows held where their trimmed lanes fit
+    (HOLD["forward_trimmed"]) and the weight loaded with the row (FORWARD_WEIGHT_FIRST_ROWS), against the
+    reference."""
+    monkeypatch.setitem(K.HOLD, "forward_trimmed", 40)
+    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", 1 << 40)
+    for cached in (K.tuned_shape, K.compile_forward):
+        cached.cache_clear()
+    try:
+        _check_forward(n, mode, seed)
+    finally:
+        for cached in (K.tuned_shape, K.compile_forward):
+            cached.cache_clear()
+
+
+def _check_forward(n: int, mode: str, seed: int) -> None:
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec
 

@@ -82,7 +82,9 @@ class ForwardShape:
     rpb: int
     hold: bool = False
     persistent: bool = True
-    hold_weight: bool = False  # the backward with hold: the weight's lanes held too (else read again in pass 2)
+    # with hold, the weight's lanes loaded in pass 1 and held for pass 2 (else read in pass 2): in the forward its loads
+    # then go out with the row's, before the row sum (Triton's w_first); in the backward they are held beside z and dy
+    hold_weight: bool = False
     # the backward: the next row's z, dy and rstd loaded into registers (as loaded) before this row's sums, so their
     # loads are in flight while it computes and stores
     prefetch: bool = False
@@ -117,8 +119,14 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # "threads": the most threads a row may take to hold its lanes (longer rows are read twice); "prefetch_threads" the
 # same for the backward that prefetches (run 17, call b: rows of P = 8192 held by 512 threads and prefetched, 1 block
 # an SM, 8192 x 8192 141.3 -> 113.2 us; Quack 129.1).
+# "forward_trimmed": where the rule above reads a forward's rows twice, hold them anyway at the table entry's threads
+# a row when a thread's lanes inside N (ForwardShape.live pieces) are at most that many (0: never). Off until measured
+# (sweep_cute's "forward held trimmed"; N = 18432 would be held by 512 threads, 40 lanes each, as the CUDA forward).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
-        "prefetch_threads": 512}
+        "prefetch_threads": 512, "forward_trimmed": 0}
+# the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), up to this many rows (a
+# latency saving where few rows are in flight; 0: never). Off until measured (sweep_cute's "weight first").
+FORWARD_WEIGHT_FIRST_ROWS = 0
 
 
 # whether shapes trim the pieces wholly past N (ForwardShape.kr; the same bits either way)
@@ -156,6 +164,10 @@ def tuned_shape(n: int, backward: bool, partials: bool = True) -> ForwardShape:
     threads = HOLD["prefetch_threads" if prefetch else "threads"]
     hold = (HOLD["backward" if backward else "forward"] and p <= t.hold_max_p
             and p // threads <= _HOLD_MAX_VALUES[backward])
+    if not (hold or backward) and HOLD["forward"] and HOLD["forward_trimmed"] and p <= t.hold_max_p:
+        s = forward_shape(n, t.min_threads, t.values)
+        if s.live * s.piece <= HOLD["forward_trimmed"]:
+            return replace(s, hold=True, persistent=t.persistent)
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
@@ -330,9 +342,11 @@ class RMSNormForward(_RowKernel):
             r = cutlass.min(row, rows - 1)  # loads stay in bounds; dead rows read row rows - 1, then zero
             # pass 1: z (x, or rd(x + residual) stored as residual_out), its squares, the piece trees
             xrow = mX[r, None]
-            part, held = [None] * s.k, []  # trimmed pieces: None parts (row_sum)
+            part, held, wheld = [None] * s.k, [], []  # trimmed pieces: None parts (row_sum)
             for kk in cutlass.range_constexpr(s.live):
                 v = self._piece(xrow, kk, t, n, live)
+                if const_expr(self.has_weight and s.hold_weight):
+                    wheld.append(self._piece(mW, kk, t, n, live))
                 if const_expr(self.has_res):
                     res = self._piece(mRes[r, None], kk, t, n, live)
                     for i in cutlass.range_constexpr(s.piece):
@@ -350,7 +364,7 @@ class RMSNormForward(_RowKernel):
             for kk in cutlass.range_constexpr(s.live):
                 xs = held[kk] if const_expr(s.hold) else self._piece(xrow, kk, t, n, live)
                 if const_expr(self.has_weight):
-                    ws = self._piece(mW, kk, t, n, live)
+                    ws = wheld[kk] if const_expr(s.hold_weight) else self._piece(mW, kk, t, n, live)
                 out = cute.make_rmem_tensor((s.piece,), Float32)
                 for i in cutlass.range_constexpr(s.piece):
                     o = self._normalized(xs[i], rstd)
@@ -504,13 +518,15 @@ class _Fakes:
 
 
 def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
-                 tvm_ffi: bool = False) -> tuple:
+                 tvm_ffi: bool = False, weight_first: bool = False) -> tuple:
     """The forward operator and the fake arguments cute.compile specializes on: dtypes, mode, block
     shape, and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0).
-    tvm_ffi: the stream comes from TVM FFI's environment (torch's current stream) at each call."""
+    tvm_ffi: the stream comes from TVM FFI's environment (torch's current stream) at each call. weight_first: the
+    weight loaded with held rows (ForwardShape.hold_weight)."""
     f = _Fakes(n, vector, backward=False)
     norm_dtype = res_dtype or x_dtype
-    op = RMSNormForward(f.shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
+    shape = replace(f.shape, hold_weight=f.shape.hold and weight_first)
+    op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
     return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
                 f.rows(y_dtype), f.per_row(), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
@@ -540,10 +556,10 @@ def compile_backward(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool
 
 @lru_cache(maxsize=256)
 def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
-                    tvm_ffi: bool = False):
-    """The compiled forward for one (padded N, dtypes, mode, vector, residual, calling convention): the
+                    tvm_ffi: bool = False, weight_first: bool = False):
+    """The compiled forward for one (N, dtypes, mode, vector, residual, calling convention, weight first): the
     cache key holds everything baked into the kernel. The offset and eps are runtime fp32 arguments."""
-    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector, res_dtype, tvm_ffi)
+    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector, res_dtype, tvm_ffi, weight_first)
     return _compile(op, args, tvm_ffi), op.s
 
 
@@ -601,7 +617,7 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
     tvm_ffi = calls() == "tvm-ffi"
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
                                       vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
-                                      tvm_ffi)
+                                      tvm_ffi, weight is not None and rows <= FORWARD_WEIGHT_FIRST_ROWS)
     w = weight if weight is not None else x[0]
     res, zt = (residual, z) if residual is not None else (x, x)
     _launch(compiled, tvm_ffi, (x, res, zt, w, y, rstd),
