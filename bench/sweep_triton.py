@@ -8,7 +8,8 @@ program, SWEEP_PROGRAMS (2,4) programs an SM in the backward, SWEEP_WARPS (1,2,4
 in SWEEP_STAGES (1) shared-memory stages); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction.
 SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (the forward's with
 SWEEP_DIRECTIONS=fwd), its warps times SWEEP_WARP_FACTORS (1,2) with its pipelining: the next block prefetched into
-registers, the loop's loads in 2 or 3 shared-memory stages, SWEEP_PROGRAMS (2,4) programs an SM. Every result is
+registers, the loop's loads in 2 or 3 shared-memory stages, SWEEP_PROGRAMS (2,4) programs an SM, its rows a program
+times SWEEP_ROW_FACTORS (1). Every result is
 checked against the torch reference's bits (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and
 timed kernel-only as in strictnorm.bench.
 SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the time: about 2 s per configuration and direction on
@@ -78,13 +79,15 @@ def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:
         ((False, 1), (True, 1), (False, 2), (False, 3))
     out = [base] if direction == "fwd" else []  # the choice itself (measured as a configuration, see best_tunings)
     factors = [float(v) for v in os.environ.get("SWEEP_WARP_FACTORS", "1,2").split(",")]
-    for warps in sorted({max(1, int(tile.num_warps * f)) for f in factors}):
-        if warps * 32 > tile.rows * (tile.pa + tile.t) or warps > 32:
-            continue
-        for programs in [int(v) for v in os.environ.get("SWEEP_PROGRAMS", "2,4").split(",")]:
-            for prefetch, stages in pipelines:
-                out.append(dataclasses.replace(base, num_warps=warps, programs_per_sm=programs, prefetch=prefetch,
-                                               stages=stages))
+    row_factors = [float(v) for v in os.environ.get("SWEEP_ROW_FACTORS", "1").split(",")]
+    for rows in sorted({max(1, int(tile.rows * f)) for f in row_factors}):
+        for warps in sorted({max(1, int(tile.num_warps * f)) for f in factors}):
+            if warps * 32 > rows * (tile.pa + tile.t) or warps > 32:
+                continue
+            for programs in [int(v) for v in os.environ.get("SWEEP_PROGRAMS", "2,4").split(",")]:
+                for prefetch, stages in pipelines:
+                    out.append(dataclasses.replace(base, rows=rows, num_warps=warps, programs_per_sm=programs,
+                                                   prefetch=prefetch, stages=stages))
     return out
 
 
