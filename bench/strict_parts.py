@@ -3,22 +3,35 @@
 For each shape (SWEEP_SHAPES, default the PERF.md ones with a strict bound far off): the dx pass alone (no dW), the
 strict dW fold alone (from dy, x and rstd), the strict backward with the fold beside the dx pass (a side stream) and
 after it, and the fast backward; then one strict backward's kernels (start offset and duration) at the first
-shape, to show how much the two overlap. Every strict dW is checked against the fold's own bits. Run on the GPU
-machine:
+shape, to show how much the two overlap. Then the fold beside with the SMs shared out (CudaBackend.fold_sms: the
+fold's grid for STRICT_FOLD_SMS SMs, the dx pass's for the rest; 0: both on every SM) and the fold as fold_chain in
+items of STRICT_CHAIN_ROWS rows x STRICT_CHAIN_COLS columns (0 rows: the default fold), so that the fold may read what
+the dx pass just read from L2. Every strict dW is checked against the default fold's bits. Run on the GPU machine:
     python3 bench/strict_parts.py [out.json]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
 from sweep_cuda import Case, Sweep, shapes_from_env
 
+from strictnorm.backends.cuda.backend import FoldTuning
 from strictnorm.backends.layout import row_layout
 
 SHAPES = shapes_from_env([(32768, 4096), (8192, 8192), (2048, 18432), (262144, 128)])
+
+
+def _ints(name: str, default: str) -> list[int]:
+    return [int(v) for v in os.environ.get(name, default).split(",") if v]
+
+
+FOLD_SMS = _ints("STRICT_FOLD_SMS", "")
+CHAIN_ROWS = _ints("STRICT_CHAIN_ROWS", "0")
+CHAIN_COLS = int(os.environ.get("STRICT_CHAIN_COLS", "32"))
 
 
 def _parts(sw: Sweep, case: Case) -> dict:
@@ -36,7 +49,20 @@ def _parts(sw: Sweep, case: Case) -> dict:
         b.fold_beside_dx = beside
         out["strict_beside" if beside else "strict_after"] = sw.timer.kernel_us(strict)
         out["bitwise_beside" if beside else "bitwise_after"] = bool(torch.equal(strict()[1], want))
-    b.fold_beside_dx = None
+    out["shared"] = []
+    optin = torch.cuda.get_device_properties(sw.timer.device).shared_memory_per_block_optin
+    for chain in CHAIN_ROWS:
+        b.fold_tuning = FoldTuning(cols=CHAIN_COLS, chain_rows=chain, smem_bytes=optin) if chain else None
+        for sms in FOLD_SMS:
+            b.fold_sms = sms
+            b.fold_beside_dx = True
+            try:
+                us = sw.timer.kernel_us(strict)
+                out["shared"].append({"chain_rows": chain, "fold_sms": sms, "us": us,
+                                      "bitwise": bool(torch.equal(strict()[1], want))})
+            except Exception as e:  # a chain item too large for the shared memory, say: recorded, not fatal
+                out["shared"].append({"chain_rows": chain, "fold_sms": sms, "error": f"{type(e).__name__}: {e}"})
+    b.fold_tuning, b.fold_sms, b.fold_beside_dx = None, 0, None
     return out
 
 
@@ -81,6 +107,12 @@ def main() -> None:
     print(f"\none strict backward at {rows[0]['M']}x{rows[0]['N']}, fold beside:")
     for e in timeline:
         print(f"  {e['start_us']:8.1f} {e['us']:8.1f}  {e['kernel']}")
+    if FOLD_SMS:
+        print("\nstrict backward, fold beside with the SMs shared out (chain rows / fold SMs: us, bitwise)")
+        for r in rows:
+            cells = [f"{v['chain_rows']}/{v['fold_sms']}: "
+                     + (f"{v['us']:.1f} {v['bitwise']}" if "us" in v else "error") for v in r["shared"]]
+            print(f"{r['M']:>7d}x{r['N']:<6d} " + "  ".join(cells))
 
 
 if __name__ == "__main__":

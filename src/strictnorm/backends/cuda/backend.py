@@ -574,6 +574,11 @@ class CudaBackend:
         # the strict dW fold on a side stream beside the dx pass (see launch_fold and fold_beside): None where
         # it pays (long folds), True always, False never (one after the other; same bits either way)
         self.fold_beside_dx: bool | None = None
+        # > 0: an out-of-place strict backward whose fold runs beside its dx pass shares the SMs out: the fold's grid
+        # sized for this many SMs (fold_chain's; a ring's grid is its column stripes) and the dx pass's persistent
+        # grid for the rest, so that the two run at once and the fold may read rows the dx pass just read from L2
+        # (an experiment for bench/strict_parts.py, with fold_tuning's chain; same bits)
+        self.fold_sms = 0
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         # the strict backward in one pass (kernels/onepass.cu) where it applies; opt-in while the two passes are
         # faster (bench/results/2026-11-30-h200-run9)
@@ -584,9 +589,10 @@ class CudaBackend:
         return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
 
     def _grid(self, dev: int, kernel, threads: int, groups: int, per_sm_cap: int = 0, shmem: int = 0,
-              persistent: bool = True) -> int:
+              persistent: bool = True, sms_left: int = 0) -> int:
         """Blocks for a grid-stride kernel: every row group, at most what the GPU holds at once
-        (and at most per_sm_cap blocks per SM when that is set); one per row group when not persistent."""
+        (and at most per_sm_cap blocks per SM when that is set; on all SMs but sms_left); one per row group when
+        not persistent."""
         if not persistent:
             return min(groups, _MAX_GRID_X)
         key = (dev, id(kernel), threads, shmem)
@@ -597,7 +603,7 @@ class CudaBackend:
             self._resident[key] = (per_sm, sms)
         if per_sm_cap:
             per_sm = min(per_sm, per_sm_cap)
-        return max(1, min(groups, per_sm * sms))
+        return max(1, min(groups, per_sm * max(1, sms - sms_left)))
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda":
@@ -627,11 +633,13 @@ class CudaBackend:
 
     # ---- the strict left fold ----------------------------------------------------------------------
     def _fold_plan(self, dev: int, alay: RowLayout, a_dtype: torch.dtype, blay: RowLayout, b_dtype: torch.dtype,
-                   what: int, groups: int, ring: bool, simple: bool, out_dtype: torch.dtype) -> _FoldPlan:
+                   what: int, groups: int, ring: bool, simple: bool, out_dtype: torch.dtype, sms: int = 0) -> _FoldPlan:
+        """sms: the SMs the fold's grid is sized for (0: all)."""
         n = alay.n
         rows_per_group = alay.rows // groups
         props = torch.cuda.get_device_properties(dev)
-        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, props.multi_processor_count, self.fold_tuning,
+        num_sms = min(sms, props.multi_processor_count) if sms else props.multi_processor_count
+        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning,
                          out_dtype, rows_per_group, groups, props.shared_memory_per_block_optin)
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
@@ -757,7 +765,7 @@ class CudaBackend:
         """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD). Planned once per
         input signature, like the forward."""
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
-               self.bwd_tuning, self.fold_tuning, self.onepass_strict, self.onepass_tuning)
+               self.bwd_tuning, self.fold_tuning, self.fold_sms, self.onepass_strict, self.onepass_tuning)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -819,18 +827,21 @@ class CudaBackend:
         onepass = self._onepass_plan(dev, v, spec, dw_mode, need_dw, dres is not None)
         if onepass is not None:  # the whole backward in one kernel: no fold or dx kernel to plan
             return _BwdPlan(views, rows, None, None, 0, 0, 0, 0, tail, 0, (), onepass)
-        strict = None
+        strict, shared_sms = None, 0
         if need_dw and not partials:
             groups = weight.shape[0] if weight.dim() == 2 else 1
             ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
+            # the SMs shared out (fold_sms) only where the fold surely runs beside: out of place (a dx_out of the
+            # same signature may or may not overlap dy from call to call)
+            shared_sms = self.fold_sms if dx_out is None and self.fold_beside(rows, None) else 0
             strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
-                                     _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype)
+                                     _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms)
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         if shmem:  # opted in whatever the size: 48 KB of dynamic shared memory plus the static scratch exceed 48 KB
             kernel.allow_dynamic_shared(shmem)
         groups = -(-rows // fl.rows_per_block)
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
-                          persistent=fl.persistent or partials)  # one partial row per block
+                          persistent=fl.persistent or partials, sms_left=shared_sms)  # one partial row per block
         part_rows = grid * fl.rows_per_block if partials else 0
         return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, (*tail, np.int32(aligned)),
                         part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
