@@ -311,6 +311,26 @@ def test_default_fold_is_the_chain_for_few_columns_and_many_rows():
     assert fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144).kernel == "fold_ring"
 
 
+def test_sms_shared_out_between_the_fold_and_the_dx_pass():
+    """CudaBackend.fold_sms's arithmetic (no GPU: the residency query's cached answer stands in): fold_chain's grid
+    sized for the fold's SMs, the dx pass's persistent grid for the rest; a non-persistent grid untouched."""
+    from strictnorm.backends.cuda.backend import CudaBackend, FoldTuning
+
+    bf16 = torch.bfloat16
+    chain = FoldTuning(cols=32, chain_rows=1024, smem_bytes=227 * 1024)
+    whole = fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, tuning=chain, rows=32768)
+    shared = fold_launch(4096, bf16, bf16, 1, True, True, num_sms=24, tuning=chain, rows=32768)
+    assert (whole.grid_x, shared.grid_x) == (132, 24)  # one 131 KB item a CTA, one CTA an SM
+    b = CudaBackend()
+    kernel = object()
+    b._resident[(0, id(kernel), 256, 0)] = (4, 132)  # 4 blocks an SM, 132 SMs
+    assert b._grid(0, kernel, 256, 10**6) == 528
+    assert b._grid(0, kernel, 256, 10**6, sms_left=24) == 4 * 108
+    assert b._grid(0, kernel, 256, 100, sms_left=24) == 100
+    assert b._grid(0, kernel, 256, 10**6, sms_left=500) == 4  # at least one SM's worth
+    assert b._grid(0, kernel, 256, 10**6, persistent=False, sms_left=24) == 10**6
+
+
 def test_tuning_file_replaces_entries_with_row_bounds(tmp_path, monkeypatch):
     """STRICTNORM_CUDA_TUNING as bench/sweep_cuda.py writes it: [max rows, knobs] entries per P (or one
     bare knobs object); the last entry must be unbounded."""
