@@ -67,25 +67,36 @@ def test_held_rows_are_read_once(n, backward, tmp_path):
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (rows + weight_loads) * op.s.k
 
 
-def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, tmp_path):
+def _clear_shapes() -> None:
+    """Forgets the cached shapes and compiled kernels (after a test changes the choices behind them: K.HOLD, K.TRIM,
+    ...)."""
+    for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
+        cached.cache_clear()
+
+
+@pytest.fixture
+def fresh_shapes():
+    """Shapes and kernels computed afresh in the test and forgotten after it; the clearing function, for a test that
+    changes the choices midway (request it after monkeypatch, so it clears before the choices are restored)."""
+    _clear_shapes()
+    yield _clear_shapes
+    _clear_shapes()
+
+
+def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, fresh_shapes, tmp_path):
     """HOLD["forward_trimmed"] = 40 (a sweep variant): N = 18432 held by the CUDA table's 512 threads a row, 5 live
     pieces of 8 lanes each, so x is loaded once a row (5 pieces) and the weight once; N = 20481 (6 pieces) still read
     twice; off by default."""
     assert not K.tuned_shape(18432, False).hold
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 40)
-    for cached in (K.tuned_shape, K.compile_forward):
-        cached.cache_clear()
-    try:
-        s = K.tuned_shape(18432, False)
-        assert (s.hold, s.tpr, s.live, s.persistent) == (True, 512, 5, True)
-        assert not K.tuned_shape(20481, False).hold
-        bf16 = cutlass.BFloat16
-        ptx = _compiled_ptx(tmp_path, *K.forward_args(18432, bf16, bf16, bf16, "llama", True))
-        assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
-        assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2 * s.live
-    finally:
-        for cached in (K.tuned_shape, K.compile_forward):
-            cached.cache_clear()
+    fresh_shapes()
+    s = K.tuned_shape(18432, False)
+    assert (s.hold, s.tpr, s.live, s.persistent) == (True, 512, 5, True)
+    assert not K.tuned_shape(20481, False).hold
+    bf16 = cutlass.BFloat16
+    ptx = _compiled_ptx(tmp_path, *K.forward_args(18432, bf16, bf16, bf16, "llama", True))
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2 * s.live
 
 
 @pytest.mark.parametrize("weight_first", [False, True])
@@ -105,28 +116,21 @@ def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, 
 
 @pytest.mark.parametrize("trim", [True, False])
 @pytest.mark.parametrize("backward", [False, True])
-def test_pieces_wholly_past_n_are_trimmed(trim, backward, monkeypatch, tmp_path):
+def test_pieces_wholly_past_n_are_trimmed(trim, backward, monkeypatch, fresh_shapes, tmp_path):
     """N = 18432 (P = 32768, rows read twice by 256 threads, 16 pieces a thread): with TRIM only the 9 pieces that
     reach into N are loaded (pieces 9-15 are padding in every thread: their sums are the +0.0 pads); rounded fp32 ops
     only. The GPU tests check the bits."""
     monkeypatch.setattr(K, "TRIM", trim)
-    for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
-        cached.cache_clear()
-    try:
-        bf16 = cutlass.BFloat16
-        if backward:
-            op, args = K.backward_args(18432, bf16, bf16, bf16, "llama", True, False, False)
-        else:
-            op, args = K.forward_args(18432, bf16, bf16, bf16, "llama", True)
-        assert (op.s.tpr, op.s.k, op.s.kr, op.s.live, op.s.hold) == (256, 16, 9 if trim else 0, 9 if trim else 16,
-                                                                      False)
-        ptx = _compiled_ptx(tmp_path, op, args)
-        assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
-        loads = (4 + 2) if backward else (1 + 1 + 1)  # z, dy twice and w twice; x twice and w once
-        assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == loads * op.s.live
-    finally:
-        for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
-            cached.cache_clear()
+    bf16 = cutlass.BFloat16
+    if backward:
+        op, args = K.backward_args(18432, bf16, bf16, bf16, "llama", True, False, False)
+    else:
+        op, args = K.forward_args(18432, bf16, bf16, bf16, "llama", True)
+    assert (op.s.tpr, op.s.k, op.s.kr, op.s.live, op.s.hold) == (256, 16, 9 if trim else 0, 9 if trim else 16, False)
+    ptx = _compiled_ptx(tmp_path, op, args)
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+    loads = (4 + 2) if backward else (1 + 1 + 1)  # z, dy twice and w twice; x twice and w once
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == loads * op.s.live
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -140,19 +144,13 @@ def test_forward_bitwise_on_gpu(n, mode, seed):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [1000, 4096, 16384, 18432, 20000])
 @pytest.mark.parametrize("mode", ["llama", "gemma"])
-def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch):
+def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes):
     """The forward's opt-in shapes (sweep variants, off by default): rows held where their trimmed lanes fit
     (HOLD["forward_trimmed"]) and the weight loaded with the row (FORWARD_WEIGHT_FIRST_ROWS), against the
     reference."""
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 40)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", 1 << 40)
-    for cached in (K.tuned_shape, K.compile_forward):
-        cached.cache_clear()
-    try:
-        _check_forward(n, mode, seed)
-    finally:
-        for cached in (K.tuned_shape, K.compile_forward):
-            cached.cache_clear()
+    _check_forward(n, mode, seed)
 
 
 def _check_forward(n: int, mode: str, seed: int) -> None:
@@ -196,14 +194,10 @@ def test_backward_compiles_with_only_rounded_fp32_ops(n, mode, vector, has_dres,
 
 
 @pytest.fixture(params=[False, True], ids=["", "prefetch"])
-def backward_prefetch(request, monkeypatch):
+def backward_prefetch(request, monkeypatch, fresh_shapes):
     """The cute backward with and without the next row prefetched into registers (ForwardShape.prefetch)."""
     monkeypatch.setitem(K.HOLD, "backward_prefetch", request.param)
-    for cached in (K.tuned_shape, K.compile_backward):
-        cached.cache_clear()
-    yield request.param
-    for cached in (K.tuned_shape, K.compile_backward):
-        cached.cache_clear()
+    return request.param
 
 
 @pytest.mark.parametrize("n, hold", [(128, True), (4096, True), (8192, "prefetch"), (18432, False), (7, True)])
@@ -225,26 +219,20 @@ def test_prefetched_rows_are_loaded_once(n, hold, backward_prefetch, tmp_path):
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (z_dy + 2) * op.s.live
 
 
-def test_rows_of_512_threads_are_held_where_prefetched(tmp_path):
+def test_rows_of_512_threads_are_held_where_prefetched(fresh_shapes, tmp_path):
     """HOLD["prefetch_threads"] = 512: the backward's rows of P = 8192 held by 512 threads, 16 lanes each, with the
     next row prefetched (rounded fp32 ops only), at 1 block an SM; the backward's without partials still reads them
     twice with 256 threads (HOLD["threads"]); rows of P = 16384 and 32768 read twice."""
-    for cached in (K.tuned_shape, K.compile_backward):
-        cached.cache_clear()
-    try:
-        bwd = K.tuned_shape(8192, True)
-        assert (bwd.hold, bwd.prefetch, bwd.tpr, bwd.k * bwd.piece) == (True, True, 512, 16)
-        assert K.backward_blocks_per_sm(8192) == 1
-        for n in (8192, 16384):
-            assert not K.tuned_shape(n, True, partials=False).hold and K.tuned_shape(n, True, False).tpr == 256
-        assert not K.tuned_shape(16384, True).hold and not K.tuned_shape(16384, False).hold
-        assert not K.tuned_shape(18432, True).hold and not K.tuned_shape(18432, False).hold
-        bf16 = cutlass.BFloat16
-        ptx = _compiled_ptx(tmp_path, *K.backward_args(8192, bf16, bf16, bf16, "llama", True, False, True))
-        assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
-    finally:
-        for cached in (K.tuned_shape, K.compile_backward):
-            cached.cache_clear()
+    bwd = K.tuned_shape(8192, True)
+    assert (bwd.hold, bwd.prefetch, bwd.tpr, bwd.k * bwd.piece) == (True, True, 512, 16)
+    assert K.backward_blocks_per_sm(8192) == 1
+    for n in (8192, 16384):
+        assert not K.tuned_shape(n, True, partials=False).hold and K.tuned_shape(n, True, False).tpr == 256
+    assert not K.tuned_shape(16384, True).hold and not K.tuned_shape(16384, False).hold
+    assert not K.tuned_shape(18432, True).hold and not K.tuned_shape(18432, False).hold
+    bf16 = cutlass.BFloat16
+    ptx = _compiled_ptx(tmp_path, *K.backward_args(8192, bf16, bf16, bf16, "llama", True, False, True))
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -504,17 +492,14 @@ def test_backward_partials_stay_in_registers(n, tmp_path):
     assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 
 
-def test_longer_rows_leave_the_fast_dw_to_the_fold(monkeypatch):
+def test_longer_rows_leave_the_fast_dw_to_the_fold(monkeypatch, fresh_shapes):
     """Rows whose threads would hold more than K.PARTIALS_MAX_VALUES partials (N past 18432 at P = 32768, P = 65536)
     take the strict fold for dw="fast"; so do all rows of P = 32768 with the trim off."""
     assert K.keeps_partials(128) and K.keeps_partials(16385) and K.keeps_partials(18432)
     assert not any(K.keeps_partials(n) for n in (18433, 20480, 32768, 40000, 65536))
     monkeypatch.setattr(K, "TRIM", False)
-    K.tuned_shape.cache_clear()
-    try:
-        assert K.keeps_partials(16384) and not K.keeps_partials(16385) and not K.keeps_partials(18432)
-    finally:
-        K.tuned_shape.cache_clear()
+    fresh_shapes()
+    assert K.keeps_partials(16384) and not K.keeps_partials(16385) and not K.keeps_partials(18432)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
