@@ -2,11 +2,14 @@
 
 For each shape (SWEEP_SHAPES, default the PERF.md ones with a strict bound far off): the dx pass alone (no dW), the
 strict dW fold alone (from dy, x and rstd), the strict backward with the fold beside the dx pass (a side stream) and
-after it, and the fast backward; then one strict backward's kernels (start offset and duration) at the first
-shape, to show how much the two overlap. Then the fold beside with the SMs shared out (CudaBackend.fold_sms: the
-fold's grid for STRICT_FOLD_SMS SMs, the dx pass's for the rest; 0: both on every SM) and the fold as fold_chain in
-items of STRICT_CHAIN_ROWS rows x STRICT_CHAIN_COLS columns (0 rows: the default fold), so that the fold may read what
-the dx pass just read from L2. Every strict dW is checked against the default fold's bits. Run on the GPU machine:
+after it (beside: with the backend's default share of the SMs, CudaBackend.fold_sms), and the fast backward; then one
+strict backward's kernels (start offset and duration) at the first shape, to show how much the two overlap. Then the
+fold beside with the SMs shared out (CudaBackend.fold_sms: the fold's grid for STRICT_FOLD_SMS SMs, the dx pass's for
+the rest; 0: both on every SM) and the fold as fold_chain in items of STRICT_CHAIN_ROWS rows x STRICT_CHAIN_COLS columns
+(0 rows: the default fold), so that the fold may read what the dx pass just read from L2, or as the ring with
+STRICT_RING_COLS columns a CTA (0: its own choice; the ring's grid is its column stripes: at 4096 columns 512 stripes of
+8 on every SM, 128 of 32 where it is sized for 32-128 SMs), the fold alone timed once for each. Every strict dW is
+checked against the default fold's bits. Run on the GPU machine:
     python3 bench/strict_parts.py [out.json]
 """
 
@@ -32,6 +35,14 @@ def _ints(name: str, default: str) -> list[int]:
 FOLD_SMS = _ints("STRICT_FOLD_SMS", "")
 CHAIN_ROWS = _ints("STRICT_CHAIN_ROWS", "0")
 CHAIN_COLS = int(os.environ.get("STRICT_CHAIN_COLS", "32"))
+RING_COLS = _ints("STRICT_RING_COLS", "0")
+
+
+def _fold_tunings(optin: int) -> list[tuple[str, FoldTuning | None]]:
+    """(label, the fold's tuning): the ring at each of RING_COLS, then fold_chain at each of CHAIN_ROWS (0: none)."""
+    out = [(f"r{cols}", FoldTuning(cols=cols) if cols else None) for cols in RING_COLS]
+    return out + [(f"c{chain}", FoldTuning(cols=CHAIN_COLS, chain_rows=chain, smem_bytes=optin))
+                  for chain in CHAIN_ROWS if chain]
 
 
 def _parts(sw: Sweep, case: Case) -> dict:
@@ -51,18 +62,20 @@ def _parts(sw: Sweep, case: Case) -> dict:
         out["bitwise_beside" if beside else "bitwise_after"] = bool(torch.equal(strict()[1], want))
     out["shared"] = []
     optin = torch.cuda.get_device_properties(sw.timer.device).shared_memory_per_block_optin
-    for chain in CHAIN_ROWS:
-        b.fold_tuning = FoldTuning(cols=CHAIN_COLS, chain_rows=chain, smem_bytes=optin) if chain else None
+    for label, tuning in _fold_tunings(optin) if FOLD_SMS else ():
+        b.fold_tuning, b.fold_sms = tuning, 0
+        try:
+            alone = sw.timer.kernel_us(fold)
+        except Exception as e:  # a chain item too large for the shared memory, say: recorded, not fatal
+            out["shared"].append({"fold": label, "error": f"{type(e).__name__}: {e}"})
+            continue
         for sms in FOLD_SMS:
             b.fold_sms = sms
             b.fold_beside_dx = True
-            try:
-                us = sw.timer.kernel_us(strict)
-                out["shared"].append({"chain_rows": chain, "fold_sms": sms, "us": us,
-                                      "bitwise": bool(torch.equal(strict()[1], want))})
-            except Exception as e:  # a chain item too large for the shared memory, say: recorded, not fatal
-                out["shared"].append({"chain_rows": chain, "fold_sms": sms, "error": f"{type(e).__name__}: {e}"})
-    b.fold_tuning, b.fold_sms, b.fold_beside_dx = None, 0, None
+            us = sw.timer.kernel_us(strict)
+            out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "us": us,
+                                  "bitwise": bool(torch.equal(strict()[1], want))})
+    b.fold_tuning, b.fold_sms, b.fold_beside_dx = None, None, None
     return out
 
 
@@ -108,11 +121,16 @@ def main() -> None:
     for e in timeline:
         print(f"  {e['start_us']:8.1f} {e['us']:8.1f}  {e['kernel']}")
     if FOLD_SMS:
-        print("\nstrict backward, fold beside with the SMs shared out (chain rows / fold SMs: us, bitwise)")
+        print("\nstrict backward, fold beside with the SMs shared out (fold: r ring columns or c chain rows, 0 the\n"
+              "default; us alone; then fold SMs: us of the strict backward, bitwise)")
         for r in rows:
-            cells = [f"{v['chain_rows']}/{v['fold_sms']}: "
-                     + (f"{v['us']:.1f} {v['bitwise']}" if "us" in v else "error") for v in r["shared"]]
-            print(f"{r['M']:>7d}x{r['N']:<6d} " + "  ".join(cells))
+            for label in dict.fromkeys(v["fold"] for v in r["shared"]):
+                runs = [v for v in r["shared"] if v["fold"] == label]
+                if "error" in runs[0]:
+                    print(f"{r['M']:>7d}x{r['N']:<6d} {label:>6} {runs[0]['error']}")
+                    continue
+                cells = [f"{v['fold_sms']}: {v['us']:.1f} {v['bitwise']}" for v in runs]
+                print(f"{r['M']:>7d}x{r['N']:<6d} {label:>6} {runs[0]['fold_alone_us']:7.1f}  " + "  ".join(cells))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Variants: rows read twice (no hold), rows held between the passes, and for the b
 next row prefetched into registers (where rows are held), also with rows of up to 512 threads held; the defaults
 (K.HOLD) without the trim of pieces wholly past N (K.TRIM), and with the fast dW's partials in the backward kernel only
 up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fast": rows of P <= 8192, the rule
-before run 17); for the forward, rows held by the table's threads where a thread's lanes inside N are at most 40
-(HOLD["forward_trimmed"]), and the weight loaded with the row (K.FORWARD_WEIGHT_FIRST_ROWS).
+before run 17); for the forward, rows past 256 threads' hold read twice (HOLD["forward_trimmed"] = 0, the rule before
+run 18), and the weight loaded with the row at every row count or at none (K.FORWARD_WEIGHT_FIRST_ROWS).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -39,9 +39,11 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "default": DEFAULT,
             "no trim": {**DEFAULT, "trim": False},
             "fold past 8192": {**DEFAULT, "partials_max_values": 16},
-            "forward held trimmed": {**DEFAULT, "forward_trimmed": 40},
-            "weight first": {**DEFAULT, "weight_first_rows": 1 << 40}}
-FORWARD_ONLY = ("forward held trimmed", "weight first")
+            "forward read twice": {**DEFAULT, "forward_trimmed": 0},
+            "weight first": {**DEFAULT, "weight_first_rows": 1 << 40},
+            "weight after the sum": {**DEFAULT, "weight_first_rows": 0}}
+FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum")
+WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
@@ -52,7 +54,7 @@ def use(variant: dict) -> None:
     variant = dict(variant)
     K.TRIM = variant.pop("trim", True)
     K.PARTIALS_MAX_VALUES = variant.pop("partials_max_values", PARTIALS_MAX_VALUES)
-    K.FORWARD_WEIGHT_FIRST_ROWS = variant.pop("weight_first_rows", 0)
+    K.FORWARD_WEIGHT_FIRST_ROWS = variant.pop("weight_first_rows", WEIGHT_FIRST_ROWS)
     K.HOLD.update(variant)
     for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
         cached.cache_clear()

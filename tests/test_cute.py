@@ -84,12 +84,9 @@ def fresh_shapes():
 
 
 def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, fresh_shapes, tmp_path):
-    """HOLD["forward_trimmed"] = 40 (a sweep variant): N = 18432 held by the CUDA table's 512 threads a row, 5 live
+    """HOLD["forward_trimmed"] = 40 (the default): N = 18432 held by the CUDA table's 512 threads a row, 5 live
     pieces of 8 lanes each, so x is loaded once a row (5 pieces) and the weight once; N = 20481 (6 pieces) still read
-    twice; off by default."""
-    assert not K.tuned_shape(18432, False).hold
-    monkeypatch.setitem(K.HOLD, "forward_trimmed", 40)
-    fresh_shapes()
+    twice, and N = 18432 too with the option off."""
     s = K.tuned_shape(18432, False)
     assert (s.hold, s.tpr, s.live, s.persistent) == (True, 512, 5, True)
     assert not K.tuned_shape(20481, False).hold
@@ -97,12 +94,15 @@ def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, fresh_shap
     ptx = _compiled_ptx(tmp_path, *K.forward_args(18432, bf16, bf16, bf16, "llama", True))
     assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2 * s.live
+    monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
+    fresh_shapes()
+    assert not K.tuned_shape(18432, False).hold
 
 
 @pytest.mark.parametrize("weight_first", [False, True])
 def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, tmp_path):
-    """With weight_first (K.FORWARD_WEIGHT_FIRST_ROWS; off by default) the held forward issues its weight loads with
-    the row's, before the row sum's first shuffle; without, after it. Same loads either way."""
+    """With weight_first (K.FORWARD_WEIGHT_FIRST_ROWS: up to 128 rows by default) the held forward issues its weight
+    loads with the row's, before the row sum's first shuffle; without, after it. Same loads either way."""
     bf16 = cutlass.BFloat16
     op, args = K.forward_args(4096, bf16, bf16, bf16, "llama", True, weight_first=weight_first)
     assert op.s.hold and op.s.hold_weight == weight_first
@@ -145,11 +145,15 @@ def test_forward_bitwise_on_gpu(n, mode, seed):
 @pytest.mark.parametrize("n", [1000, 4096, 16384, 18432, 20000])
 @pytest.mark.parametrize("mode", ["llama", "gemma"])
 def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes):
-    """The forward's opt-in shapes (sweep variants, off by default): rows held where their trimmed lanes fit
-    (HOLD["forward_trimmed"]) and the weight loaded with the row (FORWARD_WEIGHT_FIRST_ROWS), against the
-    reference."""
-    monkeypatch.setitem(K.HOLD, "forward_trimmed", 40)
+    """The forward's shape choices the other way round from their defaults, against the reference: rows read twice
+    where their trimmed lanes would be held (HOLD["forward_trimmed"] = 0) and the weight loaded with the row at every
+    row count (the default: up to 128 rows), then the weight loaded after the row sum at every row count."""
+    monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", 1 << 40)
+    fresh_shapes()
+    _check_forward(n, mode, seed)
+    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", 0)
+    fresh_shapes()
     _check_forward(n, mode, seed)
 
 

@@ -209,11 +209,11 @@ def test_strict_fold_beside_the_dx_pass(backend, seed):
 
 
 @pytest.mark.parametrize("m, n", [(16384, 4096), (20011, 1000), (65536, 128)])
-@pytest.mark.parametrize("chain_rows", [0, 512])
-def test_strict_fold_with_the_sms_shared_out(m, n, chain_rows, seed):
-    """CudaBackend.fold_sms (an experiment of bench/strict_parts.py): the fold's grid sized for 24 SMs and the dx
-    pass's for the rest, with the default fold or fold_chain items of chain_rows x 32 columns: the reference's dx
-    and dW; an in-place backward (planned without the split) too."""
+@pytest.mark.parametrize("chain_rows, fold_sms", [(0, 24), (512, 24), (0, None)])
+def test_strict_fold_with_the_sms_shared_out(m, n, chain_rows, fold_sms, seed):
+    """CudaBackend.fold_sms (None: the default, 32 SMs at 4096 columns; see _SHARED_FOLD_SMS): the fold's grid
+    sized for that many SMs and the dx pass's for the rest, with the default fold or fold_chain items of
+    chain_rows x 32 columns: the reference's dx and dW; an in-place backward (planned without the split) too."""
     from strictnorm.backends.cuda.backend import FoldTuning
     from strictnorm.contract import make_spec
 
@@ -223,14 +223,14 @@ def test_strict_fold_with_the_sms_shared_out(m, n, chain_rows, seed):
     rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
     want = tr.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
     optin = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
-    cb.fold_sms = 24
+    cb.fold_sms = fold_sms
     cb.fold_tuning = FoldTuning(cols=32, chain_rows=chain_rows, smem_bytes=optin) if chain_rows else None
     try:
         got = cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
         buf = dy.clone()
         in_place = cb.rms_norm_bwd(buf, x, w, rstd, None, spec, "strict", True, buf)
     finally:
-        cb.fold_sms, cb.fold_tuning = 0, None
+        cb.fold_sms, cb.fold_tuning = None, None
     for dx, dw in (got, in_place):
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
 

@@ -45,6 +45,13 @@ _CHAIN_COLS = 8  # fold_chain's columns an item, unless a FoldTuning says otherw
 # with fewer rows and both kernels bandwidth-bound it was slower (2048 x 18432 146 -> 162, 8192 x 8192
 # 221 -> 240). Each kernel fills the SMs on its own, so they overlap mostly at their tails (bench/NOTES.md).
 _BESIDE_MIN_ROWS = 16384
+# An out-of-place strict backward whose ring fold runs beside its dx pass shares the SMs out per padded length P:
+# the fold's grid sized for this many SMs, the dx pass's persistent grid for the rest (CudaBackend.fold_sms). At
+# P = 4096 the ring sized for every SM takes 512 stripes of 8 columns; sized for 32 SMs, 128 of 32, beside a dx pass
+# of 100 SMs' blocks: H200, bench/results/2026-12-01-h200-run18, call a (bench/strict_parts.py, bitwise): 32768 x
+# 4096 519.5 -> 410.3 us (16 SMs 494.7, 24 518.9, 48 430.5). Where the ring's stripes stay the same (8192 and 18432
+# columns, a chain at 128) the dx pass only loses SMs: 8192 x 8192 197.9 -> 213.1, 2048 x 18432 136.4 -> 148.9.
+_SHARED_FOLD_SMS = {4096: 32}
 
 
 @dataclass(frozen=True)
@@ -575,10 +582,10 @@ class CudaBackend:
         # it pays (long folds), True always, False never (one after the other; same bits either way)
         self.fold_beside_dx: bool | None = None
         # > 0: an out-of-place strict backward whose fold runs beside its dx pass shares the SMs out: the fold's grid
-        # sized for this many SMs (fold_chain's; a ring's grid is its column stripes) and the dx pass's persistent
-        # grid for the rest, so that the two run at once and the fold may read rows the dx pass just read from L2
-        # (an experiment for bench/strict_parts.py, with fold_tuning's chain; same bits)
-        self.fold_sms = 0
+        # sized for this many SMs (fold_chain's; the ring's column stripes: see _ring_shape) and the dx pass's
+        # persistent grid for the rest, so that the two run at once (bench/strict_parts.py; same bits); 0 never;
+        # None as _SHARED_FOLD_SMS says for the default fold (without a fold_tuning)
+        self.fold_sms: int | None = None
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         # the strict backward in one pass (kernels/onepass.cu) where it applies; opt-in while the two passes are
         # faster (bench/results/2026-11-30-h200-run9)
@@ -833,7 +840,9 @@ class CudaBackend:
             ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
             # the SMs shared out (fold_sms) only where the fold surely runs beside: out of place (a dx_out of the
             # same signature may or may not overlap dy from call to call)
-            shared_sms = self.fold_sms if dx_out is None and self.fold_beside(rows, None) else 0
+            if dx_out is None and self.fold_beside(rows, None):
+                shared_sms = self.fold_sms if self.fold_sms is not None else \
+                    0 if self.fold_tuning else _SHARED_FOLD_SMS.get(next_pow2(n), 0)
             strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
                                      _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms)
         kernel = self._norm_kernel(dev, "rms_bwd", fl)

@@ -120,13 +120,16 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # same for the backward that prefetches (run 17, call b: rows of P = 8192 held by 512 threads and prefetched, 1 block
 # an SM, 8192 x 8192 141.3 -> 113.2 us; Quack 129.1).
 # "forward_trimmed": where the rule above reads a forward's rows twice, hold them anyway at the table entry's threads
-# a row when a thread's lanes inside N (ForwardShape.live pieces) are at most that many (0: never). Off until measured
-# (sweep_cute's "forward held trimmed"; N = 18432 would be held by 512 threads, 40 lanes each, as the CUDA forward).
+# a row when a thread's lanes inside N (ForwardShape.live pieces) are at most that many (0: never): N = 16384 held by
+# 512 threads, 32 lanes each, N = 18432 by 512, 40 live lanes each, as the CUDA forward (bench/results/
+# 2026-12-01-h200-run18, call b, sweep_cute "forward held trimmed", bitwise: 4096 x 16384 76.6 -> 71.9 us, 2048 x
+# 18432 51.2 -> 42.2; Quack 45.9).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
-        "prefetch_threads": 512, "forward_trimmed": 0}
+        "prefetch_threads": 512, "forward_trimmed": 40}
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), up to this many rows (a
-# latency saving where few rows are in flight; 0: never). Off until measured (sweep_cute's "weight first").
-FORWARD_WEIGHT_FIRST_ROWS = 0
+# latency saving where few rows are in flight; 0: never). Run 18, call b (sweep_cute "weight first", bitwise):
+# 128 x 4096 3.8 -> 2.7 us, 2048 x 4096 11.7 -> 12.7 (more registers, fewer rows in flight), as Triton's w_first.
+FORWARD_WEIGHT_FIRST_ROWS = 128
 
 
 # whether shapes trim the pieces wholly past N (ForwardShape.kr; the same bits either way)

@@ -112,8 +112,9 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
                    (None, TileChoice(rows=2, num_warps=8))),
             8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=4, chunk=4096, stages=3),
             65536: TileChoice(rows=1, num_warps=4, chunk=2048)},
-    # P = 128: 4 warps, the loop pipelined through 3 stages (run 17, call a: 262144 x 128 60.4 -> 57.1 us)
-    "bwd": {128: TileChoice(rows=16, num_warps=4, stages=3),
+    # P = 128: the loop pipelined through 3 stages (run 17, call a: 262144 x 128 60.4 -> 57.1 us at 4 warps), at
+    # 2 warps (bench/results/2026-12-01-h200-run18, call a: 57.2 -> 55.5; rows 8 or 32, 8 programs an SM: slower)
+    "bwd": {128: TileChoice(rows=16, num_warps=2, stages=3),
             4096: TileChoice(rows=1, num_warps=8, programs_per_sm=2, prefetch=True),
             8192: TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3),
             32768: TileChoice(rows=2, num_warps=8, chunk=4096, programs_per_sm=1, stages=3),
