@@ -40,8 +40,8 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "no trim": {**DEFAULT, "trim": False},
             "fold past 8192": {**DEFAULT, "partials_max_values": 16},
             "forward read twice": {**DEFAULT, "forward_trimmed": 0},
-            "weight first": {**DEFAULT, "weight_first_rows": 1 << 40},
-            "weight after the sum": {**DEFAULT, "weight_first_rows": 0}}
+            "weight first": {**DEFAULT, "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
+            "weight after the sum": {**DEFAULT, "weight_first_rows": {}}}
 FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES

@@ -86,7 +86,8 @@ def fresh_shapes():
 def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, fresh_shapes, tmp_path):
     """HOLD["forward_trimmed"] = 40 (the default): N = 18432 held by the CUDA table's 512 threads a row, 5 live
     pieces of 8 lanes each, so x is loaded once a row (5 pieces) and the weight once; N = 20481 (6 pieces) still read
-    twice, and N = 18432 too with the option off."""
+    twice, and N = 18432 too with the option off; N = 16384 held by 512 threads, 4 pieces each."""
+    assert (lambda s: (s.hold, s.tpr, s.live))(K.tuned_shape(16384, False)) == (True, 512, 4)
     s = K.tuned_shape(18432, False)
     assert (s.hold, s.tpr, s.live, s.persistent) == (True, 512, 5, True)
     assert not K.tuned_shape(20481, False).hold
@@ -101,7 +102,7 @@ def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, fresh_shap
 
 @pytest.mark.parametrize("weight_first", [False, True])
 def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, tmp_path):
-    """With weight_first (K.FORWARD_WEIGHT_FIRST_ROWS: up to 128 rows by default) the held forward issues its weight
+    """With weight_first (K.FORWARD_WEIGHT_FIRST_ROWS: 512 rows at P = 4096) the held forward issues its weight
     loads with the row's, before the row sum's first shuffle; without, after it. Same loads either way."""
     bf16 = cutlass.BFloat16
     op, args = K.forward_args(4096, bf16, bf16, bf16, "llama", True, weight_first=weight_first)
@@ -117,10 +118,11 @@ def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, 
 @pytest.mark.parametrize("trim", [True, False])
 @pytest.mark.parametrize("backward", [False, True])
 def test_pieces_wholly_past_n_are_trimmed(trim, backward, monkeypatch, fresh_shapes, tmp_path):
-    """N = 18432 (P = 32768, rows read twice by 256 threads, 16 pieces a thread): with TRIM only the 9 pieces that
-    reach into N are loaded (pieces 9-15 are padding in every thread: their sums are the +0.0 pads); rounded fp32 ops
-    only. The GPU tests check the bits."""
+    """N = 18432 (P = 32768, rows read twice by 256 threads, 16 pieces a thread; the forward's as without
+    HOLD["forward_trimmed"]): with TRIM only the 9 pieces that reach into N are loaded (pieces 9-15 are padding in every
+    thread: their sums are the +0.0 pads); rounded fp32 ops only. The GPU tests check the bits."""
     monkeypatch.setattr(K, "TRIM", trim)
+    monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
     bf16 = cutlass.BFloat16
     if backward:
         op, args = K.backward_args(18432, bf16, bf16, bf16, "llama", True, False, False)
@@ -147,12 +149,13 @@ def test_forward_bitwise_on_gpu(n, mode, seed):
 def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes):
     """The forward's shape choices the other way round from their defaults, against the reference: rows read twice
     where their trimmed lanes would be held (HOLD["forward_trimmed"] = 0) and the weight loaded with the row at every
-    row count (the default: up to 128 rows), then the weight loaded after the row sum at every row count."""
+    row count (the default: up to 512 rows at P = 4096, 128 at 8192), then the weight loaded after the row sum at
+    every row count."""
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
-    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", 1 << 40)
+    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
     fresh_shapes()
     _check_forward(n, mode, seed)
-    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", 0)
+    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {})
     fresh_shapes()
     _check_forward(n, mode, seed)
 
@@ -226,14 +229,13 @@ def test_prefetched_rows_are_loaded_once(n, hold, backward_prefetch, tmp_path):
 def test_rows_of_512_threads_are_held_where_prefetched(fresh_shapes, tmp_path):
     """HOLD["prefetch_threads"] = 512: the backward's rows of P = 8192 held by 512 threads, 16 lanes each, with the
     next row prefetched (rounded fp32 ops only), at 1 block an SM; the backward's without partials still reads them
-    twice with 256 threads (HOLD["threads"]); rows of P = 16384 and 32768 read twice."""
+    twice with 256 threads (HOLD["threads"]); the backward's rows of P = 16384 and 32768 read twice."""
     bwd = K.tuned_shape(8192, True)
     assert (bwd.hold, bwd.prefetch, bwd.tpr, bwd.k * bwd.piece) == (True, True, 512, 16)
     assert K.backward_blocks_per_sm(8192) == 1
     for n in (8192, 16384):
         assert not K.tuned_shape(n, True, partials=False).hold and K.tuned_shape(n, True, False).tpr == 256
-    assert not K.tuned_shape(16384, True).hold and not K.tuned_shape(16384, False).hold
-    assert not K.tuned_shape(18432, True).hold and not K.tuned_shape(18432, False).hold
+    assert not K.tuned_shape(16384, True).hold and not K.tuned_shape(18432, True).hold
     bf16 = cutlass.BFloat16
     ptx = _compiled_ptx(tmp_path, *K.backward_args(8192, bf16, bf16, bf16, "llama", True, False, True))
     assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)

@@ -126,10 +126,12 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # 18432 51.2 -> 42.2; Quack 45.9).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
         "prefetch_threads": 512, "forward_trimmed": 40}
-# the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), up to this many rows (a
-# latency saving where few rows are in flight; 0: never). Run 18, call b (sweep_cute "weight first", bitwise):
-# 128 x 4096 3.8 -> 2.7 us, 2048 x 4096 11.7 -> 12.7 (more registers, fewer rows in flight), as Triton's w_first.
-FORWARD_WEIGHT_FIRST_ROWS = 128
+# the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
+# this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
+# H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
+# 128 x 4096 3.7 -> 2.7, 512 x 4096 4.6 -> 4.2, 128 x 8192 4.2 -> 3.2; slower from 1024 rows of 4096 (6.2 -> 7.6;
+# more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3).
+FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {4096: 512, 8192: 128}
 
 
 # whether shapes trim the pieces wholly past N (ForwardShape.kr; the same bits either way)
@@ -618,9 +620,10 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
     w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
     vector = _vector_ok(n, x, y, *(t for t in (weight, residual, z) if t is not None))
     tvm_ffi = calls() == "tvm-ffi"
+    weight_first = weight is not None and rows <= FORWARD_WEIGHT_FIRST_ROWS.get(next_pow2(n), 0)
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
                                       vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
-                                      tvm_ffi, weight is not None and rows <= FORWARD_WEIGHT_FIRST_ROWS)
+                                      tvm_ffi, weight_first)
     w = weight if weight is not None else x[0]
     res, zt = (residual, z) if residual is not None else (x, x)
     _launch(compiled, tvm_ffi, (x, res, zt, w, y, rstd),
