@@ -339,8 +339,23 @@ def test_backward_tile_depends_on_in_kernel_partials():
     z = torch.zeros(3, 18432, dtype=torch.bfloat16)
     w, rstd, spec = torch.ones(18432), torch.ones(3), make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
     for dw_mode, need_dw, partials in (("fast", True, True), ("strict", True, False), ("fast", False, False)):
-        plan = tb.TritonBackend._plan_bwd(z, z, w, rstd, None, None, spec, dw_mode, need_dw)
+        plan = tb.TritonBackend()._plan_bwd(z, z, w, rstd, None, None, spec, dw_mode, need_dw)
         assert plan.meta["DW_PARTIALS"] == partials and (plan.meta["CHUNK"] > 0) == partials, (dw_mode, need_dw)
+
+
+def test_persistent_grid_leaves_sms_to_the_fold():
+    """_programs with sms_left (TritonBackend.share_sms_with_fold): the persistent grid on all SMs but those (one
+    at least); a grid of a program a block untouched. The CPU stands in for 4 SMs."""
+    from strictnorm.backends.triton import backend as tb
+
+    tile = tb.row_tile(4096, "bwd")
+    cpu = torch.device("cpu")
+    assert tile.programs_per_sm == 2
+    assert tb._programs(10**6, tile, cpu, True) == 8
+    assert tb._programs(10**6, tile, cpu, True, sms_left=1) == 6
+    assert tb._programs(10**6, tile, cpu, True, sms_left=10) == 2
+    assert tb._programs(5, tile, cpu, True, sms_left=1) == 5
+    assert tb._programs(10**6, tile, cpu, False, sms_left=1) == 10**6
 
 
 @pytest.mark.parametrize("n, split, qk, chunk", [(5, True, False, 0), (40, False, False, 0), (40, True, True, 0),

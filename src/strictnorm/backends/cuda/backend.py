@@ -699,19 +699,31 @@ class CudaBackend:
     @on_tensor_device
     def launch_fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
                     what: int, groups: int, ring: bool = True, out_dtype: torch.dtype = torch.float32,
-                    beside: bool = False) -> tuple[Tensor, Callable[[], None]]:
+                    beside: bool = False, sms: int = 0) -> tuple[Tensor, Callable[[], None]]:
         """fold's result and a join (see _launch_fold): with beside=True the fold runs on a side stream, beside
-        the kernels the caller enqueues before calling join() (which must not write a, b or rstd)."""
+        the kernels the caller enqueues before calling join() (which must not write a, b or rstd). sms: the SMs
+        its grid is sized for (0: all; see shared_fold_sms)."""
         dev = _device_index(a)
         key = (dev, alay, a.dtype, a.data_ptr() % 16 == 0, blay, b.dtype, b.data_ptr() % 16 == 0, what, groups,
-               ring, self.fold_tuning, out_dtype)
+               ring, self.fold_tuning, out_dtype, sms)
         plan = self._fold_plans.get(key)
         if plan is None:
             ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
             simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
             plan = remember(self._fold_plans, key,
-                            self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype))
+                            self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype,
+                                            sms))
         return self._launch_fold(plan, a, b, rstd, beside)
+
+    def shared_fold_sms(self, n: int, rows: int, out_of_place: bool) -> int:
+        """The SMs a strict dW fold of rows x n is sized for beside a dx pass whose persistent grid takes the
+        rest (0: no share): only out of place (a dx_out of the same signature may or may not overlap dy from call
+        to call) where the fold runs beside; fold_sms where it is set, else _SHARED_FOLD_SMS for the default fold."""
+        if not out_of_place or not self.fold_beside(rows, None):
+            return 0
+        if self.fold_sms is not None:
+            return self.fold_sms
+        return 0 if self.fold_tuning else _SHARED_FOLD_SMS.get(next_pow2(n), 0)
 
     def fold_beside(self, rows: int, dx: Tensor | None, *reads: Tensor) -> bool:
         """Whether a strict dW fold of `rows` rows reading `reads` runs beside a dx pass writing dx (None: a
@@ -838,11 +850,7 @@ class CudaBackend:
         if need_dw and not partials:
             groups = weight.shape[0] if weight.dim() == 2 else 1
             ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
-            # the SMs shared out (fold_sms) only where the fold surely runs beside: out of place (a dx_out of the
-            # same signature may or may not overlap dy from call to call)
-            if dx_out is None and self.fold_beside(rows, None):
-                shared_sms = self.fold_sms if self.fold_sms is not None else \
-                    0 if self.fold_tuning else _SHARED_FOLD_SMS.get(next_pow2(n), 0)
+            shared_sms = self.shared_fold_sms(n, rows, dx_out is None)
             strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
                                      _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms)
         kernel = self._norm_kernel(dev, "rms_bwd", fl)

@@ -269,6 +269,7 @@ class _Plan:
     scalars: tuple
     meta: dict
     launch: _Launcher | None = field(default=None, compare=False)
+    fold_sms: int = 0  # the backward's strict fold sized for this many SMs, the dx pass's grid for the rest (0: all)
 
 
 def _launch_opts(num_warps: int) -> dict:
@@ -283,6 +284,10 @@ class TritonBackend:
         # The strict fold runs on the CUDA backend's kernel where that backend is available (same
         # bits, much faster); the Triton fold below serves ROCm and machines without NVRTC.
         self.use_cuda_fold = True
+        # The strict backward's SMs shared out as the CUDA backend's are (CudaBackend.shared_fold_sms: at 4096
+        # columns the CUDA fold sized for 32 SMs, this dx pass's persistent grid for the rest; same bits). Opt-in:
+        # measured for the CUDA backend's dx pass (bench/results/2026-12-01-h200-run18), not yet for this one.
+        self.share_sms_with_fold = False
         self._fwd_plans: dict[tuple, _Plan] = {}
         self._bwd_plans: dict[tuple, _Plan] = {}
 
@@ -337,7 +342,8 @@ class TritonBackend:
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
-        key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw)
+        key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
+               self.share_sms_with_fold)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -352,7 +358,7 @@ class TritonBackend:
         if need_dw and not partials:  # beside the dx pass (CUDA fold), or before it: in place, dx overwrites dy
             dw, join = self._launch_fold(dyk, lays.dlay, zk, lays.lay, rstd, MODE_CODES[spec.mode] + 1,
                                          DTYPE_CODES[z.dtype], weight.shape[0] if lays.per_head else 1, weight.dtype,
-                                         dx=dx, reads=(dy, z, rstd))
+                                         dx=dx, reads=(dy, z, rstd), sms=plan.fold_sms)
             dw = dw.reshape(weight.shape)
         part = torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials else rstd
         plan.launch(
@@ -365,8 +371,7 @@ class TritonBackend:
             dw = self._sum_rows(part, weight.dtype)
         return dx, dw
 
-    @staticmethod
-    def _plan_bwd(dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
+    def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                   dx_out: Tensor | None, spec: NormSpec, dw_mode: str, need_dw: bool) -> _Plan:
         v = backward_views(dy, z, weight, rstd, dres, dx_out)
         views, lay, w = BackwardPlan.of(v, dy, z, weight, rstd, dres), v.lay, v.weight
@@ -382,12 +387,16 @@ class TritonBackend:
         wants_partials = need_dw and dw_mode == "fast" and not views.per_head
         tile = row_tile(n, "bwd" if wants_partials else "bwd_dx", rows)
         partials = wants_partials and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0)
-        nprog = _programs(_cdiv(rows, tile.rows), tile, z.device, partials or tile.prefetch or tile.stages > 1)
+        fold_sms = 0
+        if need_dw and not partials and self.share_sms_with_fold and self._cuda_available(z):
+            fold_sms = get_backend("cuda").shared_fold_sms(n, rows, dx_out is None)
+        nprog = _programs(_cdiv(rows, tile.rows), tile, z.device, partials or tile.prefetch or tile.stages > 1,
+                          sms_left=fold_sms)
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
                     HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(),
                     **tile.chunk_constexprs(), **tile.meta())
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
-                     meta, _Launcher(_kernels().rms_bwd_kernel, meta))
+                     meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms)
 
     # ---- strict fold ---------------------------------------------------------------------------
     def _cuda_available(self, t: Tensor) -> bool:
@@ -407,13 +416,14 @@ class TritonBackend:
 
     def _launch_fold(self, a: Tensor, alay: RowLayout, b: Tensor, blay: RowLayout, rstd: Tensor, what: int,
                      xdt: int, groups: int, out_dtype: torch.dtype = torch.float32, dx: Tensor | None = None,
-                     reads: tuple[Tensor, ...] = ()) -> tuple[Tensor, Callable[[], None]]:
+                     reads: tuple[Tensor, ...] = (), sms: int = 0) -> tuple[Tensor, Callable[[], None]]:
         """_fold's result and a join: with the CUDA fold and a dx pass writing dx next (that does not
-        overwrite `reads`), the fold runs beside it until join() (the CUDA backend's launch_fold)."""
+        overwrite `reads`), the fold runs beside it until join() (the CUDA backend's launch_fold, its grid sized
+        for `sms` SMs: 0 all)."""
         if self._cuda_available(a):
             cb = get_backend("cuda")
             beside = dx is not None and cb.fold_beside(alay.rows, dx, *reads)
-            return cb.launch_fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype, beside=beside)
+            return cb.launch_fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype, beside=beside, sms=sms)
         out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)  # fp32, then rounded once
         grid = (_cdiv(alay.n, _FOLD_BN), groups)
         _kernels().fold_kernel[grid](
@@ -435,9 +445,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _programs(blocks: int, tile: RowTile, device: torch.device, persistent: bool) -> int:
-    """A row kernel's grid: a program a block, or persistent: at most tile.programs_per_sm an SM, striding."""
-    return min(blocks, _num_sms(device) * tile.programs_per_sm) if persistent else blocks
+def _programs(blocks: int, tile: RowTile, device: torch.device, persistent: bool, sms_left: int = 0) -> int:
+    """A row kernel's grid: a program a block, or persistent: at most tile.programs_per_sm an SM (on all SMs but
+    sms_left, one at least), striding."""
+    sms = max(1, _num_sms(device) - sms_left)
+    return min(blocks, sms * tile.programs_per_sm) if persistent else blocks
 
 
 def _num_sms(device: torch.device) -> int:
