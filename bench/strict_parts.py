@@ -9,13 +9,14 @@ the rest; 0: both on every SM) and the fold as fold_chain in items of STRICT_CHA
 (0 rows: the default fold), so that the fold may read what the dx pass just read from L2, or as the ring with
 STRICT_RING_COLS columns a CTA (0: its own choice; the ring's grid is its column stripes: at 4096 columns 512 stripes of
 8 on every SM, 128 of 32 where it is sized for 32-128 SMs), the fold alone timed once for each. Every strict dW is
-checked against the default fold's bits. STRICT_TRITON=1 adds the Triton backend's strict backward without and with
-its share of the SMs (TritonBackend.share_sms_with_fold). Run on the GPU machine:
+checked against the default fold's bits. STRICT_BACKENDS=triton,cute adds those backends' strict backward without and
+with their share of the SMs (share_sms_with_fold). Run on the GPU machine:
     python3 bench/strict_parts.py [out.json]
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ FOLD_SMS = _ints("STRICT_FOLD_SMS", "")
 CHAIN_ROWS = _ints("STRICT_CHAIN_ROWS", "0")
 CHAIN_COLS = int(os.environ.get("STRICT_CHAIN_COLS", "32"))
 RING_COLS = _ints("STRICT_RING_COLS", "0")
-TRITON = os.environ.get("STRICT_TRITON") == "1"
+OTHER_BACKENDS = [v for v in os.environ.get("STRICT_BACKENDS", "").split(",") if v]
 
 
 def _fold_tunings(optin: int) -> list[tuple[str, FoldTuning | None]]:
@@ -78,16 +79,16 @@ def _parts(sw: Sweep, case: Case) -> dict:
             out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "us": us,
                                   "bitwise": bool(torch.equal(strict()[1], want))})
     b.fold_tuning, b.fold_sms, b.fold_beside_dx = None, None, None
-    if TRITON:
+    for name in OTHER_BACKENDS:
         from strictnorm.backends.registry import get_backend
 
-        trb = get_backend("triton")
+        other = get_backend(name)
+        other_strict = functools.partial(other.rms_norm_bwd, c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
         for share in (False, True):
-            trb.share_sms_with_fold = share
-            triton_strict = lambda: trb.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)  # noqa: E731
-            out[f"triton_strict{'_shared' if share else ''}"] = sw.timer.kernel_us(triton_strict)
-            out[f"triton_bitwise{'_shared' if share else ''}"] = bool(torch.equal(triton_strict()[1], want))
-        trb.share_sms_with_fold = False
+            other.share_sms_with_fold = share
+            out[f"{name}_strict{'_shared' if share else ''}"] = sw.timer.kernel_us(other_strict)
+            out[f"{name}_bitwise{'_shared' if share else ''}"] = bool(torch.equal(other_strict()[1], want))
+        other.share_sms_with_fold = False
     return out
 
 
@@ -129,11 +130,11 @@ def main() -> None:
     for r in rows:
         print(f"{r['M']:>7d}x{r['N']:<6d} {r['dx_only']:9.1f} {r['fold_only']:9.1f} {r['strict_beside']:9.1f} "
               f"{r['strict_after']:9.1f} {r['fast']:9.1f}  {r['bitwise_beside'] and r['bitwise_after']}")
-    if TRITON:
-        print("\nTriton strict backward (us, bitwise): its dx pass on every SM / sharing them out with the fold")
+    for name in OTHER_BACKENDS:
+        print(f"\n{name} strict backward (us, bitwise): its dx pass on every SM / sharing them out with the fold")
         for r in rows:
-            print(f"{r['M']:>7d}x{r['N']:<6d} {r['triton_strict']:9.1f} {r['triton_bitwise']}  "
-                  f"{r['triton_strict_shared']:9.1f} {r['triton_bitwise_shared']}")
+            print(f"{r['M']:>7d}x{r['N']:<6d} {r[name + '_strict']:9.1f} {r[name + '_bitwise']}  "
+                  f"{r[name + '_strict_shared']:9.1f} {r[name + '_bitwise_shared']}")
     print(f"\none strict backward at {rows[0]['M']}x{rows[0]['N']}, fold beside:")
     for e in timeline:
         print(f"  {e['start_us']:8.1f} {e['us']:8.1f}  {e['kernel']}")

@@ -62,6 +62,12 @@ class CuteBackend:
     name = "cute"
     ops = frozenset({"rms_norm", "left_fold"})
 
+    def __init__(self) -> None:
+        # The strict backward's SMs shared out as the CUDA backend's are (CudaBackend.shared_fold_sms: at 4096
+        # columns the CUDA fold sized for 32 SMs, this dx pass's persistent grid for the rest; same bits). Opt-in:
+        # measured for the CUDA backend's dx pass (bench/results/2026-12-01-h200-run18), not yet for this one.
+        self.share_sms_with_fold = False
+
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda":
             return f"CuTe DSL kernels run on NVIDIA GPUs; tensors are on {device.type}"
@@ -106,13 +112,15 @@ class CuteBackend:
         rstd2 = rstd.reshape(-1).contiguous()
         dw, join = None, no_join
         strict = dw_mode == "strict" or not _kernels().keeps_partials(n)
+        fold_sms = 0
         if need_dw and (strict or rows == 0):  # beside the dx pass: dx has a buffer of its own until the join
             cb = _cuda()
+            fold_sms = cb.shared_fold_sms(n, rows, True) if self.share_sms_with_fold else 0
             dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight,
-                                    cb.fold_beside(rows, None))
+                                    cb.fold_beside(rows, None), sms=fold_sms)
         partials = need_dw and dw is None
         dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
-                                       spec.offset, spec.mode, partials=partials)
+                                       spec.offset, spec.mode, partials=partials, sms_left=fold_sms)
         join()
         if partials:
             dw = _cuda().sum_rows(part, weight.dtype)

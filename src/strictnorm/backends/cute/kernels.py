@@ -665,12 +665,12 @@ def backward_blocks_per_sm(n: int, partials: bool = True) -> int:
     return (BACKWARD_BLOCKS_PER_SM if partials else DX_BLOCKS_PER_SM).get(next_pow2(n), 0)
 
 
-def _grid(shape: ForwardShape, rows: int, device, blocks_per_sm: int = 0) -> int:
+def _grid(shape: ForwardShape, rows: int, device, blocks_per_sm: int = 0, sms_left: int = 0) -> int:
     """Blocks of the grid-stride kernels: every row group, persistent ones at most blocks_per_sm an SM (0: about
-    what 2048 threads an SM allow)."""
+    what 2048 threads an SM allow) on all SMs but sms_left (one at least)."""
     groups = -(-rows // shape.rpb)
     per_sm = blocks_per_sm or max(1, 2048 // shape.threads)
-    return min(groups, _sm_count(device.index) * per_sm) if shape.persistent else groups
+    return min(groups, max(1, _sm_count(device.index) - sms_left) * per_sm) if shape.persistent else groups
 
 
 @cache
@@ -698,9 +698,9 @@ def _vector_ok(n: int, *tensors) -> bool:
         t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % 8 == 0) for t in tensors)
 
 
-def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool):
+def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool, sms_left: int = 0):
     """(dx, fp32 dW partials or None) for 2D torch tensors on the GPU; dW = partials.sum(0) in "fast"
-    mode."""
+    mode. sms_left: SMs the persistent grid leaves to a kernel beside it (the strict fold)."""
     import torch
 
     rows, n = z.shape
@@ -712,7 +712,7 @@ def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool
         n, _TORCH_TO_CUTE[str(z.dtype)], _TORCH_TO_CUTE[str(dy.dtype)],
         _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
         _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi)
-    grid = _grid(shape, rows, z.device, backward_blocks_per_sm(n, partials))
+    grid = _grid(shape, rows, z.device, backward_blocks_per_sm(n, partials), sms_left)
     part = torch.empty((grid * shape.rpb, n), dtype=torch.float32, device=z.device)
     w = weight if weight is not None else z[0]
     _launch(compiled, tvm_ffi, (dy, z, w, rstd, dres if dres is not None else dy, dx, part),
