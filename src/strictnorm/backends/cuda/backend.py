@@ -784,7 +784,8 @@ class CudaBackend:
         """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD). Planned once per
         input signature, like the forward."""
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
-               self.bwd_tuning, self.fold_tuning, self.fold_sms, self.onepass_strict, self.onepass_tuning)
+               self.bwd_tuning, self.fold_tuning, self.fold_sms, self.fold_beside_dx, self.onepass_strict,
+               self.onepass_tuning)  # fold_beside_dx: whether the plan shares the SMs out (shared_fold_sms)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
