@@ -5,7 +5,8 @@ next row prefetched into registers (where rows are held), also with rows of up t
 (K.HOLD) without the trim of pieces wholly past N (K.TRIM), and with the fast dW's partials in the backward kernel only
 up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fast": rows of P <= 8192, the rule
 before run 17); for the forward, rows past 256 threads' hold read twice (HOLD["forward_trimmed"] = 0, the rule before
-run 18), and the weight loaded with the row at every row count or at none (K.FORWARD_WEIGHT_FIRST_ROWS).
+run 18), the weight loaded with the row at every row count or at none (K.FORWARD_WEIGHT_FIRST_ROWS), and rows of
+4096 held by 64 threads, 64 lanes each, with or without it (K.FORWARD_VALUES).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -41,9 +42,14 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "fold past 8192": {**DEFAULT, "partials_max_values": 16},
             "forward read twice": {**DEFAULT, "forward_trimmed": 0},
             "weight first": {**DEFAULT, "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
-            "weight after the sum": {**DEFAULT, "weight_first_rows": {}}}
-FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum")
+            "weight after the sum": {**DEFAULT, "weight_first_rows": {}},
+            "forward 64 a thread": {**DEFAULT, "forward_values": {4096: 64}},
+            "forward 64 a thread, weight first": {**DEFAULT, "forward_values": {4096: 64},
+                                                  "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}}}
+FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum", "forward 64 a thread",
+                "forward 64 a thread, weight first")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
+FORWARD_VALUES = K.FORWARD_VALUES
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
@@ -55,6 +61,7 @@ def use(variant: dict) -> None:
     K.TRIM = variant.pop("trim", True)
     K.PARTIALS_MAX_VALUES = variant.pop("partials_max_values", PARTIALS_MAX_VALUES)
     K.FORWARD_WEIGHT_FIRST_ROWS = variant.pop("weight_first_rows", WEIGHT_FIRST_ROWS)
+    K.FORWARD_VALUES = variant.pop("forward_values", FORWARD_VALUES)
     K.HOLD.update(variant)
     for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
         cached.cache_clear()

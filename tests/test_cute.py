@@ -115,6 +115,24 @@ def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, 
     assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
 
 
+def test_forward_lanes_a_thread_past_the_table(monkeypatch, fresh_shapes, tmp_path):
+    """K.FORWARD_VALUES (a sweep variant, empty by default): rows of 4096 held by 64 threads of 64 lanes, two rows a
+    block of 128 threads (Quack's shape); x and the weight loaded once a row, rounded fp32 ops only. The GPU test
+    checks the bits."""
+    assert K.tuned_shape(4096, False).tpr == 128
+    monkeypatch.setattr(K, "FORWARD_VALUES", {4096: 64})
+    fresh_shapes()
+    s = K.tuned_shape(4096, False)
+    assert (s.hold, s.tpr, s.k, s.rpb) == (True, 64, 8, 2)
+    assert K.tuned_shape(8192, False).tpr == 256  # other lengths keep the rule
+    bf16 = cutlass.BFloat16
+    op, args = K.forward_args(4096, bf16, bf16, bf16, "llama", True)
+    assert op.s == s
+    ptx = _compiled_ptx(tmp_path, op, args)
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2 * s.k
+
+
 @pytest.mark.parametrize("trim", [True, False])
 @pytest.mark.parametrize("backward", [False, True])
 def test_pieces_wholly_past_n_are_trimmed(trim, backward, monkeypatch, fresh_shapes, tmp_path):
@@ -150,12 +168,15 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     """The forward's shape choices the other way round from their defaults, against the reference: rows read twice
     where their trimmed lanes would be held (HOLD["forward_trimmed"] = 0) and the weight loaded with the row at every
     row count (the default: up to 512 rows at P = 4096, 128 at 8192), then the weight loaded after the row sum at
-    every row count."""
+    every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES)."""
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
     fresh_shapes()
     _check_forward(n, mode, seed)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {})
+    fresh_shapes()
+    _check_forward(n, mode, seed)
+    monkeypatch.setattr(K, "FORWARD_VALUES", {next_pow2(n): 64})  # rows held by fewer threads (a sweep variant)
     fresh_shapes()
     _check_forward(n, mode, seed)
 

@@ -132,6 +132,10 @@ HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_p
 # 128 x 4096 3.7 -> 2.7, 512 x 4096 4.6 -> 4.2, 128 x 8192 4.2 -> 3.2; slower from 1024 rows of 4096 (6.2 -> 7.6;
 # more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3).
 FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {4096: 512, 8192: 128}
+# the lanes a thread of the held forward takes per padded length, past the table's entry and _HOLD_MAX_VALUES (fewer
+# threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the
+# CUDA table's entry for 129-2048 rows does. Empty until measured (sweep_cute's "forward 64 a thread").
+FORWARD_VALUES: dict[int, int] = {}
 
 
 # whether shapes trim the pieces wholly past N (ForwardShape.kr; the same bits either way)
@@ -174,6 +178,8 @@ def tuned_shape(n: int, backward: bool, partials: bool = True) -> ForwardShape:
         if s.live * s.piece <= HOLD["forward_trimmed"]:
             return replace(s, hold=True, persistent=t.persistent)
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
+    if hold and not backward:
+        values = FORWARD_VALUES.get(p, values)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
                    hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch)
