@@ -84,11 +84,12 @@ def _parts(sw: Sweep, case: Case) -> dict:
 
         other = get_backend(name)
         other_strict = functools.partial(other.rms_norm_bwd, c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
+        default = other.share_sms_with_fold
         for share in (False, True):
             other.share_sms_with_fold = share
             out[f"{name}_strict{'_shared' if share else ''}"] = sw.timer.kernel_us(other_strict)
             out[f"{name}_bitwise{'_shared' if share else ''}"] = bool(torch.equal(other_strict()[1], want))
-        other.share_sms_with_fold = False
+        other.share_sms_with_fold = default
     return out
 
 

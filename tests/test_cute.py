@@ -477,13 +477,13 @@ def test_strict_backward_with_the_sms_shared_out(m, n, seed):
     spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
     rstd = tr.rms_norm_fwd(z, w, None, spec)[1]
     want = tr.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
-    cb.share_sms_with_fold = True
+    default, cb.share_sms_with_fold = cb.share_sms_with_fold, True
     try:
         got = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
         buf = dy.clone()
         in_place = cb.rms_norm_bwd(buf, z, w, rstd, dres, spec, "strict", True, buf)
     finally:
-        cb.share_sms_with_fold = False
+        cb.share_sms_with_fold = default
     for dx, dw in (got, in_place):
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
 

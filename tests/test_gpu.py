@@ -237,9 +237,9 @@ def test_strict_fold_with_the_sms_shared_out(m, n, chain_rows, fold_sms, seed):
 
 @pytest.mark.parametrize("m, n", [(16384, 4096), (20011, 3000)])
 def test_triton_strict_backward_with_the_sms_shared_out(m, n, seed):
-    """TritonBackend.share_sms_with_fold (opt-in): the CUDA fold sized for the CUDA backend's share (32 SMs at 4096
-    columns) and the Triton dx pass's persistent grid for the rest: the reference's dx and dW, out of place and in
-    place (planned without the share)."""
+    """TritonBackend.share_sms_with_fold (on by default): the CUDA fold sized for the CUDA backend's share (32 SMs at
+    4096 columns) and the Triton dx pass's persistent grid for the rest: the reference's dx and dW, out of place and
+    in place (planned without the share)."""
     from strictnorm.contract import make_spec
 
     trb, tr = get_backend("triton"), get_backend("torch")
@@ -247,13 +247,13 @@ def test_triton_strict_backward_with_the_sms_shared_out(m, n, seed):
     spec = make_spec(x.dtype, 1e-6, 0.0, "llama", x.dtype)
     rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
     want = tr.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
-    trb.share_sms_with_fold = True
+    default, trb.share_sms_with_fold = trb.share_sms_with_fold, True
     try:
         got = trb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
         buf = dy.clone()
         in_place = trb.rms_norm_bwd(buf, x, w, rstd, None, spec, "strict", True, buf)
     finally:
-        trb.share_sms_with_fold = False
+        trb.share_sms_with_fold = default
     for dx, dw in (got, in_place):
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
 

@@ -285,9 +285,9 @@ class TritonBackend:
         # bits, much faster); the Triton fold below serves ROCm and machines without NVRTC.
         self.use_cuda_fold = True
         # The strict backward's SMs shared out as the CUDA backend's are (CudaBackend.shared_fold_sms: at 4096
-        # columns the CUDA fold sized for 32 SMs, this dx pass's persistent grid for the rest; same bits). Opt-in:
-        # measured for the CUDA backend's dx pass (bench/results/2026-12-01-h200-run18), not yet for this one.
-        self.share_sms_with_fold = False
+        # columns the CUDA fold sized for 32 SMs, this dx pass's persistent grid for the rest; same bits). H200,
+        # bench/results/2026-12-01-h200-run18, call g (bench/strict_parts.py, bitwise): 32768 x 4096 496.0 -> 442.2 us
+        self.share_sms_with_fold = True
         self._fwd_plans: dict[tuple, _Plan] = {}
         self._bwd_plans: dict[tuple, _Plan] = {}
 
