@@ -462,33 +462,6 @@ def test_backend_bitwise_against_reference(n, seed, cute_calls):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m, n", [(16384, 4096), (20011, 3000)])
-def test_strict_backward_with_the_sms_shared_out(m, n, seed):
-    """CuteBackend.share_sms_with_fold (opt-in): the CUDA fold sized for the CUDA backend's share (32 SMs at 4096
-    columns) and the cute dx pass's persistent grid for the rest: the reference's dx and dW, out of place and in
-    place, with a residual gradient."""
-    from strictnorm.backends.registry import get_backend
-    from strictnorm.contract import make_spec
-
-    cb, tr = get_backend("cute"), get_backend("torch")
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    z, dy, dres = (torch.randn(m, n, device="cuda", generator=g).bfloat16() for _ in range(3))
-    w = (torch.randn(n, device="cuda", generator=g) * 0.01).bfloat16()
-    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
-    rstd = tr.rms_norm_fwd(z, w, None, spec)[1]
-    want = tr.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
-    default, cb.share_sms_with_fold = cb.share_sms_with_fold, True
-    try:
-        got = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
-        buf = dy.clone()
-        in_place = cb.rms_norm_bwd(buf, z, w, rstd, dres, spec, "strict", True, buf)
-    finally:
-        cb.share_sms_with_fold = default
-    for dx, dw in (got, in_place):
-        assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
-
-
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_backend_kernels_keyed_by_mode_and_offset(seed, cute_calls):
     """One shape, the casting mode and the offset changed between calls: each call has the reference's
     bits (a kernel compiled for another mode is never reused; the offset is a runtime argument)."""

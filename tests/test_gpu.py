@@ -235,25 +235,29 @@ def test_strict_fold_with_the_sms_shared_out(m, n, chain_rows, fold_sms, seed):
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
 
 
+@pytest.mark.parametrize("backend", ["triton", "cute"])
 @pytest.mark.parametrize("m, n", [(16384, 4096), (20011, 3000)])
-def test_triton_strict_backward_with_the_sms_shared_out(m, n, seed):
-    """TritonBackend.share_sms_with_fold (on by default): the CUDA fold sized for the CUDA backend's share (32 SMs at
-    4096 columns) and the Triton dx pass's persistent grid for the rest: the reference's dx and dW, out of place and
-    in place (planned without the share)."""
+def test_dx_pass_shares_the_sms_out_with_the_strict_fold(backend, m, n, seed):
+    """share_sms_with_fold (Triton: on by default; cute: opt-in): the CUDA fold sized for the CUDA backend's share (32
+    SMs at 4096 columns) and the backend's dx pass's persistent grid for the rest: the reference's dx and dW with a
+    residual gradient and the Gemma offset, out of place and in place."""
+    if not status(backend, torch.device(DEV)).available:
+        pytest.skip(status(backend, torch.device(DEV)).reason)
     from strictnorm.contract import make_spec
 
-    trb, tr = get_backend("triton"), get_backend("torch")
+    b, tr = get_backend(backend), get_backend("torch")
     x, w, dy = _data(m, n, torch.bfloat16, torch.bfloat16, seed)
-    spec = make_spec(x.dtype, 1e-6, 0.0, "llama", x.dtype)
+    dres = torch.randn_like(dy)
+    spec = make_spec(x.dtype, 1e-6, 1.0, "gemma", x.dtype)
     rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
-    want = tr.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
-    default, trb.share_sms_with_fold = trb.share_sms_with_fold, True
+    want = tr.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None)
+    default, b.share_sms_with_fold = b.share_sms_with_fold, True
     try:
-        got = trb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
+        got = b.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None)
         buf = dy.clone()
-        in_place = trb.rms_norm_bwd(buf, x, w, rstd, None, spec, "strict", True, buf)
+        in_place = b.rms_norm_bwd(buf, x, w, rstd, dres, spec, "strict", True, buf)
     finally:
-        trb.share_sms_with_fold = default
+        b.share_sms_with_fold = default
     for dx, dw in (got, in_place):
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
 
