@@ -8,7 +8,9 @@ fold beside with the SMs shared out (CudaBackend.fold_sms: the fold's grid for S
 the rest; 0: both on every SM) and the fold as fold_chain in items of STRICT_CHAIN_ROWS rows x STRICT_CHAIN_COLS columns
 (0 rows: the default fold), so that the fold may read what the dx pass just read from L2, or as the ring with
 STRICT_RING_COLS columns a CTA (0: its own choice; the ring's grid is its column stripes: at 4096 columns 512 stripes of
-8 on every SM, 128 of 32 where it is sized for 32-128 SMs), the fold alone timed once for each. Every strict dW is
+8 on every SM, 128 of 32 where it is sized for 32-128 SMs), STRICT_RING_ROWS rows a stage and STRICT_RING_SMEM_KB of
+shared memory (0: their defaults), the fold alone timed once for each; STRICT_PACE=0,1 times each share without and
+with the ring paced behind the dx pass (CudaBackend.fold_pace). Every strict dW is
 checked against the default fold's bits. STRICT_BACKENDS=triton,cute adds those backends' strict backward without and
 with their share of the SMs (share_sms_with_fold). Run on the GPU machine:
     python3 bench/strict_parts.py [out.json]
@@ -17,6 +19,7 @@ with their share of the SMs (share_sms_with_fold). Run on the GPU machine:
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import sys
@@ -38,12 +41,24 @@ FOLD_SMS = _ints("STRICT_FOLD_SMS", "")
 CHAIN_ROWS = _ints("STRICT_CHAIN_ROWS", "0")
 CHAIN_COLS = int(os.environ.get("STRICT_CHAIN_COLS", "32"))
 RING_COLS = _ints("STRICT_RING_COLS", "0")
+# the ring's rows a stage (0: its own choice) and shared memory in KB (0: the 48 KB that needs no opt-in; more
+# lets its producers convert the contributions, CONVERT, and hold more stages in flight)
+RING_ROWS = _ints("STRICT_RING_ROWS", "0")
+RING_SMEM_KB = _ints("STRICT_RING_SMEM_KB", "0")
+# the ring paced behind the dx pass (CudaBackend.fold_pace): 0 off, 1 on; each timed
+PACE = _ints("STRICT_PACE", "0")
 OTHER_BACKENDS = [v for v in os.environ.get("STRICT_BACKENDS", "").split(",") if v]
 
 
 def _fold_tunings(optin: int) -> list[tuple[str, FoldTuning | None]]:
-    """(label, the fold's tuning): the ring at each of RING_COLS, then fold_chain at each of CHAIN_ROWS (0: none)."""
-    out = [(f"r{cols}", FoldTuning(cols=cols) if cols else None) for cols in RING_COLS]
+    """(label, the fold's tuning): the ring at each of RING_COLS x RING_ROWS x RING_SMEM_KB (all 0: its default,
+    None), then fold_chain at each of CHAIN_ROWS (0: none)."""
+    out = []
+    for cols, rows, kb in itertools.product(RING_COLS, RING_ROWS, RING_SMEM_KB):
+        smem = min(kb * 1024, optin) if kb else FoldTuning().smem_bytes
+        label = f"r{cols}" + (f"x{rows}" if rows else "") + (f"s{smem // 1024}" if kb else "")
+        out.append((label, FoldTuning(cols=cols, rows_per_stage=rows, smem_bytes=smem) if cols or rows or kb
+                    else None))
     return out + [(f"c{chain}", FoldTuning(cols=CHAIN_COLS, chain_rows=chain, smem_bytes=optin))
                   for chain in CHAIN_ROWS if chain]
 
@@ -72,13 +87,13 @@ def _parts(sw: Sweep, case: Case) -> dict:
         except Exception as e:  # a chain item too large for the shared memory, say: recorded, not fatal
             out["shared"].append({"fold": label, "error": f"{type(e).__name__}: {e}"})
             continue
-        for sms in FOLD_SMS:
-            b.fold_sms = sms
+        for sms, pace in itertools.product(FOLD_SMS, PACE):
+            b.fold_sms, b.fold_pace = sms, bool(pace)
             b.fold_beside_dx = True
             us = sw.timer.kernel_us(strict)
-            out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "us": us,
+            out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "pace": pace, "us": us,
                                   "bitwise": bool(torch.equal(strict()[1], want))})
-    b.fold_tuning, b.fold_sms, b.fold_beside_dx = None, None, None
+    b.fold_tuning, b.fold_sms, b.fold_beside_dx, b.fold_pace = None, None, None, False
     for name in OTHER_BACKENDS:
         from strictnorm.backends.registry import get_backend
 
@@ -140,16 +155,17 @@ def main() -> None:
     for e in timeline:
         print(f"  {e['start_us']:8.1f} {e['us']:8.1f}  {e['kernel']}")
     if FOLD_SMS:
-        print("\nstrict backward, fold beside with the SMs shared out (fold: r ring columns or c chain rows, 0 the\n"
-              "default; us alone; then fold SMs: us of the strict backward, bitwise)")
+        print("\nstrict backward, fold beside with the SMs shared out (fold: r ring columns [x rows a stage] [s\n"
+              "shared KB] or c chain rows, r0 the default; us alone; then fold SMs [p: paced]: us of the strict "
+              "backward, bitwise)")
         for r in rows:
             for label in dict.fromkeys(v["fold"] for v in r["shared"]):
                 runs = [v for v in r["shared"] if v["fold"] == label]
                 if "error" in runs[0]:
-                    print(f"{r['M']:>7d}x{r['N']:<6d} {label:>6} {runs[0]['error']}")
+                    print(f"{r['M']:>7d}x{r['N']:<6d} {label:>12} {runs[0]['error']}")
                     continue
-                cells = [f"{v['fold_sms']}: {v['us']:.1f} {v['bitwise']}" for v in runs]
-                print(f"{r['M']:>7d}x{r['N']:<6d} {label:>6} {runs[0]['fold_alone_us']:7.1f}  " + "  ".join(cells))
+                cells = [f"{v['fold_sms']}{'p' if v['pace'] else ''}: {v['us']:.1f} {v['bitwise']}" for v in runs]
+                print(f"{r['M']:>7d}x{r['N']:<6d} {label:>12} {runs[0]['fold_alone_us']:7.1f}  " + "  ".join(cells))
 
 
 if __name__ == "__main__":

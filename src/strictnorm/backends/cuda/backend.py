@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -155,12 +155,13 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
 
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
                 ring: bool, num_sms: int, tuning: FoldTuning | None = None,
-                out_dtype: torch.dtype = torch.float32, rows: int = 0, groups: int = 1, smem_optin: int = 0
-                ) -> FoldLaunch:
+                out_dtype: torch.dtype = torch.float32, rows: int = 0, groups: int = 1, smem_optin: int = 0,
+                pace: bool = False) -> FoldLaunch:
     """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel (any layout);
     else the ring, or fold_chain where the tuning asks for it (without a tuning: default_chain, given the
     device's opt-in shared memory per block) and there is one group of `rows` rows.
-    out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
+    out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them).
+    pace: a ring paced behind the dx pass beside it (fold.cu's PACE; the other kernels ignore it)."""
     defines = {"A_CODE": DTYPE_CODES[a_dtype], "B_CODE": DTYPE_CODES[b_dtype], "WHAT": what,
                "SIMPLE_ROWS": int(simple_rows)}
     if out_dtype != torch.float32:
@@ -178,6 +179,8 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
         defines["FULL_STAGE"] = 1
     if convert and tuning.column_major:
         defines["COLUMN_MAJOR"] = 1
+    if pace:
+        defines["PACE"] = 1
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
 
 
@@ -510,6 +513,9 @@ class _FoldPlan:
     out_shape: tuple[int, int]
     out_dtype: torch.dtype
     state_ints: int = 0  # fold_chain's zeroed state, allocated per call
+    # a ring paced behind the dx pass (fold.cu's PACE): its last arguments after the progress counter's address,
+    # the rows a count and the lead (rows); empty when not paced
+    pace_args: tuple[int, int] | tuple[()] = ()
 
 
 @dataclass(frozen=True)
@@ -591,6 +597,10 @@ class CudaBackend:
         # faster (bench/results/2026-11-30-h200-run9)
         self.onepass_strict = False
         self.onepass_tuning: OnepassTuning | None = None
+        # an out-of-place strict backward whose ring fold runs beside the dx pass paces the fold behind it (fold.cu's
+        # PACE, rms_norm.cu's PROGRESS), so that the fold reads dy and z from L2 after the dx pass; same bits;
+        # opt-in until measured on a GPU (bench/strict_parts.py, STRICT_PACE)
+        self.fold_pace = False
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
         return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
@@ -640,19 +650,22 @@ class CudaBackend:
 
     # ---- the strict left fold ----------------------------------------------------------------------
     def _fold_plan(self, dev: int, alay: RowLayout, a_dtype: torch.dtype, blay: RowLayout, b_dtype: torch.dtype,
-                   what: int, groups: int, ring: bool, simple: bool, out_dtype: torch.dtype, sms: int = 0) -> _FoldPlan:
-        """sms: the SMs the fold's grid is sized for (0: all)."""
+                   what: int, groups: int, ring: bool, simple: bool, out_dtype: torch.dtype, sms: int = 0,
+                   pace: bool = False) -> _FoldPlan:
+        """sms: the SMs the fold's grid is sized for (0: all). pace: a ring compiled with PACE, its pace_args (0, 0)
+        until the caller sets them."""
         n = alay.n
         rows_per_group = alay.rows // groups
         props = torch.cuda.get_device_properties(dev)
         num_sms = min(sms, props.multi_processor_count) if sms else props.multi_processor_count
         fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning,
-                         out_dtype, rows_per_group, groups, props.shared_memory_per_block_optin)
+                         out_dtype, rows_per_group, groups, props.shared_memory_per_block_optin, pace)
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
             kernel.allow_dynamic_shared(fl.shmem)
         return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
-                         alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints)
+                         alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints,
+                         (0, 0) if fl.defines.get("PACE") else ())
 
     def _side_stream(self, dev: int) -> torch.cuda.Stream:
         side = self._side_streams.get(dev)
@@ -663,12 +676,13 @@ class CudaBackend:
     def _run_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor) -> Tensor:
         return self._launch_fold(plan, a, b, rstd, beside=False)[0]
 
-    def _launch_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor, beside: bool
-                     ) -> tuple[Tensor, Callable[[], None]]:
+    def _launch_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor, beside: bool,
+                     progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
         """(the fold's output, join). beside=False: launched on the current stream, join does nothing.
         beside=True: launched on a side stream once the current stream's work so far is done, concurrent
         with what the caller enqueues next; join() makes the current stream wait for the fold. Outputs and
-        state are allocated on the current stream before the fork and kept alive until the join."""
+        state are allocated on the current stream before the fork and kept alive until the join. progress: a
+        paced ring's counter (zeroed, raised by the dx pass the caller launches next)."""
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=a.device)
         if plan.kernel is None:
             return out.zero_(), no_join
@@ -678,6 +692,8 @@ class CudaBackend:
         if plan.state_ints:  # fold_chain: its item counter and hand-over words, zeroed; rows aligned
             state = torch.zeros(plan.state_ints, dtype=torch.int32, device=a.device)
             args = (*args, state.data_ptr(), np.int32(1))
+        if plan.pace_args:
+            args = (*args, progress.data_ptr(), *plan.pace_args)
         dev = _device_index(a)
         if not beside:
             plan.kernel.launch(current_stream(dev), plan.grid, plan.block, plan.shmem, *args)
@@ -686,7 +702,7 @@ class CudaBackend:
         side.wait_stream(here)
         plan.kernel.launch(side.cuda_stream, plan.grid, plan.block, plan.shmem, *args)
 
-        def join(keep: tuple = (out, state, a, b, rstd)) -> None:
+        def join(keep: tuple = (out, state, a, b, rstd, progress)) -> None:
             here.wait_stream(side)
 
         return out, join
@@ -785,7 +801,7 @@ class CudaBackend:
         input signature, like the forward."""
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
                self.bwd_tuning, self.fold_tuning, self.fold_sms, self.fold_beside_dx, self.onepass_strict,
-               self.onepass_tuning)  # fold_beside_dx: whether the plan shares the SMs out (shared_fold_sms)
+               self.onepass_tuning, self.fold_pace)  # fold_beside_dx: whether the plan shares the SMs out
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -800,13 +816,16 @@ class CudaBackend:
             if dxk is not dx:
                 dx.copy_(dxk)
             return dx, dw
-        dw, join = None, no_join
+        dw, join, progress = None, no_join, None
         if plan.strict is not None:  # strict (or per-head): beside the dx pass, or first where dx overwrites dy
-            dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(plan.rows, dx, dy, z, rstd))
+            if plan.strict.pace_args:  # a fold paced behind the dx pass: the pass's count of row groups done
+                progress = torch.zeros(1, dtype=torch.int32, device=z.device)
+            dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(plan.rows, dx, dy, z, rstd),
+                                         progress)
             dw = dw.reshape(weight.shape)
-        # the partial rows (an unused pointer without them)
+        # the partial rows, or the progress counter (PROGRESS), or an unused pointer
         part = (torch.empty((plan.partial_rows, zk.shape[-1]), dtype=torch.float32, device=z.device)
-                if plan.partial_rows else rstd)
+                if plan.partial_rows else (progress if progress is not None else rstd))
         plan.kernel.launch(current_stream(_device_index(z)), (plan.grid, 1, 1), plan.threads, plan.shmem,
                            dyk.data_ptr(), *lays.dlay.args(), zk.data_ptr(), *lays.lay.args(),
                            (w if w is not None else zk).data_ptr(), plan.wsg, rstd.data_ptr(), dresk.data_ptr(),
@@ -852,8 +871,13 @@ class CudaBackend:
             groups = weight.shape[0] if weight.dim() == 2 else 1
             ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
             shared_sms = self.shared_fold_sms(n, rows, dx_out is None)
+            # paced only where the fold surely runs beside the dx pass (out of place): a paced fold launched before
+            # the pass on the same stream would wait for a count that cannot move until it gives up
+            pace = self.fold_pace and dx_out is None and self.fold_beside(rows, None)
             strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
-                                     _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms)
+                                     _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms, pace)
+            if strict.pace_args:
+                fl = replace(fl, defines={**fl.defines, "PROGRESS": 1})
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         if shmem:  # opted in whatever the size: 48 KB of dynamic shared memory plus the static scratch exceed 48 KB
             kernel.allow_dynamic_shared(shmem)
@@ -861,6 +885,8 @@ class CudaBackend:
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
                           persistent=fl.persistent or partials, sms_left=shared_sms)  # one partial row per block
         part_rows = grid * fl.rows_per_block if partials else 0
+        if strict is not None and strict.pace_args:  # counts of RPB rows; the lead: one row group a block
+            strict = replace(strict, pace_args=(fl.rows_per_block, grid * fl.rows_per_block))
         return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, (*tail, np.int32(aligned)),
                         part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
 
