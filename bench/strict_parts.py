@@ -10,7 +10,8 @@ the rest; 0: both on every SM) and the fold as fold_chain in items of STRICT_CHA
 STRICT_RING_COLS columns a CTA (0: its own choice; the ring's grid is its column stripes: at 4096 columns 512 stripes of
 8 on every SM, 128 of 32 where it is sized for 32-128 SMs), STRICT_RING_ROWS rows a stage and STRICT_RING_SMEM_KB of
 shared memory (0: their defaults), the fold alone timed once for each; STRICT_PACE=0,1 times each share without and
-with the ring paced behind the dx pass (CudaBackend.fold_pace). Every strict dW is
+with the ring paced behind the dx pass (CudaBackend.fold_pace), and the other backends' shared strict backward paced
+too. Every strict dW is
 checked against the default fold's bits. STRICT_BACKENDS=triton,cute adds those backends' strict backward without and
 with their share of the SMs (share_sms_with_fold). Run on the GPU machine:
     python3 bench/strict_parts.py [out.json]
@@ -100,11 +101,12 @@ def _parts(sw: Sweep, case: Case) -> dict:
         other = get_backend(name)
         other_strict = functools.partial(other.rms_norm_bwd, c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
         default = other.share_sms_with_fold
-        for share in (False, True):
-            other.share_sms_with_fold = share
-            out[f"{name}_strict{'_shared' if share else ''}"] = sw.timer.kernel_us(other_strict)
-            out[f"{name}_bitwise{'_shared' if share else ''}"] = bool(torch.equal(other_strict()[1], want))
-        other.share_sms_with_fold = default
+        for share, pace in ((False, 0), (True, 0), *(((True, 1),) if 1 in PACE else ())):
+            other.share_sms_with_fold, b.fold_pace = share, bool(pace)  # the CUDA fold paced behind this dx pass
+            suffix = ("_shared" if share else "") + ("_paced" if pace else "")
+            out[f"{name}_strict{suffix}"] = sw.timer.kernel_us(other_strict)
+            out[f"{name}_bitwise{suffix}"] = bool(torch.equal(other_strict()[1], want))
+        other.share_sms_with_fold, b.fold_pace = default, False
     return out
 
 
@@ -147,10 +149,12 @@ def main() -> None:
         print(f"{r['M']:>7d}x{r['N']:<6d} {r['dx_only']:9.1f} {r['fold_only']:9.1f} {r['strict_beside']:9.1f} "
               f"{r['strict_after']:9.1f} {r['fast']:9.1f}  {r['bitwise_beside'] and r['bitwise_after']}")
     for name in OTHER_BACKENDS:
-        print(f"\n{name} strict backward (us, bitwise): its dx pass on every SM / sharing them out with the fold")
+        print(f"\n{name} strict backward (us, bitwise): its dx pass on every SM / sharing them out with the fold"
+              + (" / and the fold paced behind it" if 1 in PACE else ""))
         for r in rows:
-            print(f"{r['M']:>7d}x{r['N']:<6d} {r[name + '_strict']:9.1f} {r[name + '_bitwise']}  "
-                  f"{r[name + '_strict_shared']:9.1f} {r[name + '_bitwise_shared']}")
+            cells = [f"{r[name + '_strict' + s]:9.1f} {r[name + '_bitwise' + s]}"
+                     for s in ("", "_shared", "_shared_paced") if name + "_strict" + s in r]
+            print(f"{r['M']:>7d}x{r['N']:<6d} " + "  ".join(cells))
     print(f"\none strict backward at {rows[0]['M']}x{rows[0]['N']}, fold beside:")
     for e in timeline:
         print(f"  {e['start_us']:8.1f} {e['us']:8.1f}  {e['kernel']}")

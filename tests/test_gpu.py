@@ -235,14 +235,18 @@ def test_strict_fold_with_the_sms_shared_out(m, n, chain_rows, fold_sms, seed):
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
 
 
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("m, n, fold_sms", [(16384, 4096, None), (20011, 3000, 0), (4099, 8192, 0)])
-def test_strict_fold_paced_behind_the_dx_pass(m, n, fold_sms, seed):
-    """CudaBackend.fold_pace: the ring fold beside the dx pass, paced behind the pass's count of row groups done
-    (with the SMs shared out, 32 columns a CTA at 4096, or not): the reference's dx and dW with a residual gradient
-    and the Gemma offset, twice (the counter is fresh for each call); an in-place backward (not paced) too."""
+def test_strict_fold_paced_behind_the_dx_pass(backend, m, n, fold_sms, seed):
+    """CudaBackend.fold_pace: the CUDA ring fold beside the dx pass (the CUDA or Triton one), paced behind the pass's
+    count of row groups done (with the SMs shared out, 32 columns a CTA at 4096, or not): the reference's dx and dW
+    with a residual gradient and the Gemma offset, twice (the counter is fresh for each call); an in-place backward
+    (not paced) too."""
+    if not status(backend, torch.device(DEV)).available:
+        pytest.skip(status(backend, torch.device(DEV)).reason)
     from strictnorm.contract import make_spec
 
-    cb, tr = get_backend("cuda"), get_backend("torch")
+    cb, b, tr = get_backend("cuda"), get_backend(backend), get_backend("torch")
     x, w, dy = _data(m, n, torch.bfloat16, torch.bfloat16, seed)
     dres = torch.randn_like(dy)
     spec = make_spec(x.dtype, 1e-6, 1.0, "gemma", x.dtype)
@@ -250,13 +254,15 @@ def test_strict_fold_paced_behind_the_dx_pass(m, n, fold_sms, seed):
     want = tr.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None)
     cb.fold_pace, cb.fold_beside_dx, cb.fold_sms = True, True, fold_sms
     try:
-        runs = [cb.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None) for _ in range(2)]
+        runs = [b.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None) for _ in range(2)]
         buf = dy.clone()
-        runs.append(cb.rms_norm_bwd(buf, x, w, rstd, dres, spec, "strict", True, buf))
-        paced = [p for p in cb._bwd_plans.values() if p.strict is not None and p.strict.pace_args]
+        runs.append(b.rms_norm_bwd(buf, x, w, rstd, dres, spec, "strict", True, buf))
+        plans = list(b._bwd_plans.values())
     finally:
         cb.fold_pace, cb.fold_beside_dx, cb.fold_sms = False, None, None
-    assert paced  # the out-of-place plan was paced
+    # the out-of-place plan was paced
+    assert any(p.strict is not None and p.strict.pace_args for p in plans) if backend == "cuda" else any(
+        p.pace for p in plans)
     for dx, dw in runs:
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
 

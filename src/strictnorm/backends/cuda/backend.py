@@ -656,16 +656,23 @@ class CudaBackend:
         until the caller sets them."""
         n = alay.n
         rows_per_group = alay.rows // groups
-        props = torch.cuda.get_device_properties(dev)
-        num_sms = min(sms, props.multi_processor_count) if sms else props.multi_processor_count
-        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning,
-                         out_dtype, rows_per_group, groups, props.shared_memory_per_block_optin, pace)
+        fl = self._fold_launch(dev, n, a_dtype, b_dtype, what, simple, ring, out_dtype, rows_per_group, groups, sms,
+                               pace)
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
             kernel.allow_dynamic_shared(fl.shmem)
         return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
                          alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints,
                          (0, 0) if fl.defines.get("PACE") else ())
+
+    def _fold_launch(self, dev: int, n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple: bool,
+                     ring: bool, out_dtype: torch.dtype, rows_per_group: int, groups: int, sms: int, pace: bool
+                     ) -> FoldLaunch:
+        """fold_launch on device dev with the grid sized for `sms` of its SMs (0: all)."""
+        props = torch.cuda.get_device_properties(dev)
+        num_sms = min(sms, props.multi_processor_count) if sms else props.multi_processor_count
+        return fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning, out_dtype,
+                           rows_per_group, groups, props.shared_memory_per_block_optin, pace)
 
     def _side_stream(self, dev: int) -> torch.cuda.Stream:
         side = self._side_streams.get(dev)
@@ -715,21 +722,33 @@ class CudaBackend:
     @on_tensor_device
     def launch_fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
                     what: int, groups: int, ring: bool = True, out_dtype: torch.dtype = torch.float32,
-                    beside: bool = False, sms: int = 0) -> tuple[Tensor, Callable[[], None]]:
+                    beside: bool = False, sms: int = 0, pace: tuple[int, int] | tuple[()] = (),
+                    progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
         """fold's result and a join (see _launch_fold): with beside=True the fold runs on a side stream, beside
         the kernels the caller enqueues before calling join() (which must not write a, b or rstd). sms: the SMs
-        its grid is sized for (0: all; see shared_fold_sms)."""
+        its grid is sized for (0: all; see shared_fold_sms). pace: (rows a count, lead): a ring paced behind a dx
+        pass that raises `progress` (a zeroed int32 counter) once for each group of that many rows (fold.cu's PACE;
+        only with beside=True, and only where the fold is a ring: `paced` says)."""
         dev = _device_index(a)
         key = (dev, alay, a.dtype, a.data_ptr() % 16 == 0, blay, b.dtype, b.data_ptr() % 16 == 0, what, groups,
-               ring, self.fold_tuning, out_dtype, sms)
+               ring, self.fold_tuning, out_dtype, sms, pace)
         plan = self._fold_plans.get(key)
         if plan is None:
             ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
             simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
-            plan = remember(self._fold_plans, key,
-                            self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype,
-                                            sms))
-        return self._launch_fold(plan, a, b, rstd, beside)
+            plan = self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype, sms,
+                                   bool(pace))
+            plan = remember(self._fold_plans, key, replace(plan, pace_args=pace) if plan.pace_args else plan)
+        return self._launch_fold(plan, a, b, rstd, beside, progress)
+
+    def fold_paced(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, what: int,
+                   groups: int, out_dtype: torch.dtype, sms: int) -> bool:
+        """Whether launch_fold with these arguments and a pace would pace the fold (a ring: the dx pass beside it
+        must count its row groups then)."""
+        ring = _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
+        return (self.fold_pace and ring and alay.rows >= groups
+                and self._fold_launch(_device_index(a), alay.n, a.dtype, b.dtype, what, True, True, out_dtype,
+                                      alay.rows // groups, groups, sms, True).kernel == "fold_ring")
 
     def shared_fold_sms(self, n: int, rows: int, out_of_place: bool) -> int:
         """The SMs a strict dW fold of rows x n is sized for beside a dx pass whose persistent grid takes the
@@ -885,8 +904,9 @@ class CudaBackend:
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
                           persistent=fl.persistent or partials, sms_left=shared_sms)  # one partial row per block
         part_rows = grid * fl.rows_per_block if partials else 0
-        if strict is not None and strict.pace_args:  # counts of RPB rows; the lead: one row group a block
-            strict = replace(strict, pace_args=(fl.rows_per_block, grid * fl.rows_per_block))
+        if strict is not None and strict.pace_args:  # counts of RPB rows; the lead: a row group for each resident block
+            resident = self._grid(dev, kernel, fl.threads, groups, 0, shmem, sms_left=shared_sms)
+            strict = replace(strict, pace_args=(fl.rows_per_block, resident * fl.rows_per_block))
         return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, (*tail, np.int32(aligned)),
                         part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
 

@@ -270,6 +270,8 @@ class _Plan:
     meta: dict
     launch: _Launcher | None = field(default=None, compare=False)
     fold_sms: int = 0  # the backward's strict fold sized for this many SMs, the dx pass's grid for the rest (0: all)
+    # the backward's CUDA fold paced behind this dx pass (CudaBackend.fold_pace): (rows a count, lead); empty: not
+    pace: tuple[int, int] | tuple[()] = ()
 
 
 def _launch_opts(num_warps: int) -> dict:
@@ -343,7 +345,7 @@ class TritonBackend:
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
-               self.share_sms_with_fold)
+               self.share_sms_with_fold, self.use_cuda_fold and get_backend("cuda").fold_pace)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -354,22 +356,33 @@ class TritonBackend:
         lays = plan.views
         dyk, zk, w, rstd, dresk, dxk = lays.inputs(dy, z, weight, rstd, dres, dx)
         partials = plan.meta["DW_PARTIALS"]
-        dw, join = None, no_join
+        dw, join, progress = None, no_join, None
         if need_dw and not partials:  # beside the dx pass (CUDA fold), or before it: in place, dx overwrites dy
+            if plan.pace:  # the CUDA fold paced behind this pass: its count of blocks done
+                progress = torch.zeros(1, dtype=torch.int32, device=z.device)
             dw, join = self._launch_fold(dyk, lays.dlay, zk, lays.lay, rstd, MODE_CODES[spec.mode] + 1,
                                          DTYPE_CODES[z.dtype], weight.shape[0] if lays.per_head else 1, weight.dtype,
-                                         dx=dx, reads=(dy, z, rstd), sms=plan.fold_sms)
+                                         dx=dx, reads=(dy, z, rstd), sms=plan.fold_sms, pace=plan.pace,
+                                         progress=progress)
             dw = dw.reshape(weight.shape)
-        part = torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials else rstd
-        plan.launch(
-            plan.grid, z.get_device(), dyk, *lays.dlay.args(), zk, *lays.lay.args(), w if w is not None else zk,
-            plan.wsg, rstd, dresk, *lays.elay.args(), _store_view(dxk), *lays.xlay.args(), part, *plan.scalars)
+        part = (torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials
+                else (progress if progress is not None else rstd))
+        self._launch_dx(plan, dyk, zk, w, rstd, dresk, dxk, part)
         join()
         if dxk is not dx:
             dx.copy_(dxk)
         if partials:
             dw = self._sum_rows(part, weight.dtype)
         return dx, dw
+
+    @staticmethod
+    def _launch_dx(plan: _Plan, dy: Tensor, z: Tensor, w: Tensor | None, rstd: Tensor, dres: Tensor, dx: Tensor,
+                   part: Tensor) -> None:
+        """The dx pass of a backward plan on the kernel views of its tensors; part: the fast dW's partial rows, the
+        paced fold's counter (PROGRESS), or any tensor (unused)."""
+        lays = plan.views
+        plan.launch(plan.grid, z.get_device(), dy, *lays.dlay.args(), z, *lays.lay.args(), w if w is not None else z,
+                    plan.wsg, rstd, dres, *lays.elay.args(), _store_view(dx), *lays.xlay.args(), part, *plan.scalars)
 
     def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                   dx_out: Tensor | None, spec: NormSpec, dw_mode: str, need_dw: bool) -> _Plan:
@@ -387,16 +400,29 @@ class TritonBackend:
         wants_partials = need_dw and dw_mode == "fast" and not views.per_head
         tile = row_tile(n, "bwd" if wants_partials else "bwd_dx", rows)
         partials = wants_partials and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0)
-        fold_sms = 0
-        if need_dw and not partials and self.share_sms_with_fold and self._cuda_available(z):
-            fold_sms = get_backend("cuda").shared_fold_sms(n, rows, dx_out is None)
+        fold_sms, paced = 0, False
+        if need_dw and not partials and self._cuda_available(z):
+            cb = get_backend("cuda")
+            if self.share_sms_with_fold:
+                fold_sms = cb.shared_fold_sms(n, rows, dx_out is None)
+            # paced only out of place, where the fold surely runs beside this pass (as the CUDA backend's own)
+            groups = weight.shape[0] if views.per_head else 1
+            paced = (dx_out is None and cb.fold_beside(rows, None)
+                     and cb.fold_paced(v.dy, v.dlay, v.z, v.lay, MODE_CODES[spec.mode] + 1, groups, weight.dtype,
+                                       fold_sms))
         nprog = _programs(_cdiv(rows, tile.rows), tile, z.device, partials or tile.prefetch or tile.stages > 1,
                           sms_left=fold_sms)
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
                     HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(),
                     **tile.chunk_constexprs(), **tile.meta())
+        if paced:
+            meta["PROGRESS"] = True
+        # counts of a block's rows; the lead: a block for each program running at once (a grid of a program a block
+        # runs in waves, in about the blocks' order)
+        resident = _programs(_cdiv(rows, tile.rows), tile, z.device, True, sms_left=fold_sms)
+        pace = (tile.rows, resident * tile.rows) if paced else ()
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
-                     meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms)
+                     meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms, pace)
 
     # ---- strict fold ---------------------------------------------------------------------------
     def _cuda_available(self, t: Tensor) -> bool:
@@ -416,14 +442,16 @@ class TritonBackend:
 
     def _launch_fold(self, a: Tensor, alay: RowLayout, b: Tensor, blay: RowLayout, rstd: Tensor, what: int,
                      xdt: int, groups: int, out_dtype: torch.dtype = torch.float32, dx: Tensor | None = None,
-                     reads: tuple[Tensor, ...] = (), sms: int = 0) -> tuple[Tensor, Callable[[], None]]:
+                     reads: tuple[Tensor, ...] = (), sms: int = 0, pace: tuple[int, int] | tuple[()] = (),
+                     progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
         """_fold's result and a join: with the CUDA fold and a dx pass writing dx next (that does not
         overwrite `reads`), the fold runs beside it until join() (the CUDA backend's launch_fold, its grid sized
-        for `sms` SMs: 0 all)."""
+        for `sms` SMs: 0 all; paced behind the dx pass's count `progress` with `pace`)."""
         if self._cuda_available(a):
             cb = get_backend("cuda")
             beside = dx is not None and cb.fold_beside(alay.rows, dx, *reads)
-            return cb.launch_fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype, beside=beside, sms=sms)
+            return cb.launch_fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype, beside=beside, sms=sms,
+                                  pace=pace, progress=progress)
         out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)  # fp32, then rounded once
         grid = (_cdiv(alay.n, _FOLD_BN), groups)
         _kernels().fold_kernel[grid](
