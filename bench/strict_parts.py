@@ -10,8 +10,9 @@ the rest; 0: both on every SM) and the fold as fold_chain in items of STRICT_CHA
 STRICT_RING_COLS columns a CTA (0: its own choice; the ring's grid is its column stripes: at 4096 columns 512 stripes of
 8 on every SM, 128 of 32 where it is sized for 32-128 SMs), STRICT_RING_ROWS rows a stage and STRICT_RING_SMEM_KB of
 shared memory (0: their defaults), the fold alone timed once for each; STRICT_PACE=0,1 times each share without and
-with the ring paced behind the dx pass (CudaBackend.fold_pace), and the other backends' shared strict backward paced
-too. Every strict dW is
+with the ring paced beside the dx pass (CudaBackend.fold_pace; STRICT_PACE_WAVES: how far it may run ahead,
+CudaBackend.fold_pace_waves, each value for the CUDA backend, the first for the others), and the other backends'
+shared strict backward paced too. Every strict dW is
 checked against the default fold's bits. STRICT_BACKENDS=triton,cute adds those backends' strict backward without and
 with their share of the SMs (share_sms_with_fold). Run on the GPU machine:
     python3 bench/strict_parts.py [out.json]
@@ -48,6 +49,9 @@ RING_ROWS = _ints("STRICT_RING_ROWS", "0")
 RING_SMEM_KB = _ints("STRICT_RING_SMEM_KB", "0")
 # the ring paced behind the dx pass (CudaBackend.fold_pace): 0 off, 1 on; each timed
 PACE = _ints("STRICT_PACE", "0")
+# how far the paced fold may run ahead of the dx pass (CudaBackend.fold_pace_waves), in its waves: the first value
+# for the other backends; each for the CUDA backend's own
+PACE_WAVES = [float(v) for v in os.environ.get("STRICT_PACE_WAVES", "1").split(",") if v]
 OTHER_BACKENDS = [v for v in os.environ.get("STRICT_BACKENDS", "").split(",") if v]
 
 
@@ -89,12 +93,13 @@ def _parts(sw: Sweep, case: Case) -> dict:
             out["shared"].append({"fold": label, "error": f"{type(e).__name__}: {e}"})
             continue
         for sms, pace in itertools.product(FOLD_SMS, PACE):
-            b.fold_sms, b.fold_pace = sms, bool(pace)
-            b.fold_beside_dx = True
-            us = sw.timer.kernel_us(strict)
-            out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "pace": pace, "us": us,
-                                  "bitwise": bool(torch.equal(strict()[1], want))})
-    b.fold_tuning, b.fold_sms, b.fold_beside_dx, b.fold_pace = None, None, None, False
+            for waves in PACE_WAVES if pace else PACE_WAVES[:1]:
+                b.fold_sms, b.fold_pace, b.fold_pace_waves = sms, bool(pace), waves
+                b.fold_beside_dx = True
+                us = sw.timer.kernel_us(strict)
+                out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "pace": pace,
+                                      "waves": waves, "us": us, "bitwise": bool(torch.equal(strict()[1], want))})
+    b.fold_tuning, b.fold_sms, b.fold_beside_dx, b.fold_pace, b.fold_pace_waves = None, None, None, False, 1.0
     for name in OTHER_BACKENDS:
         from strictnorm.backends.registry import get_backend
 
@@ -102,12 +107,18 @@ def _parts(sw: Sweep, case: Case) -> dict:
         other_strict = functools.partial(other.rms_norm_bwd, c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
         default = other.share_sms_with_fold
         for share, pace in ((False, 0), (True, 0), *(((True, 1),) if 1 in PACE else ())):
-            other.share_sms_with_fold, b.fold_pace = share, bool(pace)  # the CUDA fold paced behind this dx pass
+            other.share_sms_with_fold, b.fold_pace = share, bool(pace)  # the CUDA fold paced beside this dx pass
+            b.fold_pace_waves = PACE_WAVES[0]
             suffix = ("_shared" if share else "") + ("_paced" if pace else "")
             out[f"{name}_strict{suffix}"] = sw.timer.kernel_us(other_strict)
             out[f"{name}_bitwise{suffix}"] = bool(torch.equal(other_strict()[1], want))
-        other.share_sms_with_fold, b.fold_pace = default, False
+        other.share_sms_with_fold, b.fold_pace, b.fold_pace_waves = default, False, 1.0
     return out
+
+
+def _share_label(run: dict) -> str:
+    """The fold's SMs, and pW where it was paced W waves ahead."""
+    return f"{run['fold_sms']}" + (f"p{run['waves']:g}" if run["pace"] else "")
 
 
 def _timeline(sw: Sweep, case: Case) -> list[dict]:
@@ -160,15 +171,15 @@ def main() -> None:
         print(f"  {e['start_us']:8.1f} {e['us']:8.1f}  {e['kernel']}")
     if FOLD_SMS:
         print("\nstrict backward, fold beside with the SMs shared out (fold: r ring columns [x rows a stage] [s\n"
-              "shared KB] or c chain rows, r0 the default; us alone; then fold SMs [p: paced]: us of the strict "
-              "backward, bitwise)")
+              "shared KB] or c chain rows, r0 the default; us alone; then fold SMs [pW: paced, W waves ahead]: us "
+              "of the strict backward, bitwise)")
         for r in rows:
             for label in dict.fromkeys(v["fold"] for v in r["shared"]):
                 runs = [v for v in r["shared"] if v["fold"] == label]
                 if "error" in runs[0]:
                     print(f"{r['M']:>7d}x{r['N']:<6d} {label:>12} {runs[0]['error']}")
                     continue
-                cells = [f"{v['fold_sms']}{'p' if v['pace'] else ''}: {v['us']:.1f} {v['bitwise']}" for v in runs]
+                cells = [f"{_share_label(v)}: {v['us']:.1f} {v['bitwise']}" for v in runs]
                 print(f"{r['M']:>7d}x{r['N']:<6d} {label:>12} {runs[0]['fold_alone_us']:7.1f}  " + "  ".join(cells))
 
 

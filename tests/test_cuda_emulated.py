@@ -212,8 +212,8 @@ def test_emulated_strict_dw_fold_bitwise(tuning, seed, tmp_path):
 @pytest.mark.parametrize("tuning", [FoldTuning(), FoldTuning(cols=32, rows_per_stage=32)])
 def test_emulated_paced_fold_bitwise(mode, tuning, seed, tmp_path):
     """PACE: the ring paced behind a dx pass's count of row groups done (fold_main.cpp: one group of 3 rows every
-    ~20 us, a lead of 5 rows) gives the unpaced ring's bits, its producers pausing for the count and never giving up
-    on it (the last stages need no lead past the last row); with a count that never moves ("stall") they give up
+    ~20 us, the fold up to 5 rows ahead of it) gives the unpaced ring's bits, its producers pausing for the count and
+    never giving up on it; with a count that never moves ("stall") they give up
     (here after 0.2 s) and the ring still finishes, with the same bits."""
     from strictnorm.reference import dw_contributions, left_fold_rows
 

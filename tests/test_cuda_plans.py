@@ -154,8 +154,9 @@ def test_strict_fold_forks_beside_the_dx_kernel(recording, monkeypatch):
 def test_paced_fold_shares_a_counter_with_the_dx_pass(recording, monkeypatch):
     """fold_pace, out of place with the fold beside: the ring compiled with PACE and the dx kernel with PROGRESS,
     one zeroed int32 counter for both: the ring's after its fold arguments, with the rows a count (the dx kernel's
-    rows a block) and the lead (a row group for each dx block resident at once); the dx kernel's in the partial rows'
-    place. In place (the fold first, on the current stream) or with fold_pace off: neither."""
+    rows a block) and the rows it may run ahead (fold_pace_waves, 1: a row group for each dx block resident at once);
+    the dx kernel's in the partial rows' place. In place (the fold first, on the current stream) or with fold_pace
+    off: neither."""
     cb, log = recording
     cb.fold_beside_dx, cb.fold_pace = True, True
     here = _FakeStream(0, log)

@@ -54,10 +54,10 @@ int main(int argc, char** argv) {
     gridDim = {static_cast<unsigned>((n + COLS - 1) / COLS), 1, 1};
 #if PACE
     // The dx pass beside the fold, emulated: a thread that counts groups of 3 rows done, one every ~20 us from the
-    // fold's first pause on (so that the fold starts behind it), with a lead of 5 rows; or ("stall") a count that
-    // never moves, which the ring must give up waiting for.
+    // fold's first pause on (so that the fold starts behind it), the fold 5 rows ahead at most; or ("stall") a count
+    // that never moves, which the ring must give up waiting for.
     const bool stall = argc > 5 && std::string(argv[5]) == "stall";
-    const long long per_count = 3, lead = 5, counts = (rows + per_count - 1) / per_count;
+    const long long per_count = 3, ahead = 5, counts = (rows + per_count - 1) / per_count;
     int progress = 0;
     std::thread dx_pass([&] {
         while (!stall && g_pauses.load() == 0) std::this_thread::yield();
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
             ts.emplace_back([&, bx, t] {
                 emu_enter(blk, bx, t);
 #if PACE
-                fold_ring(a, n, 0, 0, b, n, 0, 0, 1, 1, rstd, out, rows, n, 1, &progress, per_count, lead);
+                fold_ring(a, n, 0, 0, b, n, 0, 0, 1, 1, rstd, out, rows, n, 1, &progress, per_count, ahead);
 #else
                 fold_ring(a, n, 0, 0, b, n, 0, 0, 1, 1, rstd, out, rows, n, 1);
 #endif

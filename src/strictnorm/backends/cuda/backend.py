@@ -514,7 +514,7 @@ class _FoldPlan:
     out_dtype: torch.dtype
     state_ints: int = 0  # fold_chain's zeroed state, allocated per call
     # a ring paced behind the dx pass (fold.cu's PACE): its last arguments after the progress counter's address,
-    # the rows a count and the lead (rows); empty when not paced
+    # the rows a count and the rows it may run ahead of the count (negative: behind); empty when not paced
     pace_args: tuple[int, int] | tuple[()] = ()
 
 
@@ -601,6 +601,9 @@ class CudaBackend:
         # PACE, rms_norm.cu's PROGRESS), so that the fold reads dy and z from L2 after the dx pass; same bits;
         # opt-in until measured on a GPU (bench/strict_parts.py, STRICT_PACE)
         self.fold_pace = False
+        # how far the paced fold may run ahead of the dx pass's count of rows done, in waves of its resident blocks'
+        # row groups (negative: behind); the dx pass loads about a wave past its count (two with PREFETCH)
+        self.fold_pace_waves = 1.0
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
         return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
@@ -726,7 +729,7 @@ class CudaBackend:
                     progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
         """fold's result and a join (see _launch_fold): with beside=True the fold runs on a side stream, beside
         the kernels the caller enqueues before calling join() (which must not write a, b or rstd). sms: the SMs
-        its grid is sized for (0: all; see shared_fold_sms). pace: (rows a count, lead): a ring paced behind a dx
+        its grid is sized for (0: all; see shared_fold_sms). pace: (rows a count, rows ahead): a ring paced beside a dx
         pass that raises `progress` (a zeroed int32 counter) once for each group of that many rows (fold.cu's PACE;
         only with beside=True, and only where the fold is a ring: `paced` says)."""
         dev = _device_index(a)
@@ -820,7 +823,7 @@ class CudaBackend:
         input signature, like the forward."""
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
                self.bwd_tuning, self.fold_tuning, self.fold_sms, self.fold_beside_dx, self.onepass_strict,
-               self.onepass_tuning, self.fold_pace)  # fold_beside_dx: whether the plan shares the SMs out
+               self.onepass_tuning, self.fold_pace, self.fold_pace_waves)  # fold_beside_dx: the SMs shared out
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -904,9 +907,9 @@ class CudaBackend:
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
                           persistent=fl.persistent or partials, sms_left=shared_sms)  # one partial row per block
         part_rows = grid * fl.rows_per_block if partials else 0
-        if strict is not None and strict.pace_args:  # counts of RPB rows; the lead: a row group for each resident block
-            resident = self._grid(dev, kernel, fl.threads, groups, 0, shmem, sms_left=shared_sms)
-            strict = replace(strict, pace_args=(fl.rows_per_block, resident * fl.rows_per_block))
+        if strict is not None and strict.pace_args:  # counts of RPB rows; ahead: fold_pace_waves waves of the dx pass
+            wave = self._grid(dev, kernel, fl.threads, groups, 0, shmem, sms_left=shared_sms) * fl.rows_per_block
+            strict = replace(strict, pace_args=(fl.rows_per_block, round(self.fold_pace_waves * wave)))
         return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, (*tail, np.int32(aligned)),
                         part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
 

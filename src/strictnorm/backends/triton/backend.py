@@ -270,7 +270,7 @@ class _Plan:
     meta: dict
     launch: _Launcher | None = field(default=None, compare=False)
     fold_sms: int = 0  # the backward's strict fold sized for this many SMs, the dx pass's grid for the rest (0: all)
-    # the backward's CUDA fold paced behind this dx pass (CudaBackend.fold_pace): (rows a count, lead); empty: not
+    # the backward's CUDA fold paced beside this dx pass (CudaBackend.fold_pace): (rows a count, rows ahead); empty: not
     pace: tuple[int, int] | tuple[()] = ()
 
 
@@ -345,7 +345,8 @@ class TritonBackend:
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
-               self.share_sms_with_fold, self.use_cuda_fold and get_backend("cuda").fold_pace)
+               self.share_sms_with_fold, self.use_cuda_fold and get_backend("cuda").fold_pace,
+               self.use_cuda_fold and get_backend("cuda").fold_pace_waves)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -417,10 +418,12 @@ class TritonBackend:
                     **tile.chunk_constexprs(), **tile.meta())
         if paced:
             meta["PROGRESS"] = True
-        # counts of a block's rows; the lead: a block for each program running at once (a grid of a program a block
-        # runs in waves, in about the blocks' order)
-        resident = _programs(_cdiv(rows, tile.rows), tile, z.device, True, sms_left=fold_sms)
-        pace = (tile.rows, resident * tile.rows) if paced else ()
+        # counts of a block's rows; ahead: CudaBackend.fold_pace_waves waves of a block for each program running at
+        # once (a grid of a program a block runs in waves, in about the blocks' order)
+        pace = ()
+        if paced:
+            wave = _programs(_cdiv(rows, tile.rows), tile, z.device, True, sms_left=fold_sms) * tile.rows
+            pace = (tile.rows, round(get_backend("cuda").fold_pace_waves * wave))
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
                      meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms, pace)
 

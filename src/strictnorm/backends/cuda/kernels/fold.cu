@@ -199,13 +199,15 @@ __device__ __forceinline__ void issue_stage(unsigned char* slot, const a_t* a, c
 #endif
 #if PACE
 // PACE: the ring runs beside a dx pass (rms_norm.cu's backward with PROGRESS) that counts the row groups it has
-// done in *progress, in ascending order but for a grid-wide lead. A producer copies rows below `end` only once
-// progress * rows_per_count >= min(end + lead, all rows): the dx pass read them moments ago, so the fold's second
-// reads of dy and the norm's input come from L2 instead of DRAM. Only the timing changes: the fold reads inputs that
+// done in *progress (its blocks take the groups in ascending order, a wave of resident blocks at a time, and load
+// a wave or two ahead of what they have done). A producer copies rows below `end` only once progress *
+// rows_per_count >= min(end - ahead, all rows): the fold keeps within `ahead` rows of the dx pass, so each row's two
+// reads (dx pass and fold) come close enough in time for the second to find it in L2 (tens of MB: refilled in some
+// 10 us at the copy rate) and DRAM sees each row once. Only the timing changes: the fold reads inputs that
 // the dx pass does not write, in the same order. A producer stops pacing (for the rest of the kernel) once the count
-// has not moved for PACE_STALL_NS: the dx pass is done, not running or not resident beside this CTA, so the fold never
-// waits for work that cannot come.
-#define RING_PARAMS FOLD_PARAMS, const int* __restrict__ progress, long long rows_per_count, long long lead
+// has not moved for PACE_STALL_NS: the dx pass is done, not running or not resident beside this CTA, so the fold
+// never waits for work that cannot come.
+#define RING_PARAMS FOLD_PARAMS, const int* __restrict__ progress, long long rows_per_count, long long ahead
 #ifndef PACE_STALL_NS
 #define PACE_STALL_NS 50000ull
 #endif
@@ -247,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(RING_PARAMS) {
 #if PACE
         const long long last_t = (s + 1) * ROWS_PER_STAGE < rows_per_group ? (s + 1) * ROWS_PER_STAGE : rows_per_group;
         const long long end = (last_t - 1) * group_step + h + 1, all = rows_per_group * group_step;  // logical rows
-        pace(pacing, progress, rows_per_count, end + lead < all ? end + lead : all);
+        pace(pacing, progress, rows_per_count, end - ahead < all ? end - ahead : all);
 #endif
         issue_stage(ring + (s % STAGES) * STAGE_BYTES, a, b, rstd, la, lb, p, s * ROWS_PER_STAGE, rows_per_group,
                     group_step, h, col0, n);
