@@ -212,12 +212,16 @@ __device__ __forceinline__ void issue_stage(unsigned char* slot, const a_t* a, c
 #define PACE_STALL_NS 50000ull
 #endif
 
-__device__ __forceinline__ void pace(bool& pacing, const int* progress, long long rows_per_count, long long need) {
+// known: the rows this thread last saw counted (it polls the counter, one address for every producer of every CTA,
+// only when a stage needs more).
+__device__ __forceinline__ void pace(bool& pacing, long long& known, const int* progress, long long rows_per_count,
+                                     long long need) {
     int last = -1;
     unsigned long long since = 0;
-    while (pacing) {
+    while (pacing && known < need) {
         const int seen = load_acquire(progress);
-        if (static_cast<long long>(seen) * rows_per_count >= need) return;
+        known = static_cast<long long>(seen) * rows_per_count;
+        if (known >= need) return;
         const unsigned long long now = global_ns();
         if (seen != last) {
             last = seen, since = now;
@@ -244,12 +248,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(RING_PARAMS) {
 
 #if PACE
     bool pacing = true;
+    long long known = 0;
 #endif
     auto issue = [&](long long s) {
 #if PACE
         const long long last_t = (s + 1) * ROWS_PER_STAGE < rows_per_group ? (s + 1) * ROWS_PER_STAGE : rows_per_group;
         const long long end = (last_t - 1) * group_step + h + 1, all = rows_per_group * group_step;  // logical rows
-        pace(pacing, progress, rows_per_count, end - ahead < all ? end - ahead : all);
+        pace(pacing, known, progress, rows_per_count, end - ahead < all ? end - ahead : all);
 #endif
         issue_stage(ring + (s % STAGES) * STAGE_BYTES, a, b, rstd, la, lb, p, s * ROWS_PER_STAGE, rows_per_group,
                     group_step, h, col0, n);
