@@ -9,7 +9,8 @@ the rest; 0: both on every SM) and the fold as fold_chain in items of STRICT_CHA
 (0 rows: the default fold), so that the fold may read what the dx pass just read from L2, or as the ring with
 STRICT_RING_COLS columns a CTA (0: its own choice; the ring's grid is its column stripes: at 4096 columns 512 stripes of
 8 on every SM, 128 of 32 where it is sized for 32-128 SMs), STRICT_RING_ROWS rows a stage and STRICT_RING_SMEM_KB of
-shared memory (0: their defaults), the fold alone timed once for each; STRICT_PACE=0,1 times each share without and
+shared memory (0: their defaults), or those of STRICT_RINGS=r32x32,r32x64s100,... one by one, the fold alone timed once
+for each; STRICT_PACE=0,1 times each share without and
 with the ring paced beside the dx pass (CudaBackend.fold_pace; STRICT_PACE_WAVES: how far it may run ahead,
 CudaBackend.fold_pace_waves, each value for the CUDA backend, the first for the others), and the other backends'
 shared strict backward paced too. Every strict dW is
@@ -24,6 +25,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import sys
 
 import torch
@@ -47,6 +49,9 @@ RING_COLS = _ints("STRICT_RING_COLS", "0")
 # lets its producers convert the contributions, CONVERT, and hold more stages in flight)
 RING_ROWS = _ints("STRICT_RING_ROWS", "0")
 RING_SMEM_KB = _ints("STRICT_RING_SMEM_KB", "0")
+# or the rings named one by one, as the table labels them (r32x64s100: 32 columns, 64 rows a stage, 100 KB; r0: the
+# default): instead of every combination of the three lists above
+RINGS = [v for v in os.environ.get("STRICT_RINGS", "").split(",") if v]
 # the ring paced behind the dx pass (CudaBackend.fold_pace): 0 off, 1 on; each timed
 PACE = _ints("STRICT_PACE", "0")
 # how far the paced fold may run ahead of the dx pass (CudaBackend.fold_pace_waves), in its waves: the first value
@@ -59,13 +64,22 @@ def _fold_tunings(optin: int) -> list[tuple[str, FoldTuning | None]]:
     """(label, the fold's tuning): the ring at each of RING_COLS x RING_ROWS x RING_SMEM_KB (all 0: its default,
     None), then fold_chain at each of CHAIN_ROWS (0: none)."""
     out = []
-    for cols, rows, kb in itertools.product(RING_COLS, RING_ROWS, RING_SMEM_KB):
+    rings = [_ring_of(label) for label in RINGS] or itertools.product(RING_COLS, RING_ROWS, RING_SMEM_KB)
+    for cols, rows, kb in rings:
         smem = min(kb * 1024, optin) if kb else FoldTuning().smem_bytes
         label = f"r{cols}" + (f"x{rows}" if rows else "") + (f"s{smem // 1024}" if kb else "")
         out.append((label, FoldTuning(cols=cols, rows_per_stage=rows, smem_bytes=smem) if cols or rows or kb
                     else None))
     return out + [(f"c{chain}", FoldTuning(cols=CHAIN_COLS, chain_rows=chain, smem_bytes=optin))
                   for chain in CHAIN_ROWS if chain]
+
+
+def _ring_of(label: str) -> tuple[int, int, int]:
+    """(columns, rows a stage, KB) of a ring's label: r32, r32x64, r0x32s100, ..."""
+    m = re.fullmatch(r"r(\d+)(?:x(\d+))?(?:s(\d+))?", label)
+    if m is None:
+        raise ValueError(f"STRICT_RINGS: {label!r} is not a ring's label (r<columns>[x<rows>][s<KB>])")
+    return int(m[1]), int(m[2] or 0), int(m[3] or 0)
 
 
 def _parts(sw: Sweep, case: Case) -> dict:
