@@ -179,4 +179,10 @@ inline void pause_ns(unsigned) {
     std::this_thread::yield();
 }
 inline void note_stall() { g_stalls.fetch_add(1); }
+inline long long load_volatile(const long long* p) {
+    return std::atomic_ref<long long>(*const_cast<long long*>(p)).load(std::memory_order_relaxed);
+}
+inline void store_volatile(long long* p, long long v) {
+    std::atomic_ref<long long>(*p).store(v, std::memory_order_relaxed);
+}
 template <typename T> inline T __ldcg(const T* p) { return *p; }

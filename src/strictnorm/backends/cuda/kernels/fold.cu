@@ -247,6 +247,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(RING_PARAMS) {
     const int p = threadIdx.x - 32;
 
 #if PACE
+    // One producer (p == 0) polls the counter and posts the rows it saw counted in shared memory, where the other
+    // producers wait: the counter's address takes a poll a CTA at a time, not one a warp.
+    __shared__ long long posted;
+    if (threadIdx.x == 0) posted = 0;
+    __syncthreads();
     bool pacing = true;
     long long known = 0;
 #endif
@@ -254,7 +259,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(RING_PARAMS) {
 #if PACE
         const long long last_t = (s + 1) * ROWS_PER_STAGE < rows_per_group ? (s + 1) * ROWS_PER_STAGE : rows_per_group;
         const long long end = (last_t - 1) * group_step + h + 1, all = rows_per_group * group_step;  // logical rows
-        pace(pacing, known, progress, rows_per_count, end - ahead < all ? end - ahead : all);
+        const long long need = end - ahead < all ? end - ahead : all;
+        if (known < need) {
+            if (p == 0) {
+                pace(pacing, known, progress, rows_per_count, need);
+                if (!pacing) known = 0x7fffffffffffffffLL;  // given up: every later stage may go
+                store_volatile(&posted, known);
+            } else {
+                while ((known = load_volatile(&posted)) < need) pause_ns(128);
+            }
+        }
 #endif
         issue_stage(ring + (s % STAGES) * STAGE_BYTES, a, b, rstd, la, lb, p, s * ROWS_PER_STAGE, rows_per_group,
                     group_step, h, col0, n);
