@@ -129,16 +129,16 @@ def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1
     return None
 
 
-def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
-                ) -> tuple[int, int, int, bool, int]:
+def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None,
+                reserve: int = 0) -> tuple[int, int, int, bool, int]:
     """(COLS, ROWS_PER_STAGE, STAGES, CONVERT, shared bytes). Few columns per CTA when columns are few
     (the chain of adds is the floor: spread columns over many SMs); a warp-wide 32 when there are
     enough CTAs anyway. CONVERT (producers compute the dW contributions) where at least 4 stages fit.
     Defaults from bench/sweep_fold.py on an H200 (bench/results/2026-11-29-h200-run4/a-sweep-fold.json):
     plain folds 16 columns x 256 rows a stage (1.6x the chain floor at 128 columns, 2.5x before), the
-    dW folds 8 x 128."""
+    dW folds 8 x 128. reserve: bytes of static shared memory the kernel declares beside the ring (PACE's word)."""
     tuning = tuning or FoldTuning()
-    limit = tuning.smem_bytes
+    limit = tuning.smem_bytes - reserve
     narrow = 16 if what == 0 else 8
     cols = tuning.cols or (32 if -(-n // 32) >= num_sms else narrow)
     rows_per_stage = tuning.rows_per_stage or (64 if cols == 32 else (256 if what == 0 else 128))
@@ -172,7 +172,8 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
         tuning = default_chain(n, rows, groups, smem_optin, what)
     if tuning is not None and tuning.chain_rows and groups == 1:
         return _chain_launch(n, rows, num_sms, tuning, defines)
-    cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
+    cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning,
+                                                    _PACE_STATIC_SMEM if pace else 0)
     defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
     tuning = tuning or FoldTuning()
     if tuning.full_stage:
@@ -183,6 +184,8 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
         defines["PACE"] = 1
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
 
+
+_PACE_STATIC_SMEM = 16  # fold.cu's PACE: the word its poller posts (static shared memory, counted in the limit)
 
 _SUM_COLS, _SUM_THREADS = 16, 256  # partial_sum.cu's block: 16 columns, 256 threads
 
