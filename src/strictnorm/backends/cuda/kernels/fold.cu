@@ -204,16 +204,15 @@ __device__ __forceinline__ void issue_stage(unsigned char* slot, const a_t* a, c
 // rows_per_count >= min(end - ahead, all rows): the fold keeps within `ahead` rows of the dx pass, so each row's two
 // reads (dx pass and fold) come close enough in time for the second to find it in L2 (tens of MB: refilled in some
 // 10 us at the copy rate) and DRAM sees each row once. Only the timing changes: the fold reads inputs that
-// the dx pass does not write, in the same order. A producer stops pacing (for the rest of the kernel) once the count
-// has not moved for PACE_STALL_NS: the dx pass is done, not running or not resident beside this CTA, so the fold
-// never waits for work that cannot come.
+// the dx pass does not write, in the same order. A CTA stops pacing (for the rest of the kernel) once the count has
+// not moved for PACE_STALL_NS: the dx pass is done, not running or not resident beside this CTA, so the fold never
+// waits for work that cannot come.
 #define RING_PARAMS FOLD_PARAMS, const int* __restrict__ progress, long long rows_per_count, long long ahead
 #ifndef PACE_STALL_NS
 #define PACE_STALL_NS 50000ull
 #endif
 
-// known: the rows this thread last saw counted (it polls the counter, one address for every producer of every CTA,
-// only when a stage needs more).
+// The poller's wait: known holds the rows it last saw counted (it polls only when a stage needs more).
 __device__ __forceinline__ void pace(bool& pacing, long long& known, const int* progress, long long rows_per_count,
                                      long long need) {
     int last = -1;
