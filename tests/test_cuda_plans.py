@@ -182,6 +182,13 @@ def test_paced_fold_shares_a_counter_with_the_dx_pass(recording, monkeypatch):
         cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, dx_out)
         assert "PACE" not in cb.made["fold_ring"].defines and "PROGRESS" not in cb.made["rms_bwd"].defines
         assert [e[0] for e in log if e[0] != "wait"] == ["fold_ring", "rms_bwd"] and len(zeroed) == 1
+    cb.fold_pace = True  # per-head weights (a fold of 4 groups): not paced
+    xq, dyq = torch.randn(rows, 4, 64).bfloat16(), torch.randn(rows, 4, 64).bfloat16()
+    wq = torch.randn(4, 64).bfloat16()
+    cb.made.clear()
+    cb.rms_norm_bwd(dyq, xq, wq, torch.rand(rows, 4) + 0.5, None, _spec(), "strict", True, None)
+    assert set(cb.made) == {"fold_ring", "rms_bwd"} and "PACE" not in cb.made["fold_ring"].defines
+    assert "PROGRESS" not in cb.made["rms_bwd"].defines and len(zeroed) == 1
 
 
 def test_onepass_strict_backward_is_one_cooperative_launch(recording):

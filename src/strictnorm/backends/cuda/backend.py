@@ -749,10 +749,10 @@ class CudaBackend:
 
     def fold_paced(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, what: int,
                    groups: int, out_dtype: torch.dtype, sms: int) -> bool:
-        """Whether launch_fold with these arguments and a pace would pace the fold (a ring: the dx pass beside it
-        must count its row groups then)."""
+        """Whether launch_fold with these arguments and a pace would pace the fold (fold_pace on, a shared weight's
+        fold, a ring): the dx pass beside it must count its row groups then."""
         ring = _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
-        return (self.fold_pace and ring and alay.rows >= groups
+        return (self.fold_pace and ring and groups == 1
                 and self._fold_launch(_device_index(a), alay.n, a.dtype, b.dtype, what, True, True, out_dtype,
                                       alay.rows // groups, groups, sms, True).kernel == "fold_ring")
 
@@ -897,8 +897,9 @@ class CudaBackend:
             ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
             shared_sms = self.shared_fold_sms(n, rows, dx_out is None)
             # paced only where the fold surely runs beside the dx pass (out of place): a paced fold launched before
-            # the pass on the same stream would wait for a count that cannot move until it gives up
-            pace = self.fold_pace and dx_out is None and self.fold_beside(rows, None)
+            # the pass on the same stream would wait for a count that cannot move until it gives up; and for a shared
+            # weight only (per-head weights: not measured)
+            pace = self.fold_pace and dx_out is None and groups == 1 and self.fold_beside(rows, None)
             strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
                                      _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms, pace)
             if strict.pace_args:
