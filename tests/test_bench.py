@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -252,3 +253,21 @@ def test_device_call_runs_tagged_sweeps_with_their_settings(tmp_path):
     subprocess.run([sys.executable, str(root / "bench" / "tuning_merge.py"), str(into), str(tmp_path / "none.json")],
                    check=True)  # a sweep that wrote nothing changes nothing
     assert json.loads(into.read_text())["fwd"]["4096"] == {"rows": 1, "prefetch": True}
+
+
+def test_compile_probe_compiles_every_kernel_for_sm90():
+    """bench/compile_probe.py (the Triton kernels compiled for sm_90 without a GPU) keeps up with the kernels'
+    parameters (it passes every constexpr itself): the forward, the backward with partials and the one counting its
+    blocks (one global atomic), and the fold, at one N."""
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    run = subprocess.run([sys.executable, "bench/compile_probe.py", "4096"], cwd=root, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert [line.split()[2] for line in lines if line.startswith("N=")] == ["fwd", "bwd", "bwd"]
+    assert any("bwd counting" in line and line.endswith("atomics 1") for line in lines)
+    assert lines[-1].startswith("fold")
