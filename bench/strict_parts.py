@@ -49,8 +49,8 @@ RING_COLS = _ints("STRICT_RING_COLS", "0")
 # lets its producers convert the contributions, CONVERT, and hold more stages in flight)
 RING_ROWS = _ints("STRICT_RING_ROWS", "0")
 RING_SMEM_KB = _ints("STRICT_RING_SMEM_KB", "0")
-# or the rings named one by one, as the table labels them (r32x64s100: 32 columns, 64 rows a stage, 100 KB; r0: the
-# default): instead of every combination of the three lists above
+# or the rings named one by one, as the table labels them (r32x64s100: 32 columns, 64 rows a stage, 100 KB; a
+# trailing m: the contributions stored column-major; r0: the default): instead of every combination of the lists above
 RINGS = [v for v in os.environ.get("STRICT_RINGS", "").split(",") if v]
 # the ring paced behind the dx pass (CudaBackend.fold_pace): 0 off, 1 on; each timed
 PACE = _ints("STRICT_PACE", "0")
@@ -64,22 +64,23 @@ def _fold_tunings(optin: int) -> list[tuple[str, FoldTuning | None]]:
     """(label, the fold's tuning): the ring at each of RING_COLS x RING_ROWS x RING_SMEM_KB (all 0: its default,
     None), then fold_chain at each of CHAIN_ROWS (0: none)."""
     out = []
-    rings = [_ring_of(label) for label in RINGS] or itertools.product(RING_COLS, RING_ROWS, RING_SMEM_KB)
-    for cols, rows, kb in rings:
+    rings = [_ring_of(label) for label in RINGS] or [(*r, False) for r in itertools.product(RING_COLS, RING_ROWS,
+                                                                                          RING_SMEM_KB)]
+    for cols, rows, kb, column_major in rings:
         smem = min(kb * 1024, optin) if kb else FoldTuning().smem_bytes
-        label = f"r{cols}" + (f"x{rows}" if rows else "") + (f"s{smem // 1024}" if kb else "")
-        out.append((label, FoldTuning(cols=cols, rows_per_stage=rows, smem_bytes=smem) if cols or rows or kb
-                    else None))
+        label = f"r{cols}" + (f"x{rows}" if rows else "") + (f"s{smem // 1024}" if kb else "") + "m" * column_major
+        out.append((label, FoldTuning(cols=cols, rows_per_stage=rows, smem_bytes=smem, column_major=column_major)
+                    if cols or rows or kb or column_major else None))
     return out + [(f"c{chain}", FoldTuning(cols=CHAIN_COLS, chain_rows=chain, smem_bytes=optin))
                   for chain in CHAIN_ROWS if chain]
 
 
-def _ring_of(label: str) -> tuple[int, int, int]:
-    """(columns, rows a stage, KB) of a ring's label: r32, r32x64, r0x32s100, ..."""
-    m = re.fullmatch(r"r(\d+)(?:x(\d+))?(?:s(\d+))?", label)
+def _ring_of(label: str) -> tuple[int, int, int, bool]:
+    """(columns, rows a stage, KB, column-major) of a ring's label: r32, r32x64, r0x32s100, r32x32m, ..."""
+    m = re.fullmatch(r"r(\d+)(?:x(\d+))?(?:s(\d+))?(m?)", label)
     if m is None:
-        raise ValueError(f"STRICT_RINGS: {label!r} is not a ring's label (r<columns>[x<rows>][s<KB>])")
-    return int(m[1]), int(m[2] or 0), int(m[3] or 0)
+        raise ValueError(f"STRICT_RINGS: {label!r} is not a ring's label (r<columns>[x<rows>][s<KB>][m])")
+    return int(m[1]), int(m[2] or 0), int(m[3] or 0), m[4] == "m"
 
 
 def _parts(sw: Sweep, case: Case) -> dict:

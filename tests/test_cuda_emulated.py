@@ -180,10 +180,11 @@ def _run_fold(defines: dict, shmem: int, dy: torch.Tensor, x: torch.Tensor, rstd
 
 # fold ring shapes: the default dW ring, rings past 48 KB (more stages; converted stages of 256 and 512
 # rows), the contributions column-major, a warp-wide stripe of 32 columns (the fold beside a dx pass that
-# shares the SMs out) converted in stages of 32 rows, or of 64 in 100 KB
+# shares the SMs out) converted in stages of 32 rows (row- or column-major), or of 64 in 100 KB
 FOLD_TUNINGS = [FoldTuning(), FoldTuning(rows_per_stage=256, smem_bytes=200 * 1024), FoldTuning(column_major=True),
                 FoldTuning(rows_per_stage=512, smem_bytes=200 * 1024, column_major=True),
-                FoldTuning(cols=32, rows_per_stage=32), FoldTuning(cols=32, rows_per_stage=64, smem_bytes=100 * 1024)]
+                FoldTuning(cols=32, rows_per_stage=32), FoldTuning(cols=32, rows_per_stage=64, smem_bytes=100 * 1024),
+                FoldTuning(cols=32, rows_per_stage=32, column_major=True)]
 
 
 @pytest.mark.parametrize("tuning", FOLD_TUNINGS)
