@@ -959,13 +959,15 @@ class CudaBackend:
         return dw
 
     def strict_dw(self, dy: Tensor, dlay: RowLayout, z: Tensor, zlay: RowLayout, rstd: Tensor, mode: str,
-                  weight: Tensor, beside: bool = False, sms: int = 0) -> tuple[Tensor, Callable[[], None]]:
+                  weight: Tensor, beside: bool = False, sms: int = 0, pace: tuple[int, int] | tuple[()] = (),
+                  progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
         """(dW, join): dW in weight's dtype and shape as the ascending left fold of the rows' contributions
         (per head for (H, N) weights), recomputed from dy, z and rstd by the fold kernel; zeros for no rows.
-        beside: on a side stream until join() (see launch_fold); sms: the SMs its grid is sized for (0: all)."""
+        beside: on a side stream until join() (see launch_fold); sms: the SMs its grid is sized for (0: all);
+        pace, progress: paced beside a dx pass that raises progress (see launch_fold)."""
         groups = weight.shape[0] if weight.dim() == 2 else 1
         dw, join = self.launch_fold(dy, dlay, z, zlay, rstd, MODE_CODES[mode] + 1, groups, out_dtype=weight.dtype,
-                                    beside=beside, sms=sms)
+                                    beside=beside, sms=sms, pace=pace, progress=progress)
         return dw.reshape(weight.shape), join
 
     # ---- fixed-order sums of fp32 partial rows -------------------------------------------------------
