@@ -740,8 +740,8 @@ def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool
         _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi,
         progress is not None)
     grid = _grid(shape, rows, z.device, backward_blocks_per_sm(n, partials), sms_left)
-    part = (progress if progress is not None
-            else torch.empty((grid * shape.rpb if partials else 1, n), dtype=torch.float32, device=z.device))
+    part = progress if progress is not None else torch.empty((grid * shape.rpb, n), dtype=torch.float32,
+                                                             device=z.device)
     w = weight if weight is not None else z[0]
     _launch(compiled, tvm_ffi, (dy, z, w, rstd, dres if dres is not None else dy, dx, part),
             (rows, n, float(offset), grid), z.device)
