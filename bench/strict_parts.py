@@ -3,19 +3,18 @@
 For each shape (SWEEP_SHAPES, default the PERF.md ones with a strict bound far off): the dx pass alone (no dW), the
 strict dW fold alone (from dy, x and rstd), the strict backward with the fold beside the dx pass (a side stream) and
 after it (beside: with the backend's default share of the SMs, CudaBackend.fold_sms), and the fast backward; then one
-strict backward's kernels (start offset and duration) at the first shape, to show how much the two overlap. Then the
-fold beside with the SMs shared out (CudaBackend.fold_sms: the fold's grid for STRICT_FOLD_SMS SMs, the dx pass's for
-the rest; 0: both on every SM) and the fold as fold_chain in items of STRICT_CHAIN_ROWS rows x STRICT_CHAIN_COLS columns
-(0 rows: the default fold), so that the fold may read what the dx pass just read from L2, or as the ring with
-STRICT_RING_COLS columns a CTA (0: its own choice; the ring's grid is its column stripes: at 4096 columns 512 stripes of
-8 on every SM, 128 of 32 where it is sized for 32-128 SMs), STRICT_RING_ROWS rows a stage and STRICT_RING_SMEM_KB of
-shared memory (0: their defaults), or those of STRICT_RINGS=r32x32,r32x64s100,... one by one, the fold alone timed once
-for each; STRICT_PACE=0,1 times each share without and
-with the ring paced beside the dx pass (CudaBackend.fold_pace; STRICT_PACE_WAVES: how far it may run ahead,
-CudaBackend.fold_pace_waves, each value for the CUDA backend, the first for the others), and the other backends'
-shared strict backward paced too. Every strict dW is
-checked against the default fold's bits. STRICT_BACKENDS=triton,cute adds those backends' strict backward without and
-with their share of the SMs (share_sms_with_fold). Run on the GPU machine:
+strict backward's kernels (start offset and duration) at the first shape, to show how much the two overlap.
+
+With STRICT_FOLD_SMS, the fold beside with the SMs shared out (CudaBackend.fold_sms: the fold's grid for that many SMs,
+the dx pass's for the rest; 0: both on every SM), for each fold of STRICT_RINGS (ring labels: r32x64s100 is 32 columns
+a CTA, 64 rows a stage, 100 KB of shared memory, a trailing m the contributions stored column-major, r0 the default
+fold; the ring's grid is its column stripes: at 4096 columns 512 stripes of 8 on every SM, 128 of 32 where it is sized
+for 32-128 SMs) and fold_chain in items of each of STRICT_CHAIN_ROWS rows x STRICT_CHAIN_COLS columns, the fold alone
+timed once for each. STRICT_PACE=0,1 times each share without and with the fold paced by the dx pass's count
+(CudaBackend.fold_pace, at each of STRICT_PACE_WAVES: how far it may run ahead, in waves of the dx pass).
+STRICT_BACKENDS=triton,cute adds those backends' strict backward without and with their share of the SMs
+(share_sms_with_fold), and paced (at the first of STRICT_PACE_WAVES) where STRICT_PACE has 1. Every strict dW is
+checked against the default fold's bits. Run on the GPU machine:
     python3 bench/strict_parts.py [out.json]
 """
 
@@ -44,29 +43,22 @@ def _ints(name: str, default: str) -> list[int]:
 FOLD_SMS = _ints("STRICT_FOLD_SMS", "")
 CHAIN_ROWS = _ints("STRICT_CHAIN_ROWS", "0")
 CHAIN_COLS = int(os.environ.get("STRICT_CHAIN_COLS", "32"))
-RING_COLS = _ints("STRICT_RING_COLS", "0")
-# the ring's rows a stage (0: its own choice) and shared memory in KB (0: the 48 KB that needs no opt-in; more
-# lets its producers convert the contributions, CONVERT, and hold more stages in flight)
-RING_ROWS = _ints("STRICT_RING_ROWS", "0")
-RING_SMEM_KB = _ints("STRICT_RING_SMEM_KB", "0")
-# or the rings named one by one, as the table labels them (r32x64s100: 32 columns, 64 rows a stage, 100 KB; a
-# trailing m: the contributions stored column-major; r0: the default): instead of every combination of the lists above
-RINGS = [v for v in os.environ.get("STRICT_RINGS", "").split(",") if v]
-# the ring paced behind the dx pass (CudaBackend.fold_pace): 0 off, 1 on; each timed
+# the rings by label (see the module's docstring; 0 in a field: the ring's own choice, e.g. r0x32 is its columns with
+# 32 rows a stage; more shared memory than the 48 KB needing no opt-in lets more stages convert in flight)
+RINGS = [v for v in os.environ.get("STRICT_RINGS", "r0").split(",") if v]
+# the fold paced by the dx pass (CudaBackend.fold_pace): 0 off, 1 on; each timed
 PACE = _ints("STRICT_PACE", "0")
-# how far the paced fold may run ahead of the dx pass (CudaBackend.fold_pace_waves), in its waves: the first value
-# for the other backends; each for the CUDA backend's own
+# how far the paced fold may run ahead of the dx pass (the value of CudaBackend.fold_pace), in its waves: the first
+# value for the other backends; each for the CUDA backend's own
 PACE_WAVES = [float(v) for v in os.environ.get("STRICT_PACE_WAVES", "1").split(",") if v]
 OTHER_BACKENDS = [v for v in os.environ.get("STRICT_BACKENDS", "").split(",") if v]
 
 
 def _fold_tunings(optin: int) -> list[tuple[str, FoldTuning | None]]:
-    """(label, the fold's tuning): the ring at each of RING_COLS x RING_ROWS x RING_SMEM_KB (all 0: its default,
-    None), then fold_chain at each of CHAIN_ROWS (0: none)."""
+    """(label, the fold's tuning): the ring of each of RINGS (r0: the default fold, None), then fold_chain at each of
+    CHAIN_ROWS (0: none)."""
     out = []
-    rings = [_ring_of(label) for label in RINGS] or [(*r, False) for r in itertools.product(RING_COLS, RING_ROWS,
-                                                                                          RING_SMEM_KB)]
-    for cols, rows, kb, column_major in rings:
+    for cols, rows, kb, column_major in map(_ring_of, RINGS):
         smem = min(kb * 1024, optin) if kb else FoldTuning().smem_bytes
         label = f"r{cols}" + (f"x{rows}" if rows else "") + (f"s{smem // 1024}" if kb else "") + "m" * column_major
         out.append((label, FoldTuning(cols=cols, rows_per_stage=rows, smem_bytes=smem, column_major=column_major)
@@ -109,12 +101,12 @@ def _parts(sw: Sweep, case: Case) -> dict:
             continue
         for sms, pace in itertools.product(FOLD_SMS, PACE):
             for waves in PACE_WAVES if pace else PACE_WAVES[:1]:
-                b.fold_sms, b.fold_pace, b.fold_pace_waves = sms, bool(pace), waves
+                b.fold_sms, b.fold_pace = sms, waves if pace else None
                 b.fold_beside_dx = True
                 us = sw.timer.kernel_us(strict)
                 out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "pace": pace,
                                       "waves": waves, "us": us, "bitwise": bool(torch.equal(strict()[1], want))})
-    b.fold_tuning, b.fold_sms, b.fold_beside_dx, b.fold_pace, b.fold_pace_waves = None, None, None, False, 1.0
+    b.fold_tuning, b.fold_sms, b.fold_beside_dx, b.fold_pace = None, None, None, None
     for name in OTHER_BACKENDS:
         from strictnorm.backends.registry import get_backend
 
@@ -122,12 +114,12 @@ def _parts(sw: Sweep, case: Case) -> dict:
         other_strict = functools.partial(other.rms_norm_bwd, c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
         default = other.share_sms_with_fold
         for share, pace in ((False, 0), (True, 0), *(((True, 1),) if 1 in PACE else ())):
-            other.share_sms_with_fold, b.fold_pace = share, bool(pace)  # the CUDA fold paced beside this dx pass
-            b.fold_pace_waves = PACE_WAVES[0]
+            other.share_sms_with_fold = share
+            b.fold_pace = PACE_WAVES[0] if pace else None  # the CUDA fold paced by this dx pass
             suffix = ("_shared" if share else "") + ("_paced" if pace else "")
             out[f"{name}_strict{suffix}"] = sw.timer.kernel_us(other_strict)
             out[f"{name}_bitwise{suffix}"] = bool(torch.equal(other_strict()[1], want))
-        other.share_sms_with_fold, b.fold_pace, b.fold_pace_waves = default, False, 1.0
+        other.share_sms_with_fold, b.fold_pace = default, None
     return out
 
 

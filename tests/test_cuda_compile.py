@@ -330,6 +330,15 @@ def test_default_fold_is_the_chain_for_few_columns_and_many_rows():
     assert fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144).kernel == "fold_ring"
 
 
+def test_paced_fold_only_for_the_ring():
+    """PACE is the ring's alone: fold_chain and the one-thread-per-column fold ignore it."""
+    bf16 = torch.bfloat16
+    chain = fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=65536, smem_optin=227 * 1024, pace=True)
+    simple = fold_launch(128, bf16, bf16, 1, True, False, num_sms=132, pace=True)
+    assert chain.kernel == "fold_chain" and simple.kernel == "fold_simple"
+    assert "PACE" not in chain.defines and "PACE" not in simple.defines
+
+
 def test_sms_shared_out_between_the_fold_and_the_dx_pass():
     """CudaBackend.fold_sms's arithmetic (no GPU: the residency query's cached answer stands in): fold_chain's grid
     sized for the fold's SMs, the dx pass's persistent grid for the rest; a non-persistent grid untouched."""

@@ -214,8 +214,8 @@ def test_emulated_strict_dw_fold_bitwise(tuning, seed, tmp_path):
 def test_emulated_paced_fold_bitwise(mode, tuning, seed, tmp_path):
     """PACE: the ring paced behind a dx pass's count of row groups done (fold_main.cpp: one group of 3 rows every
     ~20 us, the fold up to 5 rows ahead of it) gives the unpaced ring's bits, its producers pausing for the count and
-    never giving up on it; with a count that never moves ("stall") they give up
-    (here after 0.2 s) and the ring still finishes, with the same bits."""
+    never giving up on it; with a count that never moves ("stall") they give up (here after 0.2 s) and the ring still
+    finishes, with the same bits."""
     from strictnorm.reference import dw_contributions, left_fold_rows
 
     bf16 = torch.bfloat16
@@ -232,15 +232,6 @@ def test_emulated_paced_fold_bitwise(mode, tuning, seed, tmp_path):
     assert f"paced: the count at {counts if mode == 'move' else 0} of {counts}" in log
     pauses, given_up = map(int, re.search(r"pauses (\d+), given up (\d+)", log).groups())
     assert pauses > 0 and (given_up == 0) == (mode == "move")
-
-
-def test_paced_fold_only_for_the_ring():
-    """PACE is the ring's alone: fold_chain and the one-thread-per-column fold ignore it."""
-    bf16 = torch.bfloat16
-    chain = fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=65536, smem_optin=227 * 1024, pace=True)
-    simple = fold_launch(128, bf16, bf16, 1, True, False, num_sms=132, pace=True)
-    assert chain.kernel == "fold_chain" and simple.kernel == "fold_simple"
-    assert "PACE" not in chain.defines and "PACE" not in simple.defines
 
 
 @pytest.mark.parametrize("n, tuning", [(4096, None), (1000, NormTuning(values=8)), (5120, NormTuning(values=32,

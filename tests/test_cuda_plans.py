@@ -154,11 +154,11 @@ def test_strict_fold_forks_beside_the_dx_kernel(recording, monkeypatch):
 def test_paced_fold_shares_a_counter_with_the_dx_pass(recording, monkeypatch):
     """fold_pace, out of place with the fold beside: the ring compiled with PACE and the dx kernel with PROGRESS,
     one zeroed int32 counter for both: the ring's after its fold arguments, with the rows a count (the dx kernel's
-    rows a block) and the rows it may run ahead (fold_pace_waves, 1: a row group for each dx block resident at once);
+    rows a block) and the rows it may run ahead (fold_pace = 1: a row group for each dx block resident at once);
     the dx kernel's in the partial rows' place. In place (the fold first, on the current stream) or with fold_pace
     off: neither."""
     cb, log = recording
-    cb.fold_beside_dx, cb.fold_pace = True, True
+    cb.fold_beside_dx, cb.fold_pace = True, 1.0
     here = _FakeStream(0, log)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: here)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(7, log))
@@ -176,13 +176,13 @@ def test_paced_fold_shares_a_counter_with_the_dx_pass(recording, monkeypatch):
     assert counter.dtype == torch.int32 and counter.numel() == 1
     rpb = cb.made["rms_bwd"].defines["RPB"]
     assert fold[4][-3:] == (counter.data_ptr(), rpb, dx[1][0] * rpb) and dx[4][-7] == counter.data_ptr()
-    for dx_out, pace in ((dy, True), (None, False)):  # in place; not paced
+    for dx_out, pace in ((dy, 1.0), (None, None)):  # in place; not paced
         log.clear()
         cb.fold_pace = pace
         cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, dx_out)
         assert "PACE" not in cb.made["fold_ring"].defines and "PROGRESS" not in cb.made["rms_bwd"].defines
         assert [e[0] for e in log if e[0] != "wait"] == ["fold_ring", "rms_bwd"] and len(zeroed) == 1
-    cb.fold_pace = True  # per-head weights (a fold of 4 groups): not paced
+    cb.fold_pace = 1.0  # per-head weights (a fold of 4 groups): not paced
     xq, dyq = torch.randn(rows, 4, 64).bfloat16(), torch.randn(rows, 4, 64).bfloat16()
     wq = torch.randn(4, 64).bfloat16()
     cb.made.clear()

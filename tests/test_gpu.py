@@ -252,7 +252,7 @@ def test_strict_fold_paced_behind_the_dx_pass(backend, m, n, fold_sms, seed):
     spec = make_spec(x.dtype, 1e-6, 1.0, "gemma", x.dtype)
     rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
     want = tr.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None)
-    cb.fold_pace, cb.fold_beside_dx, cb.fold_sms = True, True, fold_sms
+    cb.fold_pace, cb.fold_beside_dx, cb.fold_sms = 1.0, True, fold_sms
     cb._bwd_plans.clear(), cb._fold_plans.clear()  # the plans below are this case's (not another case's paced ones)
     try:
         runs = [b.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None) for _ in range(2)]
@@ -260,7 +260,7 @@ def test_strict_fold_paced_behind_the_dx_pass(backend, m, n, fold_sms, seed):
         runs.append(b.rms_norm_bwd(buf, x, w, rstd, dres, spec, "strict", True, buf))
         folds = [p.strict for p in cb._bwd_plans.values() if p.strict is not None] + list(cb._fold_plans.values())
     finally:
-        cb.fold_pace, cb.fold_beside_dx, cb.fold_sms = False, None, None
+        cb.fold_pace, cb.fold_beside_dx, cb.fold_sms = None, None, None
     assert any(p.pace_args for p in folds)  # the out-of-place backward's fold was paced
     for dx, dw in runs:
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])

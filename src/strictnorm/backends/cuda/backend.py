@@ -35,6 +35,7 @@ from .nvrtc import current_stream
 _SOURCE = "fold.cu"
 _THREADS = 256
 _SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
+_PACE_STATIC_SMEM = 16  # fold.cu's PACE: the word its poller posts (static shared memory, counted in the limit)
 _STAGED_SMEM_MAX = 160 * 1024  # a STAGED backward block's stages: within what sm_80 (164 KB) and sm_90 (227 KB) allow
 _MIN_ARCH = (8, 0)  # cp.async
 _MAX_GRID_X = 2**31 - 1  # the kernels stride over rows, so a capped grid is still complete
@@ -184,8 +185,6 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
         defines["PACE"] = 1
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
 
-
-_PACE_STATIC_SMEM = 16  # fold.cu's PACE: the word its poller posts (static shared memory, counted in the limit)
 
 _SUM_COLS, _SUM_THREADS = 16, 256  # partial_sum.cu's block: 16 columns, 256 threads
 
@@ -516,8 +515,8 @@ class _FoldPlan:
     out_shape: tuple[int, int]
     out_dtype: torch.dtype
     state_ints: int = 0  # fold_chain's zeroed state, allocated per call
-    # a ring paced behind the dx pass (fold.cu's PACE): its last arguments after the progress counter's address,
-    # the rows a count and the rows it may run ahead of the count (negative: behind); empty when not paced
+    # a ring paced by the dx pass's count (fold.cu's PACE): its last arguments after the counter's address, the rows a
+    # count and the rows it may run ahead of the count (negative: behind); empty when not paced
     pace_args: tuple[int, int] | tuple[()] = ()
 
 
@@ -562,6 +561,7 @@ class _BwdPlan:
     partial_rows: int  # fp32 partial rows the kernel writes (0: no fast-dW partials)
     partial_sum: tuple[_SumPlan, ...]  # the launches summing the partial rows in a fixed order
     onepass: _OnepassPlan | None = None  # the whole strict backward in onepass.cu instead (opt-in)
+    pace: tuple[int, int] | tuple[()] = ()  # the dx pass counts its row groups for a paced fold (see pace_waves)
 
 
 @dataclass(frozen=True)
@@ -600,13 +600,12 @@ class CudaBackend:
         # faster (bench/results/2026-11-30-h200-run9)
         self.onepass_strict = False
         self.onepass_tuning: OnepassTuning | None = None
-        # an out-of-place strict backward whose ring fold runs beside the dx pass paces the fold behind it (fold.cu's
-        # PACE, rms_norm.cu's PROGRESS), so that the fold reads dy and z from L2 after the dx pass; same bits;
-        # opt-in until measured on a GPU (bench/strict_parts.py, STRICT_PACE)
-        self.fold_pace = False
-        # how far the paced fold may run ahead of the dx pass's count of rows done, in waves of its resident blocks'
-        # row groups (negative: behind); the dx pass loads about a wave past its count (two with PREFETCH)
-        self.fold_pace_waves = 1.0
+        # not None: an out-of-place strict backward with a shared weight whose fold runs beside the dx pass paces the
+        # fold by the pass's count of row groups done (fold.cu's PACE, rms_norm.cu's PROGRESS; see pace_waves), so
+        # that one of the two reads of a row finds it in L2; the value: how far the fold may run ahead of the count,
+        # in waves of the dx pass's resident blocks' row groups (negative: behind; the pass loads about a wave past
+        # its count, two with PREFETCH). Same bits; opt-in until measured on a GPU (bench/strict_parts.py)
+        self.fold_pace: float | None = None
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
         return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
@@ -657,28 +656,21 @@ class CudaBackend:
     # ---- the strict left fold ----------------------------------------------------------------------
     def _fold_plan(self, dev: int, alay: RowLayout, a_dtype: torch.dtype, blay: RowLayout, b_dtype: torch.dtype,
                    what: int, groups: int, ring: bool, simple: bool, out_dtype: torch.dtype, sms: int = 0,
-                   pace: bool = False) -> _FoldPlan:
-        """sms: the SMs the fold's grid is sized for (0: all). pace: a ring compiled with PACE, its pace_args (0, 0)
-        until the caller sets them."""
+                   pace: tuple[int, int] | tuple[()] = ()) -> _FoldPlan:
+        """sms: the SMs the fold's grid is sized for (0: all). pace: (rows a count, rows ahead) for a fold paced by a
+        dx pass's count (see launch_fold): a ring takes it (PACE); any other fold ignores it."""
         n = alay.n
         rows_per_group = alay.rows // groups
-        fl = self._fold_launch(dev, n, a_dtype, b_dtype, what, simple, ring, out_dtype, rows_per_group, groups, sms,
-                               pace)
+        props = torch.cuda.get_device_properties(dev)
+        num_sms = min(sms, props.multi_processor_count) if sms else props.multi_processor_count
+        fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning,
+                         out_dtype, rows_per_group, groups, props.shared_memory_per_block_optin, bool(pace))
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
             kernel.allow_dynamic_shared(fl.shmem)
         return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
                          alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints,
-                         (0, 0) if fl.defines.get("PACE") else ())
-
-    def _fold_launch(self, dev: int, n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple: bool,
-                     ring: bool, out_dtype: torch.dtype, rows_per_group: int, groups: int, sms: int, pace: bool
-                     ) -> FoldLaunch:
-        """fold_launch on device dev with the grid sized for `sms` of its SMs (0: all)."""
-        props = torch.cuda.get_device_properties(dev)
-        num_sms = min(sms, props.multi_processor_count) if sms else props.multi_processor_count
-        return fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning, out_dtype,
-                           rows_per_group, groups, props.shared_memory_per_block_optin, pace)
+                         pace if fl.defines.get("PACE") else ())
 
     def _side_stream(self, dev: int) -> torch.cuda.Stream:
         side = self._side_streams.get(dev)
@@ -732,9 +724,9 @@ class CudaBackend:
                     progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
         """fold's result and a join (see _launch_fold): with beside=True the fold runs on a side stream, beside
         the kernels the caller enqueues before calling join() (which must not write a, b or rstd). sms: the SMs
-        its grid is sized for (0: all; see shared_fold_sms). pace: (rows a count, rows ahead): a ring paced beside a dx
-        pass that raises `progress` (a zeroed int32 counter) once for each group of that many rows (fold.cu's PACE;
-        only with beside=True, and only where the fold is a ring: `paced` says)."""
+        its grid is sized for (0: all; see shared_fold_sms). pace: (rows a count, rows ahead): the fold paced by a dx
+        pass beside it that raises `progress` (a zeroed int32 counter) once for each group of that many rows (fold.cu's
+        PACE; beside=True only, see pace_waves; a fold other than the ring leaves the count unread)."""
         dev = _device_index(a)
         key = (dev, alay, a.dtype, a.data_ptr() % 16 == 0, blay, b.dtype, b.data_ptr() % 16 == 0, what, groups,
                ring, self.fold_tuning, out_dtype, sms, pace)
@@ -742,19 +734,19 @@ class CudaBackend:
         if plan is None:
             ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
             simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
-            plan = self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype, sms,
-                                   bool(pace))
-            plan = remember(self._fold_plans, key, replace(plan, pace_args=pace) if plan.pace_args else plan)
+            plan = remember(self._fold_plans, key,
+                            self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype,
+                                            sms, pace))
         return self._launch_fold(plan, a, b, rstd, beside, progress)
 
-    def fold_paced(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, what: int,
-                   groups: int, out_dtype: torch.dtype, sms: int) -> bool:
-        """Whether launch_fold with these arguments and a pace would pace the fold (fold_pace on, a shared weight's
-        fold, a ring): the dx pass beside it must count its row groups then."""
-        ring = _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
-        return (self.fold_pace and ring and groups == 1
-                and self._fold_launch(_device_index(a), alay.n, a.dtype, b.dtype, what, True, True, out_dtype,
-                                      alay.rows // groups, groups, sms, True).kernel == "fold_ring")
+    def pace_waves(self, rows: int, out_of_place: bool, groups: int) -> float | None:
+        """fold_pace where a strict backward's dW fold of `rows` rows in `groups` groups is paced by its dx pass's
+        count (the dx pass then counts, whichever fold it meets), else None: only out of place, where the fold surely
+        runs beside (a paced fold launched first on the same stream would wait for a count that cannot move until it
+        gives up), and for a shared weight (per-head weights: not measured)."""
+        if self.fold_pace is None or not out_of_place or groups != 1 or not self.fold_beside(rows, None):
+            return None
+        return self.fold_pace
 
     def shared_fold_sms(self, n: int, rows: int, out_of_place: bool) -> int:
         """The SMs a strict dW fold of rows x n is sized for beside a dx pass whose persistent grid takes the
@@ -826,7 +818,7 @@ class CudaBackend:
         input signature, like the forward."""
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
                self.bwd_tuning, self.fold_tuning, self.fold_sms, self.fold_beside_dx, self.onepass_strict,
-               self.onepass_tuning, self.fold_pace, self.fold_pace_waves)  # fold_beside_dx: the SMs shared out
+               self.onepass_tuning, self.fold_pace)  # fold_beside_dx: whether the plan shares the SMs out
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -843,7 +835,7 @@ class CudaBackend:
             return dx, dw
         dw, join, progress = None, no_join, None
         if plan.strict is not None:  # strict (or per-head): beside the dx pass, or first where dx overwrites dy
-            if plan.strict.pace_args:  # a fold paced behind the dx pass: the pass's count of row groups done
+            if plan.pace:  # the fold paced by the dx pass: the pass's count of row groups done
                 progress = torch.zeros(1, dtype=torch.int32, device=z.device)
             dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(plan.rows, dx, dy, z, rstd),
                                          progress)
@@ -891,18 +883,12 @@ class CudaBackend:
         onepass = self._onepass_plan(dev, v, spec, dw_mode, need_dw, dres is not None)
         if onepass is not None:  # the whole backward in one kernel: no fold or dx kernel to plan
             return _BwdPlan(views, rows, None, None, 0, 0, 0, 0, tail, 0, (), onepass)
-        strict, shared_sms = None, 0
+        strict, shared_sms, waves, fold_groups = None, 0, None, 1
         if need_dw and not partials:
-            groups = weight.shape[0] if weight.dim() == 2 else 1
-            ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
+            fold_groups = weight.shape[0] if weight.dim() == 2 else 1
             shared_sms = self.shared_fold_sms(n, rows, dx_out is None)
-            # paced only where the fold surely runs beside the dx pass (out of place): a paced fold launched before
-            # the pass on the same stream would wait for a count that cannot move until it gives up; and for a shared
-            # weight only (per-head weights: not measured)
-            pace = self.fold_pace and dx_out is None and groups == 1 and self.fold_beside(rows, None)
-            strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
-                                     _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms, pace)
-            if strict.pace_args:
+            waves = self.pace_waves(rows, dx_out is None, fold_groups)
+            if waves is not None:  # the dx pass counts its row groups for the fold (PROGRESS)
                 fl = replace(fl, defines={**fl.defines, "PROGRESS": 1})
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         if shmem:  # opted in whatever the size: 48 KB of dynamic shared memory plus the static scratch exceed 48 KB
@@ -911,11 +897,17 @@ class CudaBackend:
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
                           persistent=fl.persistent or partials, sms_left=shared_sms)  # one partial row per block
         part_rows = grid * fl.rows_per_block if partials else 0
-        if strict is not None and strict.pace_args:  # counts of RPB rows; ahead: fold_pace_waves waves of the dx pass
+        pace = ()
+        if waves is not None:  # counts of RPB rows; ahead: `waves` waves of the dx pass's resident blocks
             wave = self._grid(dev, kernel, fl.threads, groups, 0, shmem, sms_left=shared_sms) * fl.rows_per_block
-            strict = replace(strict, pace_args=(fl.rows_per_block, round(self.fold_pace_waves * wave)))
+            pace = (fl.rows_per_block, round(waves * wave))
+        if need_dw and not partials:
+            ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
+            strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, fold_groups,
+                                     ring, _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms, pace)
+        sums = self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ()
         return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, (*tail, np.int32(aligned)),
-                        part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
+                        part_rows, sums, pace=pace)
 
     def _onepass_plan(self, dev: int, v, spec: NormSpec, dw_mode: str, need_dw: bool, has_dres: bool
                       ) -> _OnepassPlan | None:

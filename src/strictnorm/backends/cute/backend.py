@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ...contract import NormSpec
 from ...reference import next_pow2
-from ..base import MODE_CODES, no_join, on_tensor_device
+from ..base import no_join, on_tensor_device
 from ..layout import row_layout
 
 _MAX_P = 32768  # longest padded row the kernels' register mapping was built and tested for
@@ -116,16 +116,14 @@ class CuteBackend:
         if need_dw and (strict or rows == 0):  # beside the dx pass: dx has a buffer of its own until the join
             cb = _cuda()
             fold_sms = cb.shared_fold_sms(n, rows, True) if self.share_sms_with_fold else 0
-            (dyk, dlay), (zk, zlay) = row_layout(dy2), row_layout(z2)
-            beside = cb.fold_beside(rows, None)
+            waves = cb.pace_waves(rows, True, 1) if rows else None
             pace = ()
-            if beside and rows and cb.fold_paced(dyk, dlay, zk, zlay, MODE_CODES[spec.mode] + 1, 1, weight.dtype,
-                                                 fold_sms):  # the CUDA fold paced beside this dx pass (fold_pace)
+            if waves is not None:  # the CUDA fold paced by this dx pass's count of row groups done
                 per_count, wave = _kernels().backward_wave(n, rows, z.device, fold_sms)
-                pace = (per_count, round(cb.fold_pace_waves * wave))
+                pace = (per_count, round(waves * wave))
                 progress = torch.zeros(1, dtype=torch.int32, device=z.device)
-            dw, join = cb.strict_dw(dyk, dlay, zk, zlay, rstd2, spec.mode, weight, beside, sms=fold_sms, pace=pace,
-                                    progress=progress)
+            dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight,
+                                    cb.fold_beside(rows, None), sms=fold_sms, pace=pace, progress=progress)
         partials = need_dw and dw is None
         dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
                                        spec.offset, spec.mode, partials=partials, sms_left=fold_sms, progress=progress)

@@ -345,8 +345,7 @@ class TritonBackend:
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
-               self.share_sms_with_fold, self.use_cuda_fold and get_backend("cuda").fold_pace,
-               self.use_cuda_fold and get_backend("cuda").fold_pace_waves)
+               self.share_sms_with_fold, self.use_cuda_fold and get_backend("cuda").fold_pace)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -359,7 +358,7 @@ class TritonBackend:
         partials = plan.meta["DW_PARTIALS"]
         dw, join, progress = None, no_join, None
         if need_dw and not partials:  # beside the dx pass (CUDA fold), or before it: in place, dx overwrites dy
-            if plan.pace:  # the CUDA fold paced behind this pass: its count of blocks done
+            if plan.pace:  # the CUDA fold paced by this pass: its count of blocks done
                 progress = torch.zeros(1, dtype=torch.int32, device=z.device)
             dw, join = self._launch_fold(dyk, lays.dlay, zk, lays.lay, rstd, MODE_CODES[spec.mode] + 1,
                                          DTYPE_CODES[z.dtype], weight.shape[0] if lays.per_head else 1, weight.dtype,
@@ -401,29 +400,24 @@ class TritonBackend:
         wants_partials = need_dw and dw_mode == "fast" and not views.per_head
         tile = row_tile(n, "bwd" if wants_partials else "bwd_dx", rows)
         partials = wants_partials and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0)
-        fold_sms, paced = 0, False
+        fold_sms, waves = 0, None
         if need_dw and not partials and self._cuda_available(z):
             cb = get_backend("cuda")
             if self.share_sms_with_fold:
                 fold_sms = cb.shared_fold_sms(n, rows, dx_out is None)
-            # paced only out of place, where the fold surely runs beside this pass (as the CUDA backend's own)
-            groups = weight.shape[0] if views.per_head else 1
-            paced = (dx_out is None and cb.fold_beside(rows, None)
-                     and cb.fold_paced(v.dy, v.dlay, v.z, v.lay, MODE_CODES[spec.mode] + 1, groups, weight.dtype,
-                                       fold_sms))
+            waves = cb.pace_waves(rows, dx_out is None, weight.shape[0] if views.per_head else 1)
         nprog = _programs(_cdiv(rows, tile.rows), tile, z.device, partials or tile.prefetch or tile.stages > 1,
                           sms_left=fold_sms)
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
                     HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(),
                     **tile.chunk_constexprs(), **tile.meta())
-        if paced:
-            meta["PROGRESS"] = True
-        # counts of a block's rows; ahead: CudaBackend.fold_pace_waves waves of a block for each program running at
-        # once (a grid of a program a block runs in waves, in about the blocks' order)
         pace = ()
-        if paced:
+        if waves is not None:  # the CUDA fold paced by this pass's count of blocks done (PROGRESS)
+            meta["PROGRESS"] = True
+            # counts of a block's rows; ahead: `waves` waves of a block for each program running at once (a grid of a
+            # program a block runs in waves, in about the blocks' order)
             wave = _programs(_cdiv(rows, tile.rows), tile, z.device, True, sms_left=fold_sms) * tile.rows
-            pace = (tile.rows, round(get_backend("cuda").fold_pace_waves * wave))
+            pace = (tile.rows, round(waves * wave))
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
                      meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms, pace)
 
