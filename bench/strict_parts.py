@@ -51,7 +51,16 @@ PACE = _ints("STRICT_PACE", "0")
 # how far the paced fold may run ahead of the dx pass (the value of CudaBackend.fold_pace), in its waves: the first
 # value for the other backends; each for the CUDA backend's own
 PACE_WAVES = [float(v) for v in os.environ.get("STRICT_PACE_WAVES", "1").split(",") if v]
+# kernel (the default): the union of the kernels' intervals (Timer.kernel_us), where the host's time between the
+# fold's launch and the dx pass's is not GPU time but the two kernels overlap only as far as it lets them; queued:
+# events around the call with the host's launches ahead of the GPU (Timer.queued_us), the overlap of a busy step
+TIMER = os.environ.get("STRICT_TIMER", "kernel")
 OTHER_BACKENDS = [v for v in os.environ.get("STRICT_BACKENDS", "").split(",") if v]
+
+
+def _time(sw: Sweep, fn) -> float:
+    """STRICT_TIMER's measure of fn."""
+    return sw.timer.queued_us(fn) if TIMER == "queued" else sw.timer.kernel_us(fn)
 
 
 def _fold_tunings(optin: int) -> list[tuple[str, FoldTuning | None]]:
@@ -85,17 +94,17 @@ def _parts(sw: Sweep, case: Case) -> dict:
            "fast": lambda: b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "fast", True, None)}
     out = {}
     for name, fn in row.items():
-        out[name] = sw.timer.kernel_us(fn)
+        out[name] = _time(sw, fn)
     for beside in (True, False):
         b.fold_beside_dx = beside
-        out["strict_beside" if beside else "strict_after"] = sw.timer.kernel_us(strict)
+        out["strict_beside" if beside else "strict_after"] = _time(sw, strict)
         out["bitwise_beside" if beside else "bitwise_after"] = bool(torch.equal(strict()[1], want))
     out["shared"] = []
     optin = torch.cuda.get_device_properties(sw.timer.device).shared_memory_per_block_optin
     for label, tuning in _fold_tunings(optin) if FOLD_SMS else ():
         b.fold_tuning, b.fold_sms = tuning, 0
         try:
-            alone = sw.timer.kernel_us(fold)
+            alone = _time(sw, fold)
         except Exception as e:  # a chain item too large for the shared memory, say: recorded, not fatal
             out["shared"].append({"fold": label, "error": f"{type(e).__name__}: {e}"})
             continue
@@ -103,7 +112,7 @@ def _parts(sw: Sweep, case: Case) -> dict:
             for waves in PACE_WAVES if pace else PACE_WAVES[:1]:
                 b.fold_sms, b.fold_pace = sms, waves if pace else None
                 b.fold_beside_dx = True
-                us = sw.timer.kernel_us(strict)
+                us = _time(sw, strict)
                 out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "pace": pace,
                                       "waves": waves, "us": us, "bitwise": bool(torch.equal(strict()[1], want))})
     b.fold_tuning, b.fold_sms, b.fold_beside_dx, b.fold_pace = None, None, None, None
@@ -117,7 +126,7 @@ def _parts(sw: Sweep, case: Case) -> dict:
             other.share_sms_with_fold = share
             b.fold_pace = PACE_WAVES[0] if pace else None  # the CUDA fold paced by this dx pass
             suffix = ("_shared" if share else "") + ("_paced" if pace else "")
-            out[f"{name}_strict{suffix}"] = sw.timer.kernel_us(other_strict)
+            out[f"{name}_strict{suffix}"] = _time(sw, other_strict)
             out[f"{name}_bitwise{suffix}"] = bool(torch.equal(other_strict()[1], want))
         other.share_sms_with_fold, b.fold_pace = default, None
     return out
@@ -137,10 +146,13 @@ def _timeline(sw: Sweep, case: Case) -> list[dict]:
     b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if TIMER == "queued":  # the host enqueues both kernels while this holds the stream
+            torch.cuda._sleep(4_000_000)
         b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
         torch.cuda.synchronize()
     b.fold_beside_dx = None
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+    events = sorted((e for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and "sleep" not in e.name),
                     key=lambda e: e.time_range.start)
     t0 = events[0].time_range.start if events else 0
     return [{"kernel": e.name[:60], "start_us": e.time_range.start - t0,
@@ -160,8 +172,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
-            json.dump({"copy_GBps": sw.ceiling, "rows": rows, "timeline": timeline}, f, indent=1)
-    print(f"\ncopy ceiling {sw.ceiling:.0f} GB/s; kernel-only us")
+            json.dump({"copy_GBps": sw.ceiling, "timer": TIMER, "rows": rows, "timeline": timeline}, f, indent=1)
+    print(f"\ncopy ceiling {sw.ceiling:.0f} GB/s; us, " + ("queued (events, the host ahead)" if TIMER == "queued"
+                                                              else "kernel-only"))
     print(f"{'shape':>14} {'dx only':>9} {'fold':>9} {'beside':>9} {'after':>9} {'fast':>9}  bitwise")
     for r in rows:
         print(f"{r['M']:>7d}x{r['N']:<6d} {r['dx_only']:9.1f} {r['fold_only']:9.1f} {r['strict_beside']:9.1f} "

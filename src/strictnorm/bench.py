@@ -39,6 +39,7 @@ NORM_SHAPES = [(128, 4096), (2048, 4096), (8192, 4096), (32768, 4096), (8192, 81
 FOLD_SHAPES = ([(r, 128) for r in (1, 16, 256, 1024, 4096, 16384, 65536, 262144)]
                + [(r, 4096) for r in (1, 64, 1024, 4096)] + [(1024, c) for c in (64, 512, 4096, 8192)])
 CHAIN_NS_PER_ROW = 4 / 1.98  # one dependent fp32 add: 4 cycles at ~1.98 GHz
+_HOLD_CYCLES = 4_000_000  # queued_us's sleep: ~2 ms at ~1.98 GHz, longer than the host takes to enqueue a call
 
 
 def environment() -> dict:
@@ -104,6 +105,30 @@ class Timer:
             per_iter.append(busy_us([(e.time_range.start, e.time_range.end) for e in prof.events()
                                      if e.device_type == torch.autograd.DeviceType.CUDA]))
         return statistics.median(per_iter)
+
+    def queued_us(self, fn: Callable[[], object]) -> float:
+        """GPU time of the call with the host's launches ahead of the GPU, as in a busy training step: a sleep
+        kernel holds the stream while the host enqueues the call, and CUDA events on the current stream time it
+        from the sleep's end to the call's last kernel (a side stream joined back included). Unlike kernel_us it
+        counts the gaps between the call's kernels, but never the host's time between its launches: where two
+        kernels run side by side (the strict dW fold beside the dx pass) this is their real overlap, which
+        kernel_us cannot see when the host launches the second one after the first has run. L2 flushed first."""
+        for _ in range(2):
+            fn()
+        self.sync()
+        if not self.cuda:
+            return self._wall_us(fn)
+        times = []
+        for _ in range(self.iters):
+            self.flush.zero_()
+            torch.cuda._sleep(_HOLD_CYCLES)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
 
     def eager_us(self, fn: Callable[[], object]) -> float:
         if not self.cuda:
