@@ -83,14 +83,10 @@ def main(ns: list[int]) -> None:
         print(f"N={n:6d} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
         common, warps = tiled("bwd")
         bwd_tile = tb.row_tile(n, "bwd")
-        bwd_const = {**common, "HAS_DRES": False, **bwd_tile.backward_constexprs(), **bwd_tile.chunk_constexprs()}
-        c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**bwd_const, "DW_PARTIALS": True, "PROGRESS": False}, warps)
+        c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True,
+                                                    **bwd_tile.backward_constexprs(), **bwd_tile.chunk_constexprs()},
+                        warps)
         print(f"N={n:6d} bwd  {s:6.1f} s  {_stats(c)}", flush=True)
-        # the strict dW's dx pass counting its blocks for a paced CUDA fold (DW_PART: the int32 counter)
-        c, s = _compile(k.rms_bwd_kernel, {**bwd_sig, "DW_PART": "*i32"},
-                        {**bwd_const, "DW_PARTIALS": False, "PROGRESS": True}, warps)
-        atomics = c.asm["ptx"].count("atom.global") + c.asm["ptx"].count("red.global")
-        print(f"N={n:6d} bwd counting  {s:6.1f} s  {_stats(c)}  atomics {atomics}", flush=True)
     c, s = _compile(k.fold_kernel, fold_sig, {"BN": tb._FOLD_BN, "UNROLL": tb._FOLD_UNROLL, "WHAT": 1, "XDT": 1}, 2)
     print(f"fold        {s:6.1f} s  {_stats(c)}")
 

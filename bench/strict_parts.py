@@ -1,27 +1,25 @@
-"""Where the CUDA strict backward's time goes: its parts timed alone and together, kernel-only.
+"""Where the CUDA strict backward's time goes: its parts timed alone and together (STRICT_TIMER, below).
 
 For each shape (SWEEP_SHAPES, default the PERF.md ones with a strict bound far off): the dx pass alone (no dW), the
 strict dW fold alone (from dy, x and rstd), the strict backward with the fold beside the dx pass (a side stream) and
-after it (beside: with the backend's default share of the SMs, CudaBackend.fold_sms), and the fast backward; then one
-strict backward's kernels (start offset and duration) at the first shape, to show how much the two overlap.
+after it (the default; beside: with the backend's default share of the SMs, CudaBackend.fold_sms), and the fast
+backward; then one strict backward's kernels (start offset and duration) at the first shape, with the fold beside, to
+show how much the two overlap.
 
 With STRICT_FOLD_SMS, the fold beside with the SMs shared out (CudaBackend.fold_sms: the fold's grid for that many SMs,
 the dx pass's for the rest; 0: both on every SM), for each fold of STRICT_RINGS (ring labels: r32x64s100 is 32 columns
 a CTA, 64 rows a stage, 100 KB of shared memory, a trailing m the contributions stored column-major, r0 the default
 fold; the ring's grid is its column stripes: at 4096 columns 512 stripes of 8 on every SM, 128 of 32 where it is sized
 for 32-128 SMs) and fold_chain in items of each of STRICT_CHAIN_ROWS rows x STRICT_CHAIN_COLS columns, the fold alone
-timed once for each. STRICT_PACE=0,1 times each share without and with the fold paced by the dx pass's count
-(CudaBackend.fold_pace, at each of STRICT_PACE_WAVES: how far it may run ahead, in waves of the dx pass).
-STRICT_BACKENDS=triton,cute adds those backends' strict backward without and with their share of the SMs
-(share_sms_with_fold), and paced (at the first of STRICT_PACE_WAVES) where STRICT_PACE has 1. Every strict dW is
-checked against the default fold's bits. Run on the GPU machine:
+timed once for each. STRICT_BACKENDS=triton,cute adds those backends' strict backward with the fold after their
+dx pass, beside it, and beside it with their share of the SMs (share_sms_with_fold). Every strict dW is checked
+against the default fold's bits. Run on the GPU machine:
     python3 bench/strict_parts.py [out.json]
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
 import re
@@ -46,11 +44,6 @@ CHAIN_COLS = int(os.environ.get("STRICT_CHAIN_COLS", "32"))
 # the rings by label (see the module's docstring; 0 in a field: the ring's own choice, e.g. r0x32 is its columns with
 # 32 rows a stage; more shared memory than the 48 KB needing no opt-in lets more stages convert in flight)
 RINGS = [v for v in os.environ.get("STRICT_RINGS", "r0").split(",") if v]
-# the fold paced by the dx pass (CudaBackend.fold_pace): 0 off, 1 on; each timed
-PACE = _ints("STRICT_PACE", "0")
-# how far the paced fold may run ahead of the dx pass (the value of CudaBackend.fold_pace), in its waves: the first
-# value for the other backends; each for the CUDA backend's own
-PACE_WAVES = [float(v) for v in os.environ.get("STRICT_PACE_WAVES", "1").split(",") if v]
 # kernel (the default): the union of the kernels' intervals (Timer.kernel_us), where the host's time between the
 # fold's launch and the dx pass's is not GPU time but the two kernels overlap only as far as it lets them; queued:
 # events around the call with the host's launches ahead of the GPU (Timer.queued_us), the overlap of a busy step
@@ -108,33 +101,23 @@ def _parts(sw: Sweep, case: Case) -> dict:
         except Exception as e:  # a chain item too large for the shared memory, say: recorded, not fatal
             out["shared"].append({"fold": label, "error": f"{type(e).__name__}: {e}"})
             continue
-        for sms, pace in itertools.product(FOLD_SMS, PACE):
-            for waves in PACE_WAVES if pace else PACE_WAVES[:1]:
-                b.fold_sms, b.fold_pace = sms, waves if pace else None
-                b.fold_beside_dx = True
-                us = _time(sw, strict)
-                out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "pace": pace,
-                                      "waves": waves, "us": us, "bitwise": bool(torch.equal(strict()[1], want))})
-    b.fold_tuning, b.fold_sms, b.fold_beside_dx, b.fold_pace = None, None, None, None
+        for sms in FOLD_SMS:
+            b.fold_sms, b.fold_beside_dx = sms, True
+            out["shared"].append({"fold": label, "fold_alone_us": alone, "fold_sms": sms, "us": _time(sw, strict),
+                                  "bitwise": bool(torch.equal(strict()[1], want))})
+    b.fold_tuning, b.fold_sms, b.fold_beside_dx = None, None, False
     for name in OTHER_BACKENDS:
         from strictnorm.backends.registry import get_backend
 
         other = get_backend(name)
         other_strict = functools.partial(other.rms_norm_bwd, c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
         default = other.share_sms_with_fold
-        for share, pace in ((False, 0), (True, 0), *(((True, 1),) if 1 in PACE else ())):
-            other.share_sms_with_fold = share
-            b.fold_pace = PACE_WAVES[0] if pace else None  # the CUDA fold paced by this dx pass
-            suffix = ("_shared" if share else "") + ("_paced" if pace else "")
+        for beside, share, suffix in ((False, False, ""), (True, False, "_beside"), (True, True, "_shared")):
+            b.fold_beside_dx, other.share_sms_with_fold = beside, share
             out[f"{name}_strict{suffix}"] = _time(sw, other_strict)
             out[f"{name}_bitwise{suffix}"] = bool(torch.equal(other_strict()[1], want))
-        other.share_sms_with_fold, b.fold_pace = default, None
+        b.fold_beside_dx, other.share_sms_with_fold = False, default
     return out
-
-
-def _share_label(run: dict) -> str:
-    """The fold's SMs, and pW where it was paced W waves ahead."""
-    return f"{run['fold_sms']}" + (f"p{run['waves']:g}" if run["pace"] else "")
 
 
 def _timeline(sw: Sweep, case: Case) -> list[dict]:
@@ -150,7 +133,7 @@ def _timeline(sw: Sweep, case: Case) -> list[dict]:
             torch.cuda._sleep(4_000_000)
         b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
         torch.cuda.synchronize()
-    b.fold_beside_dx = None
+    b.fold_beside_dx = False
     events = sorted((e for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and "sleep" not in e.name),
                     key=lambda e: e.time_range.start)
@@ -180,26 +163,26 @@ def main() -> None:
         print(f"{r['M']:>7d}x{r['N']:<6d} {r['dx_only']:9.1f} {r['fold_only']:9.1f} {r['strict_beside']:9.1f} "
               f"{r['strict_after']:9.1f} {r['fast']:9.1f}  {r['bitwise_beside'] and r['bitwise_after']}")
     for name in OTHER_BACKENDS:
-        print(f"\n{name} strict backward (us, bitwise): its dx pass on every SM / sharing them out with the fold"
-              + (" / and the fold paced behind it" if 1 in PACE else ""))
+        print(f"\n{name} strict backward (us, bitwise): the fold after its dx pass / beside it / beside it with the SMs"
+              " shared out")
         for r in rows:
             cells = [f"{r[name + '_strict' + s]:9.1f} {r[name + '_bitwise' + s]}"
-                     for s in ("", "_shared", "_shared_paced") if name + "_strict" + s in r]
+                     for s in ("", "_beside", "_shared")]
             print(f"{r['M']:>7d}x{r['N']:<6d} " + "  ".join(cells))
     print(f"\none strict backward at {rows[0]['M']}x{rows[0]['N']}, fold beside:")
     for e in timeline:
         print(f"  {e['start_us']:8.1f} {e['us']:8.1f}  {e['kernel']}")
     if FOLD_SMS:
         print("\nstrict backward, fold beside with the SMs shared out (fold: r ring columns [x rows a stage] [s\n"
-              "shared KB] or c chain rows, r0 the default; us alone; then fold SMs [pW: paced, W waves ahead]: us "
-              "of the strict backward, bitwise)")
+              "shared KB] or c chain rows, r0 the default; us alone; then fold SMs: us of the strict backward, "
+              "bitwise)")
         for r in rows:
             for label in dict.fromkeys(v["fold"] for v in r["shared"]):
                 runs = [v for v in r["shared"] if v["fold"] == label]
                 if "error" in runs[0]:
                     print(f"{r['M']:>7d}x{r['N']:<6d} {label:>12} {runs[0]['error']}")
                     continue
-                cells = [f"{_share_label(v)}: {v['us']:.1f} {v['bitwise']}" for v in runs]
+                cells = [f"{v['fold_sms']}: {v['us']:.1f} {v['bitwise']}" for v in runs]
                 print(f"{r['M']:>7d}x{r['N']:<6d} {label:>12} {runs[0]['fold_alone_us']:7.1f}  " + "  ".join(cells))
 
 

@@ -51,25 +51,6 @@ def test_every_fold_configuration_compiles(arch, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_paced_strict_backward_compiles(arch, tmp_path, monkeypatch):
-    """CudaBackend.fold_pace's kernels: fold.cu's dW ring with PACE (with and without CONVERT, every mode) and
-    rms_norm.cu's backward with PROGRESS at the tables' entries for lengths of 1000 to 18432."""
-    from strictnorm.backends.cuda.backend import BWD_TABLE, FoldTuning, norm_bwd_launch, tuning_for
-
-    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
-    bf16 = torch.bfloat16
-    for what in (1, 2, 3):
-        for tuning in (None, FoldTuning(cols=32, rows_per_stage=32)):
-            fl = fold_launch(4096, bf16, bf16, what, True, True, num_sms=32, tuning=tuning, rows=32768, pace=True)
-            assert fl.kernel == "fold_ring" and fl.defines["PACE"] == 1
-            assert nvrtc.compile_cubin("fold.cu", arch, fl.defines, use_cache=False)[:4] == b"\x7fELF"
-    for n in (1000, 4096, 8192, 18432):
-        bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, False, tuning_for(BWD_TABLE, n, 32768), True)
-        defines = dict(bl.defines, PROGRESS=1)
-        assert nvrtc.compile_cubin("rms_norm.cu", arch, defines, use_cache=False)[:4] == b"\x7fELF", n
-
-
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_onepass_configurations_compile(arch, tmp_path, monkeypatch):
     """onepass.cu at the lengths whose column groups differ (32, 64 and 256 columns a CTA, GROUPS below and
     above 32), every mode and row dtype, without a weight; within the opt-in shared memory of an H200."""
@@ -328,15 +309,6 @@ def test_default_fold_is_the_chain_for_few_columns_and_many_rows():
     assert default_chain(128, 262144, 1, 48 * 1024).chain_rows == 1024
     assert default_chain(128, 262144, 1, 16 * 1024) is None
     assert fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144).kernel == "fold_ring"
-
-
-def test_paced_fold_only_for_the_ring():
-    """PACE is the ring's alone: fold_chain and the one-thread-per-column fold ignore it."""
-    bf16 = torch.bfloat16
-    chain = fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=65536, smem_optin=227 * 1024, pace=True)
-    simple = fold_launch(128, bf16, bf16, 1, True, False, num_sms=132, pace=True)
-    assert chain.kernel == "fold_chain" and simple.kernel == "fold_simple"
-    assert "PACE" not in chain.defines and "PACE" not in simple.defines
 
 
 def test_sms_shared_out_between_the_fold_and_the_dx_pass():

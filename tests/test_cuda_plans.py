@@ -36,11 +36,9 @@ class _RecordingKernel:
 class _RecordingCache:
     def __init__(self, log: list) -> None:
         self.log = log
-        self.made: dict[str, _RecordingKernel] = {}  # the last kernel made of each name
 
     def get(self, device_index, name, kernel, defines):
-        self.made[kernel] = _RecordingKernel(kernel, defines, self.log)
-        return self.made[kernel]
+        return _RecordingKernel(kernel, defines, self.log)
 
 
 @pytest.fixture
@@ -54,7 +52,6 @@ def recording(monkeypatch):
     cb = cuda_backend.CudaBackend()
     cache = _RecordingCache(log)
     monkeypatch.setattr(cb, "_kernels", lambda: cache)
-    cb.made = cache.made
     return cb, log
 
 
@@ -128,8 +125,7 @@ class _FakeStream:
 def test_strict_fold_forks_beside_the_dx_kernel(recording, monkeypatch):
     """dw="strict" with a dx of its own: the side stream waits for the current one, the fold launches on it,
     the dx kernel on the current stream, then the current stream waits for the side one (join) before the
-    call returns. fold_beside_dx=False, or dx over dy: both on the current stream, fold first. By default
-    (fold_beside_dx=None) beside from 16384 rows."""
+    call returns. fold_beside_dx=False (the default), or dx over dy: both on the current stream, fold first."""
     cb, log = recording
     cb.fold_beside_dx = True
     here = _FakeStream(0, log)
@@ -145,50 +141,10 @@ def test_strict_fold_forks_beside_the_dx_kernel(recording, monkeypatch):
         cb.fold_beside_dx = beside
         cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, dx_out)
         assert [(e[0], e[-1]) for e in log] == [("fold_ring", 0), ("rms_bwd", 0)]
-    assert not cb.fold_beside(64, dy[1:], x, dy) and cb.fold_beside(64, torch.empty(1), x[0])
-    cb.fold_beside_dx = None
-    assert [cb.fold_beside(rows, None) for rows in (16383, 16384)] == [False, True]
-    assert not cb.fold_beside(1 << 20, dy, dy)
-
-
-def test_paced_fold_shares_a_counter_with_the_dx_pass(recording, monkeypatch):
-    """fold_pace, out of place with the fold beside: the ring compiled with PACE and the dx kernel with PROGRESS,
-    one zeroed int32 counter for both: the ring's after its fold arguments, with the rows a count (the dx kernel's
-    rows a block) and the rows it may run ahead (fold_pace = 1: a row group for each dx block resident at once);
-    the dx kernel's in the partial rows' place. In place (the fold first, on the current stream) or with fold_pace
-    off: neither."""
-    cb, log = recording
-    cb.fold_beside_dx, cb.fold_pace = True, 1.0
-    here = _FakeStream(0, log)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: here)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(7, log))
-    zeroed = []
-    real_zeros = torch.zeros
-    monkeypatch.setattr(torch, "zeros", lambda *a, **k: zeroed.append(real_zeros(*a, **k)) or zeroed[-1])
-    rows, n = 300, 4096
-    x, dy, w = torch.randn(rows, n).bfloat16(), torch.randn(rows, n).bfloat16(), torch.randn(n).bfloat16()
-    rstd = torch.rand(rows) + 0.5
-    cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, None)
-    fold, dx = (e for e in log if e[0] != "wait")
-    assert (fold[0], dx[0]) == ("fold_ring", "rms_bwd")
-    assert cb.made["fold_ring"].defines["PACE"] == 1 and cb.made["rms_bwd"].defines["PROGRESS"] == 1
-    (counter,) = zeroed
-    assert counter.dtype == torch.int32 and counter.numel() == 1
-    rpb = cb.made["rms_bwd"].defines["RPB"]
-    assert fold[4][-3:] == (counter.data_ptr(), rpb, dx[1][0] * rpb) and dx[4][-7] == counter.data_ptr()
-    for dx_out, pace in ((dy, 1.0), (None, None)):  # in place; not paced
-        log.clear()
-        cb.fold_pace = pace
-        cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, dx_out)
-        assert "PACE" not in cb.made["fold_ring"].defines and "PROGRESS" not in cb.made["rms_bwd"].defines
-        assert [e[0] for e in log if e[0] != "wait"] == ["fold_ring", "rms_bwd"] and len(zeroed) == 1
-    cb.fold_pace = 1.0  # per-head weights (a fold of 4 groups): not paced
-    xq, dyq = torch.randn(rows, 4, 64).bfloat16(), torch.randn(rows, 4, 64).bfloat16()
-    wq = torch.randn(4, 64).bfloat16()
-    cb.made.clear()
-    cb.rms_norm_bwd(dyq, xq, wq, torch.rand(rows, 4) + 0.5, None, _spec(), "strict", True, None)
-    assert set(cb.made) == {"fold_ring", "rms_bwd"} and "PACE" not in cb.made["fold_ring"].defines
-    assert "PROGRESS" not in cb.made["rms_bwd"].defines and len(zeroed) == 1
+    assert not cb.fold_beside(dy[1:], x, dy) and cb.fold_beside(torch.empty(1), x[0])
+    assert not cb.fold_beside(dy, dy)
+    cb.fold_beside_dx = False
+    assert not cb.fold_beside(None) and not cb.fold_beside(torch.empty(1), x[0])
 
 
 def test_onepass_strict_backward_is_one_cooperative_launch(recording):

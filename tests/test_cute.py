@@ -221,31 +221,6 @@ def test_backward_compiles_with_only_rounded_fp32_ops(n, mode, vector, has_dres,
     assert ("ld.global.v4" in ptx) == vector
 
 
-@pytest.mark.parametrize("n, vector", [(7, False), (128, True), (4096, True), (18432, True)])
-def test_backward_counting_its_row_groups_compiles(n, vector, tmp_path):
-    """progress (a CUDA fold paced beside the strict backward's dx pass, CudaBackend.fold_pace): the counter takes the
-    partial rows' place and gets one global atomic add a row group, by one thread; rounded fp32 ops only. With the
-    partials too: an error."""
-    bf16 = cutlass.BFloat16
-    op, args = K.backward_args(n, bf16, bf16, bf16, "gemma", vector, True, False, progress=True)
-    ptx = _compiled_ptx(tmp_path, op, args)
-    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
-    assert len(re.findall(r"\b(atom|red)\.global\.add\.[us]32", ptx)) == 1
-    with pytest.raises(ValueError, match="partial rows"):
-        K.RMSNormBackward(op.s, "llama", True, bf16, partials=True, progress=True)
-
-
-def test_backward_wave_counts_the_resident_groups(monkeypatch):
-    """backward_wave: the rows a group and the rows of the groups running at once (on the SMs left beside the fold)
-    that the paced fold's `ahead` is measured in."""
-    monkeypatch.setattr(K, "_sm_count", lambda index: 132)
-    shape = K.tuned_shape(4096, True, False)
-    per_sm = K.backward_blocks_per_sm(4096, False) or max(1, 2048 // shape.threads)
-    dev = torch.device("cpu")
-    assert K.backward_wave(4096, 1 << 20, dev, 32) == (shape.rpb, 100 * per_sm * shape.rpb)
-    assert K.backward_wave(4096, 3, dev, 32) == (shape.rpb, -(-3 // shape.rpb) * shape.rpb)
-
-
 @pytest.fixture(params=[False, True], ids=["", "prefetch"])
 def backward_prefetch(request, monkeypatch, fresh_shapes):
     """The cute backward with and without the next row prefetched into registers (ForwardShape.prefetch)."""

@@ -168,7 +168,7 @@ def test_triton_direct_launches_give_the_jit_bits(n, seed):
 @pytest.mark.parametrize("dw", ["fast", "strict"])
 def test_cuda_graph_replay_with_new_inputs(backend, dw, seed):
     """Captured and replayed with new inputs; the strict dW fold forked onto its side stream and joined
-    inside the capture (fold_beside_dx=True: at 4096 rows it would run first otherwise)."""
+    inside the capture (fold_beside_dx=True: it runs after the dx pass by default)."""
     seeds = iter(range(seed, seed + 10))
     cb = get_backend("cuda")
     cb.fold_beside_dx = True
@@ -176,7 +176,7 @@ def test_cuda_graph_replay_with_new_inputs(backend, dw, seed):
         check_fused_add_graph_replay(backend, dw, lambda: _data(4096, 2048, torch.bfloat16, torch.bfloat16,
                                                                 next(seeds)), replays=3)
     finally:
-        cb.fold_beside_dx = None
+        cb.fold_beside_dx = False
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton", "cute"])
@@ -203,7 +203,7 @@ def test_strict_fold_beside_the_dx_pass(backend, seed):
             assert in_place[0].data_ptr() == buf.data_ptr()
             assert bits_equal(in_place[0], want[0]) and bits_equal(in_place[1], want[1])
     finally:
-        cb.fold_beside_dx = None
+        cb.fold_beside_dx = False
     for beside in (False, True):
         assert bits_equal(got[beside][0], want[0]) and bits_equal(got[beside][1], want[1])
 
@@ -211,9 +211,9 @@ def test_strict_fold_beside_the_dx_pass(backend, seed):
 @pytest.mark.parametrize("m, n", [(16384, 4096), (20011, 1000), (65536, 128)])
 @pytest.mark.parametrize("chain_rows, fold_sms", [(0, 24), (512, 24), (0, None)])
 def test_strict_fold_with_the_sms_shared_out(m, n, chain_rows, fold_sms, seed):
-    """CudaBackend.fold_sms (None: the default, 32 SMs at 4096 columns; see _SHARED_FOLD_SMS): the fold's grid
-    sized for that many SMs and the dx pass's for the rest, with the default fold or fold_chain items of
-    chain_rows x 32 columns: the reference's dx and dW; an in-place backward (planned without the split) too."""
+    """CudaBackend.fold_sms with the fold beside the dx pass (None: 32 SMs at 4096 columns; see _SHARED_FOLD_SMS):
+    the fold's grid sized for that many SMs and the dx pass's for the rest, with the default fold or fold_chain items
+    of chain_rows x 32 columns: the reference's dx and dW; an in-place backward (planned without the split) too."""
     from strictnorm.backends.cuda.backend import FoldTuning
     from strictnorm.contract import make_spec
 
@@ -223,55 +223,24 @@ def test_strict_fold_with_the_sms_shared_out(m, n, chain_rows, fold_sms, seed):
     rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
     want = tr.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
     optin = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
-    cb.fold_sms = fold_sms
+    cb.fold_sms, cb.fold_beside_dx = fold_sms, True
     cb.fold_tuning = FoldTuning(cols=32, chain_rows=chain_rows, smem_bytes=optin) if chain_rows else None
     try:
         got = cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
         buf = dy.clone()
         in_place = cb.rms_norm_bwd(buf, x, w, rstd, None, spec, "strict", True, buf)
     finally:
-        cb.fold_sms, cb.fold_tuning = None, None
+        cb.fold_sms, cb.fold_tuning, cb.fold_beside_dx = None, None, False
     for dx, dw in (got, in_place):
-        assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
-
-
-@pytest.mark.parametrize("backend", ["cuda", "triton", "cute"])
-@pytest.mark.parametrize("m, n, fold_sms", [(16384, 4096, None), (20011, 3000, 0), (4099, 8192, 0)])
-def test_strict_fold_paced_behind_the_dx_pass(backend, m, n, fold_sms, seed):
-    """CudaBackend.fold_pace: the CUDA ring fold beside the dx pass (the CUDA, Triton or cute one), paced by the
-    pass's count of row groups done (with the SMs shared out, 32 columns a CTA at 4096, or not): the reference's dx
-    and dW with a residual gradient and the Gemma offset, twice (the counter is fresh for each call); an in-place
-    backward (not paced, but for cute's, whose dx pass writes a buffer of its own) too."""
-    if not status(backend, torch.device(DEV)).available:
-        pytest.skip(status(backend, torch.device(DEV)).reason)
-    from strictnorm.contract import make_spec
-
-    cb, b, tr = get_backend("cuda"), get_backend(backend), get_backend("torch")
-    x, w, dy = _data(m, n, torch.bfloat16, torch.bfloat16, seed)
-    dres = torch.randn_like(dy)
-    spec = make_spec(x.dtype, 1e-6, 1.0, "gemma", x.dtype)
-    rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
-    want = tr.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None)
-    cb.fold_pace, cb.fold_beside_dx, cb.fold_sms = 1.0, True, fold_sms
-    cb._bwd_plans.clear(), cb._fold_plans.clear()  # the plans below are this case's (not another case's paced ones)
-    try:
-        runs = [b.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None) for _ in range(2)]
-        buf = dy.clone()
-        runs.append(b.rms_norm_bwd(buf, x, w, rstd, dres, spec, "strict", True, buf))
-        folds = [p.strict for p in cb._bwd_plans.values() if p.strict is not None] + list(cb._fold_plans.values())
-    finally:
-        cb.fold_pace, cb.fold_beside_dx, cb.fold_sms = None, None, None
-    assert any(p.pace_args for p in folds)  # the out-of-place backward's fold was paced
-    for dx, dw in runs:
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
 
 
 @pytest.mark.parametrize("backend", ["triton", "cute"])
 @pytest.mark.parametrize("m, n", [(16384, 4096), (20011, 3000)])
 def test_dx_pass_shares_the_sms_out_with_the_strict_fold(backend, m, n, seed):
-    """share_sms_with_fold (Triton: on by default; cute: opt-in): the CUDA fold sized for the CUDA backend's share (32
-    SMs at 4096 columns) and the backend's dx pass's persistent grid for the rest: the reference's dx and dW with a
-    residual gradient and the Gemma offset, out of place and in place."""
+    """share_sms_with_fold (opt-in) with the fold beside the dx pass: the CUDA fold sized for the CUDA backend's share
+    (32 SMs at 4096 columns) and the backend's dx pass's persistent grid for the rest: the reference's dx and dW with
+    a residual gradient and the Gemma offset, out of place and in place."""
     if not status(backend, torch.device(DEV)).available:
         pytest.skip(status(backend, torch.device(DEV)).reason)
     from strictnorm.contract import make_spec
@@ -282,13 +251,14 @@ def test_dx_pass_shares_the_sms_out_with_the_strict_fold(backend, m, n, seed):
     spec = make_spec(x.dtype, 1e-6, 1.0, "gemma", x.dtype)
     rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
     want = tr.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None)
-    default, b.share_sms_with_fold = b.share_sms_with_fold, True
+    cb = get_backend("cuda")
+    b.share_sms_with_fold, cb.fold_beside_dx = True, True
     try:
         got = b.rms_norm_bwd(dy, x, w, rstd, dres, spec, "strict", True, None)
         buf = dy.clone()
         in_place = b.rms_norm_bwd(buf, x, w, rstd, dres, spec, "strict", True, buf)
     finally:
-        b.share_sms_with_fold = default
+        b.share_sms_with_fold, cb.fold_beside_dx = False, False
     for dx, dw in (got, in_place):
         assert bits_equal(dx, want[0]) and bits_equal(dw, want[1])
 

@@ -495,33 +495,6 @@ def test_backward_column_chunks_give_the_same_bits(n, qk, chunk, seed, monkeypat
             assert excess == 0.0, f"fast dW beyond its bound by {excess}"
 
 
-@pytest.mark.parametrize("n, split, chunk", [(40, False, 0), (40, True, 0), (100, False, 32), (7, False, 0)])
-def test_backward_counts_its_blocks_for_a_paced_fold(n, split, chunk, seed, monkeypatch):
-    """PROGRESS (the dx pass beside a CUDA fold paced behind it, CudaBackend.fold_pace): DW_PART an int32 counter
-    raised once for each block of rows, and the reference's dx: held rows in one and two column tiles, column chunks;
-    blocks of 2 rows, 13 rows (a partial last block), programs striding over them."""
-    from strictnorm.backends.triton import backend as tb
-    from strictnorm.contract import make_spec
-
-    g = torch.Generator().manual_seed(seed)
-    rows, p = 13, next_pow2(n)
-    x, dy = (randn(rows, n, dtype=torch.bfloat16, gen=g).to(DEV) for _ in range(2))
-    w = randn(n, dtype=torch.bfloat16, gen=g, scale=0.5).to(DEV)
-    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
-    tr = get_backend("torch")
-    rstd = tr.rms_norm_fwd(x.cpu(), w.cpu(), None, spec)[1]
-    want = tr.rms_norm_bwd(dy.cpu(), x.cpu(), w.cpu(), rstd, None, spec, "strict", False, None)[0]
-    choice = tb.TileChoice(rows=2, split=split, programs_per_sm=1, chunk=chunk, stages=1, prefetch=chunk == 0)
-    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {p: choice}})
-    rstd = rstd.to(DEV)
-    plan = tb.TritonBackend()._plan_bwd(dy, x, w, rstd, None, None, spec, "strict", False)
-    meta = dict(plan.meta, PROGRESS=True)
-    plan = tb._Plan(plan.views, plan.grid, plan.wsg, plan.scalars, meta, tb._Launcher(plan.launch.fn, meta))
-    counter, dx = torch.zeros(1, dtype=torch.int32, device=DEV), torch.empty_like(x)
-    tb.TritonBackend._launch_dx(plan, dy, x, w, rstd, dy, dx, counter)
-    assert bits_equal(dx.cpu(), want) and int(counter.item()) == -(-rows // 2)
-
-
 def test_direct_launch_passes_every_constexpr_in_order():
     """A plan's direct launches (backend._Launcher) pass the launch's arguments, then every constexpr in the kernel's
     order, as Triton's JIT does: the plan's value, else the parameter's default; a runtime parameter among them is
@@ -536,6 +509,6 @@ def test_direct_launch_passes_every_constexpr_in_order():
     meta = dict(ROWS=2, PA=64, LOG2PA=6, T=0, LOG2T=0, MODE=1, XDT=1, HAS_W=True, PER_HEAD=False, HAS_DRES=False,
                 DW_PARTIALS=True, PREFETCH=True, num_warps=4)
     tail = tb.constexpr_tail(fn, len(runtime), meta)
-    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1, 0, 0, 1, 0, False)  # the rest: defaults
+    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1, 0, 0, 1, 0)  # the rest: defaults
     with pytest.raises(TypeError, match="not constexprs"):
         tb.constexpr_tail(fn, len(runtime) - 1, meta)

@@ -52,40 +52,16 @@ int main(int argc, char** argv) {
     }
 #else
     gridDim = {static_cast<unsigned>((n + COLS - 1) / COLS), 1, 1};
-#if PACE
-    // The dx pass beside the fold, emulated: a thread that counts groups of 3 rows done, one every ~20 us from the
-    // fold's first pause on (so that the fold starts behind it), the fold 5 rows ahead at most; or ("stall") a count
-    // that never moves, which the ring must give up waiting for.
-    const bool stall = argc > 5 && std::string(argv[5]) == "stall";
-    const long long per_count = 3, ahead = 5, counts = (rows + per_count - 1) / per_count;
-    int progress = 0;
-    std::thread dx_pass([&] {
-        while (!stall && g_pauses.load() == 0) std::this_thread::yield();
-        for (long long c = 0; c < counts && !stall; ++c) {
-            std::this_thread::sleep_for(std::chrono::microseconds(20));
-            add_release(&progress, 1);
-        }
-    });
-#endif
     EmuBlock blk(THREADS, shmem);
     for (unsigned bx = 0; bx < gridDim.x; ++bx) {  // one CTA at a time
         std::vector<std::thread> ts;
         for (int t = 0; t < THREADS; ++t)
             ts.emplace_back([&, bx, t] {
                 emu_enter(blk, bx, t);
-#if PACE
-                fold_ring(a, n, 0, 0, b, n, 0, 0, 1, 1, rstd, out, rows, n, 1, &progress, per_count, ahead);
-#else
                 fold_ring(a, n, 0, 0, b, n, 0, 0, 1, 1, rstd, out, rows, n, 1);
-#endif
             });
         for (auto& th : ts) th.join();
     }
-#if PACE
-    dx_pass.join();
-    printf("paced: the count at %d of %lld; pauses %lld, given up %lld\n", progress, counts, g_pauses.load(),
-           g_stalls.load());
-#endif
 #endif
     save_file(dir + "/out.bin", out, n * sizeof(out_t));
     printf("folded %lld x %d\n", rows, n);

@@ -38,12 +38,6 @@ int main(int argc, char** argv) {
         load("x.bin", x, rows * n * 2), load("res.bin", res, rows * n * 2), load("w.bin", w, n * 2);
         load("dy.bin", dy, rows * n * 2), load("rstd.bin", rstd, rows * 4);
     }
-#if defined(BACKWARD) && PROGRESS
-    int progress = 0;  // the row groups done, as the dx pass beside a paced fold counts them
-    float* part = reinterpret_cast<float*>(&progress);
-#else
-    float* part = rstd;  // no partial rows: an unused pointer
-#endif
     const int threads = TPR * RPB;
 #if defined(BACKWARD) && STAGED
     EmuBlock blk(threads, 2LL * STAGE_CHUNKS * THREADS * 16);
@@ -64,7 +58,7 @@ int main(int argc, char** argv) {
 #ifdef BACKWARD
                 rms_bwd(reinterpret_cast<const dy_t*>(dy + off), n, 0, 0, reinterpret_cast<const n_t*>(x + off), n, 0, 0,
                         reinterpret_cast<const w_t*>(w), 0, rstd + b * per_launch, reinterpret_cast<const n_t*>(res + off), n,
-                        0, 0, reinterpret_cast<n_t*>(out + off), n, 0, 0, part, live, n, 1, 1, offset, 1);
+                        0, 0, reinterpret_cast<n_t*>(out + off), n, 0, 0, rstd, live, n, 1, 1, offset, 1);
 #else
                 rms_fwd(reinterpret_cast<const x_t*>(x + off), n, 0, 0, reinterpret_cast<const r_t*>(res + off), n, 0, 0,
                         reinterpret_cast<n_t*>(z + off), reinterpret_cast<const w_t*>(w), 0,
@@ -77,8 +71,5 @@ int main(int argc, char** argv) {
     long long nan = 0;
     for (long long i = 0; i < rows * n; ++i) nan += std::isnan(__uint_as_float(unsigned(out[i]) << 16));
     printf("%lld x %d: %lld NaN outputs, out[0] = %g\n", rows, n, nan, __uint_as_float(unsigned(out[0]) << 16));
-#if defined(BACKWARD) && PROGRESS
-    printf("progress %d\n", progress);
-#endif
     return 0;
 }

@@ -172,17 +172,4 @@ inline unsigned long long global_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 [[noreturn]] inline void __trap() { std::abort(); }
-// a spinning thread's pauses and the waits given up: counted (fold_main.cpp reports how often a paced fold waited)
-inline std::atomic<long long> g_pauses{0}, g_stalls{0};
-inline void pause_ns(unsigned) {
-    g_pauses.fetch_add(1);
-    std::this_thread::yield();
-}
-inline void note_stall() { g_stalls.fetch_add(1); }
-inline long long load_volatile(const long long* p) {
-    return std::atomic_ref<long long>(*const_cast<long long*>(p)).load(std::memory_order_relaxed);
-}
-inline void store_volatile(long long* p, long long v) {
-    std::atomic_ref<long long>(*p).store(v, std::memory_order_relaxed);
-}
 template <typename T> inline T __ldcg(const T* p) { return *p; }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,17 +35,16 @@ from .nvrtc import current_stream
 _SOURCE = "fold.cu"
 _THREADS = 256
 _SMEM_LIMIT = 48 * 1024  # stay within the default dynamic shared memory limit
-_PACE_STATIC_SMEM = 16  # fold.cu's PACE: the word its poller posts (static shared memory, counted in the limit)
 _STAGED_SMEM_MAX = 160 * 1024  # a STAGED backward block's stages: within what sm_80 (164 KB) and sm_90 (227 KB) allow
 _MIN_ARCH = (8, 0)  # cp.async
 _MAX_GRID_X = 2**31 - 1  # the kernels stride over rows, so a capped grid is still complete
 _CHAIN_COLS = 8  # fold_chain's columns an item, unless a FoldTuning says otherwise
-# The strict dW fold runs beside the dx pass (a side stream) from this many rows, where it was measured to
-# pay: H200, run 8 (bench/results/2026-11-30-h200-run8, call a; kernel-only us, one after the other ->
-# beside): 32768 x 4096 553 -> 490, 16384 x 4096 283 -> 257, 262144 x 128 693 -> 664, 65536 x 128 189 -> 182;
-# with fewer rows and both kernels bandwidth-bound it was slower (2048 x 18432 146 -> 162, 8192 x 8192
-# 221 -> 240). Each kernel fills the SMs on its own, so they overlap mostly at their tails (bench/NOTES.md).
-_BESIDE_MIN_ROWS = 16384
+# The strict dW fold runs after the dx pass by default. Beside it (a side stream, CudaBackend.fold_beside_dx) was
+# measured faster (kernel-only, bench/results/2026-11-30-h200-run8) only while the host's launch gap kept the two
+# apart; with the host ahead of the GPU, as in a busy training step (Timer.queued_us), both start together and the
+# fold beside is slower: H200, bench/results/2026-12-01-h200-run19, call e (us; one after the other -> beside ->
+# beside with the SMs shared out): 32768 x 4096 510 -> 616 -> 1027, 8192 x 4096 136 -> 160 -> 261, 8192 x 8192
+# 207 -> 306 -> 313, 2048 x 4096 45 -> 50 -> 70.
 # An out-of-place strict backward whose ring fold runs beside its dx pass shares the SMs out per padded length P:
 # the fold's grid sized for this many SMs, the dx pass's persistent grid for the rest (CudaBackend.fold_sms). At
 # P = 4096 the ring sized for every SM takes 512 stripes of 8 columns; sized for 32 SMs, 128 of 32, beside a dx pass
@@ -130,16 +129,16 @@ def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1
     return None
 
 
-def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None,
-                reserve: int = 0) -> tuple[int, int, int, bool, int]:
+def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
+                ) -> tuple[int, int, int, bool, int]:
     """(COLS, ROWS_PER_STAGE, STAGES, CONVERT, shared bytes). Few columns per CTA when columns are few
     (the chain of adds is the floor: spread columns over many SMs); a warp-wide 32 when there are
     enough CTAs anyway. CONVERT (producers compute the dW contributions) where at least 4 stages fit.
     Defaults from bench/sweep_fold.py on an H200 (bench/results/2026-11-29-h200-run4/a-sweep-fold.json):
     plain folds 16 columns x 256 rows a stage (1.6x the chain floor at 128 columns, 2.5x before), the
-    dW folds 8 x 128. reserve: bytes of static shared memory the kernel declares beside the ring (PACE's word)."""
+    dW folds 8 x 128."""
     tuning = tuning or FoldTuning()
-    limit = tuning.smem_bytes - reserve
+    limit = tuning.smem_bytes
     narrow = 16 if what == 0 else 8
     cols = tuning.cols or (32 if -(-n // 32) >= num_sms else narrow)
     rows_per_stage = tuning.rows_per_stage or (64 if cols == 32 else (256 if what == 0 else 128))
@@ -156,13 +155,12 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
 
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
                 ring: bool, num_sms: int, tuning: FoldTuning | None = None,
-                out_dtype: torch.dtype = torch.float32, rows: int = 0, groups: int = 1, smem_optin: int = 0,
-                pace: bool = False) -> FoldLaunch:
+                out_dtype: torch.dtype = torch.float32, rows: int = 0, groups: int = 1, smem_optin: int = 0
+                ) -> FoldLaunch:
     """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel (any layout);
     else the ring, or fold_chain where the tuning asks for it (without a tuning: default_chain, given the
     device's opt-in shared memory per block) and there is one group of `rows` rows.
-    out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them).
-    pace: a ring paced behind the dx pass beside it (fold.cu's PACE; the other kernels ignore it)."""
+    out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
     defines = {"A_CODE": DTYPE_CODES[a_dtype], "B_CODE": DTYPE_CODES[b_dtype], "WHAT": what,
                "SIMPLE_ROWS": int(simple_rows)}
     if out_dtype != torch.float32:
@@ -173,16 +171,13 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
         tuning = default_chain(n, rows, groups, smem_optin, what)
     if tuning is not None and tuning.chain_rows and groups == 1:
         return _chain_launch(n, rows, num_sms, tuning, defines)
-    cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning,
-                                                    _PACE_STATIC_SMEM if pace else 0)
+    cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
     defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
     tuning = tuning or FoldTuning()
     if tuning.full_stage:
         defines["FULL_STAGE"] = 1
     if convert and tuning.column_major:
         defines["COLUMN_MAJOR"] = 1
-    if pace:
-        defines["PACE"] = 1
     return FoldLaunch("fold_ring", defines, -(-n // cols), _THREADS, shmem)
 
 
@@ -515,9 +510,6 @@ class _FoldPlan:
     out_shape: tuple[int, int]
     out_dtype: torch.dtype
     state_ints: int = 0  # fold_chain's zeroed state, allocated per call
-    # a ring paced by the dx pass's count (fold.cu's PACE): its last arguments after the counter's address, the rows a
-    # count and the rows it may run ahead of the count (negative: behind); empty when not paced
-    pace_args: tuple[int, int] | tuple[()] = ()
 
 
 @dataclass(frozen=True)
@@ -561,7 +553,6 @@ class _BwdPlan:
     partial_rows: int  # fp32 partial rows the kernel writes (0: no fast-dW partials)
     partial_sum: tuple[_SumPlan, ...]  # the launches summing the partial rows in a fixed order
     onepass: _OnepassPlan | None = None  # the whole strict backward in onepass.cu instead (opt-in)
-    pace: tuple[int, int] | tuple[()] = ()  # the dx pass counts its row groups for a paced fold (see pace_waves)
 
 
 @dataclass(frozen=True)
@@ -587,9 +578,9 @@ class CudaBackend:
         self.fwd_tuning: NormTuning | None = None
         self.bwd_tuning: NormTuning | None = None
         self.fold_tuning: FoldTuning | None = None
-        # the strict dW fold on a side stream beside the dx pass (see launch_fold and fold_beside): None where
-        # it pays (long folds), True always, False never (one after the other; same bits either way)
-        self.fold_beside_dx: bool | None = None
+        # the strict dW fold on a side stream beside the dx pass (see launch_fold and fold_beside): opt-in, slower
+        # with the host ahead of the GPU (see above); same bits either way
+        self.fold_beside_dx = False
         # > 0: an out-of-place strict backward whose fold runs beside its dx pass shares the SMs out: the fold's grid
         # sized for this many SMs (fold_chain's; the ring's column stripes: see _ring_shape) and the dx pass's
         # persistent grid for the rest, so that the two run at once (bench/strict_parts.py; same bits); 0 never;
@@ -600,12 +591,6 @@ class CudaBackend:
         # faster (bench/results/2026-11-30-h200-run9)
         self.onepass_strict = False
         self.onepass_tuning: OnepassTuning | None = None
-        # not None: an out-of-place strict backward with a shared weight whose fold runs beside the dx pass paces the
-        # fold by the pass's count of row groups done (fold.cu's PACE, rms_norm.cu's PROGRESS; see pace_waves), so
-        # that one of the two reads of a row finds it in L2; the value: how far the fold may run ahead of the count,
-        # in waves of the dx pass's resident blocks' row groups (negative: behind; the pass loads about a wave past
-        # its count, two with PREFETCH). Same bits; opt-in until measured on a GPU (bench/strict_parts.py)
-        self.fold_pace: float | None = None
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
         return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
@@ -655,22 +640,19 @@ class CudaBackend:
 
     # ---- the strict left fold ----------------------------------------------------------------------
     def _fold_plan(self, dev: int, alay: RowLayout, a_dtype: torch.dtype, blay: RowLayout, b_dtype: torch.dtype,
-                   what: int, groups: int, ring: bool, simple: bool, out_dtype: torch.dtype, sms: int = 0,
-                   pace: tuple[int, int] | tuple[()] = ()) -> _FoldPlan:
-        """sms: the SMs the fold's grid is sized for (0: all). pace: (rows a count, rows ahead) for a fold paced by a
-        dx pass's count (see launch_fold): a ring takes it (PACE); any other fold ignores it."""
+                   what: int, groups: int, ring: bool, simple: bool, out_dtype: torch.dtype, sms: int = 0) -> _FoldPlan:
+        """sms: the SMs the fold's grid is sized for (0: all)."""
         n = alay.n
         rows_per_group = alay.rows // groups
         props = torch.cuda.get_device_properties(dev)
         num_sms = min(sms, props.multi_processor_count) if sms else props.multi_processor_count
         fl = fold_launch(n, a_dtype, b_dtype, what, simple, ring, num_sms, self.fold_tuning,
-                         out_dtype, rows_per_group, groups, props.shared_memory_per_block_optin, bool(pace))
+                         out_dtype, rows_per_group, groups, props.shared_memory_per_block_optin)
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
             kernel.allow_dynamic_shared(fl.shmem)
         return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
-                         alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints,
-                         pace if fl.defines.get("PACE") else ())
+                         alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints)
 
     def _side_stream(self, dev: int) -> torch.cuda.Stream:
         side = self._side_streams.get(dev)
@@ -681,13 +663,12 @@ class CudaBackend:
     def _run_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor) -> Tensor:
         return self._launch_fold(plan, a, b, rstd, beside=False)[0]
 
-    def _launch_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor, beside: bool,
-                     progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
+    def _launch_fold(self, plan: _FoldPlan, a: Tensor, b: Tensor, rstd: Tensor, beside: bool
+                     ) -> tuple[Tensor, Callable[[], None]]:
         """(the fold's output, join). beside=False: launched on the current stream, join does nothing.
         beside=True: launched on a side stream once the current stream's work so far is done, concurrent
         with what the caller enqueues next; join() makes the current stream wait for the fold. Outputs and
-        state are allocated on the current stream before the fork and kept alive until the join. progress: a
-        paced ring's counter (zeroed, raised by the dx pass the caller launches next)."""
+        state are allocated on the current stream before the fork and kept alive until the join."""
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=a.device)
         if plan.kernel is None:
             return out.zero_(), no_join
@@ -697,8 +678,6 @@ class CudaBackend:
         if plan.state_ints:  # fold_chain: its item counter and hand-over words, zeroed; rows aligned
             state = torch.zeros(plan.state_ints, dtype=torch.int32, device=a.device)
             args = (*args, state.data_ptr(), np.int32(1))
-        if plan.pace_args:
-            args = (*args, progress.data_ptr(), *plan.pace_args)
         dev = _device_index(a)
         if not beside:
             plan.kernel.launch(current_stream(dev), plan.grid, plan.block, plan.shmem, *args)
@@ -707,7 +686,7 @@ class CudaBackend:
         side.wait_stream(here)
         plan.kernel.launch(side.cuda_stream, plan.grid, plan.block, plan.shmem, *args)
 
-        def join(keep: tuple = (out, state, a, b, rstd, progress)) -> None:
+        def join(keep: tuple = (out, state, a, b, rstd)) -> None:
             here.wait_stream(side)
 
         return out, join
@@ -720,53 +699,41 @@ class CudaBackend:
     @on_tensor_device
     def launch_fold(self, a: torch.Tensor, alay: RowLayout, b: torch.Tensor, blay: RowLayout, rstd: torch.Tensor,
                     what: int, groups: int, ring: bool = True, out_dtype: torch.dtype = torch.float32,
-                    beside: bool = False, sms: int = 0, pace: tuple[int, int] | tuple[()] = (),
-                    progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
+                    beside: bool = False, sms: int = 0) -> tuple[Tensor, Callable[[], None]]:
         """fold's result and a join (see _launch_fold): with beside=True the fold runs on a side stream, beside
         the kernels the caller enqueues before calling join() (which must not write a, b or rstd). sms: the SMs
-        its grid is sized for (0: all; see shared_fold_sms). pace: (rows a count, rows ahead): the fold paced by a dx
-        pass beside it that raises `progress` (a zeroed int32 counter) once for each group of that many rows (fold.cu's
-        PACE; beside=True only, see pace_waves; a fold other than the ring leaves the count unread)."""
+        its grid is sized for (0: all; see shared_fold_sms)."""
         dev = _device_index(a)
         key = (dev, alay, a.dtype, a.data_ptr() % 16 == 0, blay, b.dtype, b.data_ptr() % 16 == 0, what, groups,
-               ring, self.fold_tuning, out_dtype, sms, pace)
+               ring, self.fold_tuning, out_dtype, sms)
         plan = self._fold_plans.get(key)
         if plan is None:
             ring = ring and _ring_ok(a, alay) and (what == 0 or _ring_ok(b, blay))
             simple = _simple_rows(alay) and (what == 0 or _simple_rows(blay))
             plan = remember(self._fold_plans, key,
                             self._fold_plan(dev, alay, a.dtype, blay, b.dtype, what, groups, ring, simple, out_dtype,
-                                            sms, pace))
-        return self._launch_fold(plan, a, b, rstd, beside, progress)
-
-    def pace_waves(self, rows: int, out_of_place: bool, groups: int) -> float | None:
-        """fold_pace where a strict backward's dW fold of `rows` rows in `groups` groups is paced by its dx pass's
-        count (the dx pass then counts, whichever fold it meets), else None: only out of place, where the fold surely
-        runs beside (a paced fold launched first on the same stream would wait for a count that cannot move until it
-        gives up), and for a shared weight (per-head weights: not measured)."""
-        if self.fold_pace is None or not out_of_place or groups != 1 or not self.fold_beside(rows, None):
-            return None
-        return self.fold_pace
+                                            sms))
+        return self._launch_fold(plan, a, b, rstd, beside)
 
     def shared_fold_sms(self, n: int, rows: int, out_of_place: bool) -> int:
         """The SMs a strict dW fold of rows x n is sized for beside a dx pass whose persistent grid takes the
         rest (0: no share): only out of place (a dx_out of the same signature may or may not overlap dy from call
         to call) where the fold runs beside; fold_sms where it is set, else _SHARED_FOLD_SMS for the default fold."""
-        if not out_of_place or not self.fold_beside(rows, None):
+        if not out_of_place or not self.fold_beside(None):
             return 0
         if self.fold_sms is not None:
             return self.fold_sms
         return 0 if self.fold_tuning else _SHARED_FOLD_SMS.get(next_pow2(n), 0)
 
-    def fold_beside(self, rows: int, dx: Tensor | None, *reads: Tensor) -> bool:
-        """Whether a strict dW fold of `rows` rows reading `reads` runs beside a dx pass writing dx (None: a
-        buffer of the pass's own): never where dx shares storage with them (an in-place backward, dx over dy,
-        folds first), else as fold_beside_dx says, by default from _BESIDE_MIN_ROWS rows."""
+    def fold_beside(self, dx: Tensor | None, *reads: Tensor) -> bool:
+        """Whether a strict dW fold reading `reads` runs beside a dx pass writing dx (None: a buffer of the pass's
+        own): never where dx shares storage with them (an in-place backward, dx over dy, folds first), else as
+        fold_beside_dx says (off by default)."""
         if dx is not None:
             out = dx.untyped_storage().data_ptr()
             if any(t.untyped_storage().data_ptr() == out for t in reads):
                 return False
-        return rows >= _BESIDE_MIN_ROWS if self.fold_beside_dx is None else self.fold_beside_dx
+        return self.fold_beside_dx
 
     # ---- rms_norm forward ----------------------------------------------------------------------------
     @on_tensor_device
@@ -818,7 +785,7 @@ class CudaBackend:
         input signature, like the forward."""
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
                self.bwd_tuning, self.fold_tuning, self.fold_sms, self.fold_beside_dx, self.onepass_strict,
-               self.onepass_tuning, self.fold_pace)  # fold_beside_dx: whether the plan shares the SMs out
+               self.onepass_tuning)  # fold_beside_dx: whether the plan shares the SMs out (shared_fold_sms)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -833,16 +800,13 @@ class CudaBackend:
             if dxk is not dx:
                 dx.copy_(dxk)
             return dx, dw
-        dw, join, progress = None, no_join, None
+        dw, join = None, no_join
         if plan.strict is not None:  # strict (or per-head): beside the dx pass, or first where dx overwrites dy
-            if plan.pace:  # the fold paced by the dx pass: the pass's count of row groups done
-                progress = torch.zeros(1, dtype=torch.int32, device=z.device)
-            dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(plan.rows, dx, dy, z, rstd),
-                                         progress)
+            dw, join = self._launch_fold(plan.strict, dyk, zk, rstd, self.fold_beside(dx, dy, z, rstd))
             dw = dw.reshape(weight.shape)
-        # the partial rows, or the progress counter (PROGRESS), or an unused pointer
+        # the partial rows (an unused pointer without them)
         part = (torch.empty((plan.partial_rows, zk.shape[-1]), dtype=torch.float32, device=z.device)
-                if plan.partial_rows else (progress if progress is not None else rstd))
+                if plan.partial_rows else rstd)
         plan.kernel.launch(current_stream(_device_index(z)), (plan.grid, 1, 1), plan.threads, plan.shmem,
                            dyk.data_ptr(), *lays.dlay.args(), zk.data_ptr(), *lays.lay.args(),
                            (w if w is not None else zk).data_ptr(), plan.wsg, rstd.data_ptr(), dresk.data_ptr(),
@@ -883,13 +847,13 @@ class CudaBackend:
         onepass = self._onepass_plan(dev, v, spec, dw_mode, need_dw, dres is not None)
         if onepass is not None:  # the whole backward in one kernel: no fold or dx kernel to plan
             return _BwdPlan(views, rows, None, None, 0, 0, 0, 0, tail, 0, (), onepass)
-        strict, shared_sms, waves, fold_groups = None, 0, None, 1
+        strict, shared_sms = None, 0
         if need_dw and not partials:
-            fold_groups = weight.shape[0] if weight.dim() == 2 else 1
+            groups = weight.shape[0] if weight.dim() == 2 else 1
+            ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
             shared_sms = self.shared_fold_sms(n, rows, dx_out is None)
-            waves = self.pace_waves(rows, dx_out is None, fold_groups)
-            if waves is not None:  # the dx pass counts its row groups for the fold (PROGRESS)
-                fl = replace(fl, defines={**fl.defines, "PROGRESS": 1})
+            strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
+                                     _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms)
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
         if shmem:  # opted in whatever the size: 48 KB of dynamic shared memory plus the static scratch exceed 48 KB
             kernel.allow_dynamic_shared(shmem)
@@ -897,17 +861,8 @@ class CudaBackend:
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
                           persistent=fl.persistent or partials, sms_left=shared_sms)  # one partial row per block
         part_rows = grid * fl.rows_per_block if partials else 0
-        pace = ()
-        if waves is not None:  # counts of RPB rows; ahead: `waves` waves of the dx pass's resident blocks
-            wave = self._grid(dev, kernel, fl.threads, groups, 0, shmem, sms_left=shared_sms) * fl.rows_per_block
-            pace = (fl.rows_per_block, round(waves * wave))
-        if need_dw and not partials:
-            ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
-            strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, fold_groups,
-                                     ring, _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms, pace)
-        sums = self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ()
         return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, (*tail, np.int32(aligned)),
-                        part_rows, sums, pace=pace)
+                        part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
 
     def _onepass_plan(self, dev: int, v, spec: NormSpec, dw_mode: str, need_dw: bool, has_dres: bool
                       ) -> _OnepassPlan | None:
@@ -951,15 +906,13 @@ class CudaBackend:
         return dw
 
     def strict_dw(self, dy: Tensor, dlay: RowLayout, z: Tensor, zlay: RowLayout, rstd: Tensor, mode: str,
-                  weight: Tensor, beside: bool = False, sms: int = 0, pace: tuple[int, int] | tuple[()] = (),
-                  progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
+                  weight: Tensor, beside: bool = False, sms: int = 0) -> tuple[Tensor, Callable[[], None]]:
         """(dW, join): dW in weight's dtype and shape as the ascending left fold of the rows' contributions
         (per head for (H, N) weights), recomputed from dy, z and rstd by the fold kernel; zeros for no rows.
-        beside: on a side stream until join() (see launch_fold); sms: the SMs its grid is sized for (0: all);
-        pace, progress: paced beside a dx pass that raises progress (see launch_fold)."""
+        beside: on a side stream until join() (see launch_fold); sms: the SMs its grid is sized for (0: all)."""
         groups = weight.shape[0] if weight.dim() == 2 else 1
         dw, join = self.launch_fold(dy, dlay, z, zlay, rstd, MODE_CODES[mode] + 1, groups, out_dtype=weight.dtype,
-                                    beside=beside, sms=sms, pace=pace, progress=progress)
+                                    beside=beside, sms=sms)
         return dw.reshape(weight.shape), join
 
     # ---- fixed-order sums of fp32 partial rows -------------------------------------------------------

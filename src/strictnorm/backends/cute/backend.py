@@ -63,9 +63,10 @@ class CuteBackend:
     ops = frozenset({"rms_norm", "left_fold"})
 
     def __init__(self) -> None:
-        # The strict backward's SMs shared out as the CUDA backend's are (CudaBackend.shared_fold_sms: at 4096
-        # columns the CUDA fold sized for 32 SMs, this dx pass's persistent grid for the rest; same bits). Opt-in:
-        # measured for the CUDA backend's dx pass (bench/results/2026-12-01-h200-run18), not yet for this one.
+        # Where the CUDA fold runs beside this dx pass (CudaBackend.fold_beside_dx, opt-in), the SMs shared out as the
+        # CUDA backend's are (CudaBackend.shared_fold_sms; same bits). Opt-in: 16384 x 4096 254 -> 266 us, 32768 x
+        # 4096 497 -> 467 (kernel-only, bench/results/2026-12-01-h200-run19, call b), timed with the host's launch
+        # gap between the two kernels, as the CUDA and Triton shares were before they lost with the host ahead.
         self.share_sms_with_fold = False
 
     def unavailable_reason(self, device: torch.device) -> str | None:
@@ -110,23 +111,17 @@ class CuteBackend:
         z2, dy2 = as_rows(z), as_rows(dy)
         rows = z2.shape[0]
         rstd2 = rstd.reshape(-1).contiguous()
-        dw, join, progress = None, no_join, None
+        dw, join = None, no_join
         strict = dw_mode == "strict" or not _kernels().keeps_partials(n)
         fold_sms = 0
         if need_dw and (strict or rows == 0):  # beside the dx pass: dx has a buffer of its own until the join
             cb = _cuda()
             fold_sms = cb.shared_fold_sms(n, rows, True) if self.share_sms_with_fold else 0
-            waves = cb.pace_waves(rows, True, 1) if rows else None
-            pace = ()
-            if waves is not None:  # the CUDA fold paced by this dx pass's count of row groups done
-                per_count, wave = _kernels().backward_wave(n, rows, z.device, fold_sms)
-                pace = (per_count, round(waves * wave))
-                progress = torch.zeros(1, dtype=torch.int32, device=z.device)
             dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight,
-                                    cb.fold_beside(rows, None), sms=fold_sms, pace=pace, progress=progress)
+                                    cb.fold_beside(None), sms=fold_sms)
         partials = need_dw and dw is None
         dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
-                                       spec.offset, spec.mode, partials=partials, sms_left=fold_sms, progress=progress)
+                                       spec.offset, spec.mode, partials=partials, sms_left=fold_sms)
         join()
         if partials:
             dw = _cuda().sum_rows(part, weight.dtype)

@@ -393,17 +393,13 @@ class RMSNormBackward(_RowKernel):
     xh = z * rstd, c = canon_sum(xh * g) / N (contract, backward). With partials, row slot j of block b
     sums its rows' dW contributions, in row order, into mPart[b * RPB + j] (the "fast" dW, reduced over
     that buffer in a fixed order afterwards). dx may alias dy: a thread reads its lanes of dy before it
-    writes them. With progress (no partials), mPart is an int32 counter instead, raised by one for each row group
-    once its row sums are done: the CUDA fold paced beside this pass reads those rows then (CudaBackend.fold_pace)."""
+    writes them."""
 
     def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
-                 has_dres: bool = False, partials: bool = False, progress: bool = False) -> None:
+                 has_dres: bool = False, partials: bool = False) -> None:
         super().__init__(shape, mode, has_weight, norm_dtype, vector)
-        if partials and progress:
-            raise ValueError("the progress counter takes the partial rows' place")
         self.has_dres = has_dres
         self.partials = partials
-        self.progress = progress
 
     @cute.jit
     def _fetch(self, mZ: cute.Tensor, mDY: cute.Tensor, mRstd: cute.Tensor, row: Int32, rows: Int32, t: Int32, n: Int32,
@@ -472,9 +468,6 @@ class RMSNormBackward(_RowKernel):
                     prods.append(cutlass.select_(inside, _mul(_mul(zs[i], rstd), g), Float32(0.0)))
                 part[kk] = _pair_tree(prods)
             c = _div(row_sum(s, part, th, it % 2), n.to(Float32))
-            if const_expr(self.progress):  # noqa: SIM102 (a trace-time test, then a run-time one)
-                if th.t + th.slot == 0:  # thread 0; row_sum synchronized the block (or its warp) on this group
-                    cute.arch.atomic_add(mPart.iterator, Int32(1))
             # pass 2: dx (z, dy and maybe w held, or read again: this thread's own lanes), and the dW contributions
             for kk in cutlass.range_constexpr(s.live):
                 if const_expr(s.hold):
@@ -551,16 +544,13 @@ def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res
 
 
 def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool,
-                  tvm_ffi: bool = False, progress: bool = False) -> tuple:
+                  tvm_ffi: bool = False) -> tuple:
     """The backward operator and its fake arguments (see forward_args); the partials have their own
-    row count; with progress, the int32 counter takes their place."""
-    from cutlass.cute.runtime import make_fake_tensor
-
+    row count."""
     f = _Fakes(n, vector, backward=True, partials=partials)
-    op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials, progress)
-    part = make_fake_tensor(Int32, (1,), (1,)) if progress else f.rows(Float32, own_count=True)
+    op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
     return op, (f.rows(dy_dtype), f.rows(z_dtype), f.weight(w_dtype or z_dtype), f.per_row(), f.rows(z_dtype),
-                f.rows(z_dtype), part, Int32(1), Int32(n), Float32(0.0), Int32(1),
+                f.rows(z_dtype), f.rows(Float32, own_count=True), Int32(1), Int32(n), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
 
 
@@ -570,8 +560,8 @@ def _compile(op, args: tuple, tvm_ffi: bool):
 
 @lru_cache(maxsize=256)
 def compile_backward(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, has_dres: bool, partials: bool,
-                     tvm_ffi: bool = False, progress: bool = False):
-    op, args = backward_args(n, z_dtype, dy_dtype, w_dtype, mode, vector, has_dres, partials, tvm_ffi, progress)
+                     tvm_ffi: bool = False):
+    op, args = backward_args(n, z_dtype, dy_dtype, w_dtype, mode, vector, has_dres, partials, tvm_ffi)
     return _compile(op, args, tvm_ffi), op.s
 
 
@@ -681,14 +671,6 @@ def backward_blocks_per_sm(n: int, partials: bool = True) -> int:
     return (BACKWARD_BLOCKS_PER_SM if partials else DX_BLOCKS_PER_SM).get(next_pow2(n), 0)
 
 
-def backward_wave(n: int, rows: int, device, sms_left: int = 0) -> tuple[int, int]:
-    """(rows a row group, rows of the groups running at once) of the backward without partials: how a fold paced
-    beside it counts (CudaBackend.fold_pace)."""
-    shape = tuned_shape(n, True, False)
-    return shape.rpb, _grid(replace(shape, persistent=True), rows, device, backward_blocks_per_sm(n, False),
-                            sms_left) * shape.rpb
-
-
 def _grid(shape: ForwardShape, rows: int, device, blocks_per_sm: int = 0, sms_left: int = 0) -> int:
     """Blocks of the grid-stride kernels: every row group, persistent ones at most blocks_per_sm an SM (0: about
     what 2048 threads an SM allow) on all SMs but sms_left (one at least)."""
@@ -722,11 +704,9 @@ def _vector_ok(n: int, *tensors) -> bool:
         t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % 8 == 0) for t in tensors)
 
 
-def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool, sms_left: int = 0,
-             progress=None):
+def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool, sms_left: int = 0):
     """(dx, fp32 dW partials or None) for 2D torch tensors on the GPU; dW = partials.sum(0) in "fast"
-    mode. sms_left: SMs the persistent grid leaves to a kernel beside it (the strict fold). progress: the int32
-    counter of a CUDA fold paced beside this pass (see backward_wave), raised once for each row group."""
+    mode. sms_left: SMs the persistent grid leaves to a kernel beside it (the strict fold)."""
     import torch
 
     rows, n = z.shape
@@ -737,11 +717,9 @@ def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool
     compiled, shape = compile_backward(
         n, _TORCH_TO_CUTE[str(z.dtype)], _TORCH_TO_CUTE[str(dy.dtype)],
         _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
-        _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi,
-        progress is not None)
+        _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi)
     grid = _grid(shape, rows, z.device, backward_blocks_per_sm(n, partials), sms_left)
-    part = progress if progress is not None else torch.empty((grid * shape.rpb, n), dtype=torch.float32,
-                                                             device=z.device)
+    part = torch.empty((grid * shape.rpb, n), dtype=torch.float32, device=z.device)
     w = weight if weight is not None else z[0]
     _launch(compiled, tvm_ffi, (dy, z, w, rstd, dres if dres is not None else dy, dx, part),
             (rows, n, float(offset), grid), z.device)

@@ -270,8 +270,6 @@ class _Plan:
     meta: dict
     launch: _Launcher | None = field(default=None, compare=False)
     fold_sms: int = 0  # the backward's strict fold sized for this many SMs, the dx pass's grid for the rest (0: all)
-    # the backward's CUDA fold paced beside this dx pass (CudaBackend.fold_pace): (rows a count, rows ahead); empty: not
-    pace: tuple[int, int] | tuple[()] = ()
 
 
 def _launch_opts(num_warps: int) -> dict:
@@ -286,10 +284,11 @@ class TritonBackend:
         # The strict fold runs on the CUDA backend's kernel where that backend is available (same
         # bits, much faster); the Triton fold below serves ROCm and machines without NVRTC.
         self.use_cuda_fold = True
-        # The strict backward's SMs shared out as the CUDA backend's are (CudaBackend.shared_fold_sms: at 4096
-        # columns the CUDA fold sized for 32 SMs, this dx pass's persistent grid for the rest; same bits). H200,
-        # bench/results/2026-12-01-h200-run18, call g (bench/strict_parts.py, bitwise): 32768 x 4096 496.0 -> 442.2 us
-        self.share_sms_with_fold = True
+        # Where the CUDA fold runs beside this dx pass (CudaBackend.fold_beside_dx, opt-in), the SMs shared out as the
+        # CUDA backend's are (CudaBackend.shared_fold_sms: at 4096 columns the fold sized for 32 SMs, this dx pass's
+        # persistent grid for the rest; same bits). Opt-in: with the host ahead of the GPU it was slower, 32768 x
+        # 4096 604 -> 1008 us (bench/results/2026-12-01-h200-run19, call e)
+        self.share_sms_with_fold = False
         self._fwd_plans: dict[tuple, _Plan] = {}
         self._bwd_plans: dict[tuple, _Plan] = {}
 
@@ -345,7 +344,7 @@ class TritonBackend:
                      spec: NormSpec, dw_mode: str, need_dw: bool, dx_out: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
-               self.share_sms_with_fold, self.use_cuda_fold and get_backend("cuda").fold_pace)
+               self.share_sms_with_fold)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -356,33 +355,22 @@ class TritonBackend:
         lays = plan.views
         dyk, zk, w, rstd, dresk, dxk = lays.inputs(dy, z, weight, rstd, dres, dx)
         partials = plan.meta["DW_PARTIALS"]
-        dw, join, progress = None, no_join, None
+        dw, join = None, no_join
         if need_dw and not partials:  # beside the dx pass (CUDA fold), or before it: in place, dx overwrites dy
-            if plan.pace:  # the CUDA fold paced by this pass: its count of blocks done
-                progress = torch.zeros(1, dtype=torch.int32, device=z.device)
             dw, join = self._launch_fold(dyk, lays.dlay, zk, lays.lay, rstd, MODE_CODES[spec.mode] + 1,
                                          DTYPE_CODES[z.dtype], weight.shape[0] if lays.per_head else 1, weight.dtype,
-                                         dx=dx, reads=(dy, z, rstd), sms=plan.fold_sms, pace=plan.pace,
-                                         progress=progress)
+                                         dx=dx, reads=(dy, z, rstd), sms=plan.fold_sms)
             dw = dw.reshape(weight.shape)
-        part = (torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials
-                else (progress if progress is not None else rstd))
-        self._launch_dx(plan, dyk, zk, w, rstd, dresk, dxk, part)
+        part = torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials else rstd
+        plan.launch(
+            plan.grid, z.get_device(), dyk, *lays.dlay.args(), zk, *lays.lay.args(), w if w is not None else zk,
+            plan.wsg, rstd, dresk, *lays.elay.args(), _store_view(dxk), *lays.xlay.args(), part, *plan.scalars)
         join()
         if dxk is not dx:
             dx.copy_(dxk)
         if partials:
             dw = self._sum_rows(part, weight.dtype)
         return dx, dw
-
-    @staticmethod
-    def _launch_dx(plan: _Plan, dy: Tensor, z: Tensor, w: Tensor | None, rstd: Tensor, dres: Tensor, dx: Tensor,
-                   part: Tensor) -> None:
-        """The dx pass of a backward plan on the kernel views of its tensors; part: the fast dW's partial rows, the
-        paced fold's counter (PROGRESS), or any tensor (unused)."""
-        lays = plan.views
-        plan.launch(plan.grid, z.get_device(), dy, *lays.dlay.args(), z, *lays.lay.args(), w if w is not None else z,
-                    plan.wsg, rstd, dres, *lays.elay.args(), _store_view(dx), *lays.xlay.args(), part, *plan.scalars)
 
     def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
                   dx_out: Tensor | None, spec: NormSpec, dw_mode: str, need_dw: bool) -> _Plan:
@@ -400,26 +388,16 @@ class TritonBackend:
         wants_partials = need_dw and dw_mode == "fast" and not views.per_head
         tile = row_tile(n, "bwd" if wants_partials else "bwd_dx", rows)
         partials = wants_partials and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0)
-        fold_sms, waves = 0, None
-        if need_dw and not partials and self._cuda_available(z):
-            cb = get_backend("cuda")
-            if self.share_sms_with_fold:
-                fold_sms = cb.shared_fold_sms(n, rows, dx_out is None)
-            waves = cb.pace_waves(rows, dx_out is None, weight.shape[0] if views.per_head else 1)
+        fold_sms = 0
+        if need_dw and not partials and self.share_sms_with_fold and self._cuda_available(z):
+            fold_sms = get_backend("cuda").shared_fold_sms(n, rows, dx_out is None)
         nprog = _programs(_cdiv(rows, tile.rows), tile, z.device, partials or tile.prefetch or tile.stages > 1,
                           sms_left=fold_sms)
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
                     HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(),
                     **tile.chunk_constexprs(), **tile.meta())
-        pace = ()
-        if waves is not None:  # the CUDA fold paced by this pass's count of blocks done (PROGRESS)
-            meta["PROGRESS"] = True
-            # counts of a block's rows; ahead: `waves` waves of a block for each program running at once (a grid of a
-            # program a block runs in waves, in about the blocks' order)
-            wave = _programs(_cdiv(rows, tile.rows), tile, z.device, True, sms_left=fold_sms) * tile.rows
-            pace = (tile.rows, round(waves * wave))
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
-                     meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms, pace)
+                     meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms)
 
     # ---- strict fold ---------------------------------------------------------------------------
     def _cuda_available(self, t: Tensor) -> bool:
@@ -439,16 +417,14 @@ class TritonBackend:
 
     def _launch_fold(self, a: Tensor, alay: RowLayout, b: Tensor, blay: RowLayout, rstd: Tensor, what: int,
                      xdt: int, groups: int, out_dtype: torch.dtype = torch.float32, dx: Tensor | None = None,
-                     reads: tuple[Tensor, ...] = (), sms: int = 0, pace: tuple[int, int] | tuple[()] = (),
-                     progress: Tensor | None = None) -> tuple[Tensor, Callable[[], None]]:
+                     reads: tuple[Tensor, ...] = (), sms: int = 0) -> tuple[Tensor, Callable[[], None]]:
         """_fold's result and a join: with the CUDA fold and a dx pass writing dx next (that does not
         overwrite `reads`), the fold runs beside it until join() (the CUDA backend's launch_fold, its grid sized
-        for `sms` SMs: 0 all; paced behind the dx pass's count `progress` with `pace`)."""
+        for `sms` SMs: 0 all)."""
         if self._cuda_available(a):
             cb = get_backend("cuda")
-            beside = dx is not None and cb.fold_beside(alay.rows, dx, *reads)
-            return cb.launch_fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype, beside=beside, sms=sms,
-                                  pace=pace, progress=progress)
+            beside = dx is not None and cb.fold_beside(dx, *reads)
+            return cb.launch_fold(a, alay, b, blay, rstd, what, groups, out_dtype=out_dtype, beside=beside, sms=sms)
         out = torch.empty((groups, alay.n), dtype=torch.float32, device=a.device)  # fp32, then rounded once
         grid = (_cdiv(alay.n, _FOLD_BN), groups)
         _kernels().fold_kernel[grid](

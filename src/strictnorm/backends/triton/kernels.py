@@ -430,7 +430,7 @@ def _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, e
                  pid, nprog, M, N, R1, G, offset, ROWS: tl.constexpr, CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr,
                  NCH: tl.constexpr, LOG2NCH: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr,
                  HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr,
-                 STAGES: tl.constexpr, PROGRESS: tl.constexpr):
+                 STAGES: tl.constexpr):
     """The backward of rows in column chunks of CHUNK lanes (the module's notes): each chunk's products summed by
     canon_sum, then the NCH chunk sums; dx chunk by chunk, the rows read again (this program's own lanes, from L2).
     Only a chunk is live at a time, so the dW partials cannot stay in registers across rows: each program adds its
@@ -452,8 +452,6 @@ def _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, e
             s = canon_sum(xs[2] * xs[3], ROWS, CHUNK, LOG2CHUNK)
             parts = tl.where(chunk_ids[None, :] == c, s[:, None], parts)
         cv = tl.div_rn(canon_sum(parts, ROWS, NCH, LOG2NCH), tl.full((ROWS,), N, tl.float32))
-        if PROGRESS:
-            tl.atomic_add(DW_PART, 1, sem="relaxed")
         x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
         e_offs = x_offs
         if HAS_DRES:
@@ -477,7 +475,7 @@ def _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1,
               pid, nprog, M, N, R1, G, offset, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr,
               T: tl.constexpr, LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
               PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr, PREFETCH: tl.constexpr,
-              STAGES: tl.constexpr, PROGRESS: tl.constexpr):
+              STAGES: tl.constexpr):
     """The backward of rows held whole, in one or two column tiles (rms_bwd_kernel)."""
     cols_a = tl.arange(0, PA)
     cols_b = PA + tl.arange(0, T if T > 0 else 1)
@@ -517,8 +515,6 @@ def _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1,
                                            HAS_W, PER_HEAD)
             pb = xhb * grb
         c = tl.div_rn(tiled_canon_sum(xha * gra, pb, ROWS, PA, LOG2PA, T, LOG2T), tl.full((ROWS,), N, tl.float32))
-        if PROGRESS:
-            tl.atomic_add(DW_PART, 1, sem="relaxed")
         _bwd_output(xha, gra, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols_a, XDT, HAS_DRES)
         if DW_PARTIALS:
             dw_a += dya * normalized_as_used(xa, rstd, MODE, XDT)
@@ -540,26 +536,23 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
                    LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
                    PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr,
                    PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1, CHUNK: tl.constexpr = 0,
-                   LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1, LOG2NCH: tl.constexpr = 0,
-                   PROGRESS: tl.constexpr = False):
+                   LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1, LOG2NCH: tl.constexpr = 0):
     """dx for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T), or in column
     chunks of CHUNK lanes (CHUNK > 0, T = 0: _bwd_chunked). With DW_PARTIALS, each program also sums its rows' dW
     contributions (shared weight only) into DW_PART[pid].
     PREFETCH: the next block's rows loaded into registers before this block's sums (its loads in flight while this
     block computes and stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory, that many
-    stages. Neither changes a value.
-    PROGRESS (no partials): DW_PART is an int32 counter, raised by one for each block once its row sums are done; the
-    CUDA fold paced behind this pass (CudaBackend.fold_pace) reads the block's rows after that, from L2."""
+    stages. Neither changes a value."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CHUNK > 0:
         _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg,
                      DW_PART, pid, nprog, M, N, R1, G, offset, ROWS, CHUNK, LOG2CHUNK, NCH, LOG2NCH, MODE, XDT, HAS_W,
-                     PER_HEAD, HAS_DRES, DW_PARTIALS, STAGES, PROGRESS)
+                     PER_HEAD, HAS_DRES, DW_PARTIALS, STAGES)
     else:
         _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
                   pid, nprog, M, N, R1, G, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, HAS_W, PER_HEAD, HAS_DRES,
-                  DW_PARTIALS, PREFETCH, STAGES, PROGRESS)
+                  DW_PARTIALS, PREFETCH, STAGES)
 
 
 @triton.jit(do_not_specialize=["ROWS_PER_GROUP", "GROUP_STEP"])

@@ -42,17 +42,6 @@ __device__ __forceinline__ unsigned long long global_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-// A spinning thread's pause between polls (sm_70+), so that it does not take issue slots from the other warps.
-__device__ __forceinline__ void pause_ns(unsigned ns) { __nanosleep(ns); }
-// A wait given up (the CPU emulation counts them).
-__device__ __forceinline__ void note_stall() {}
-// A word in shared memory that one thread of the block posts and the others poll.
-__device__ __forceinline__ long long load_volatile(const long long* p) {
-    return *reinterpret_cast<const volatile long long*>(p);
-}
-__device__ __forceinline__ void store_volatile(long long* p, long long v) {
-    *reinterpret_cast<volatile long long*>(p) = v;
-}
 // Shared-memory barriers with phases (mbarrier): `count` arrivals complete a phase; a waiter names the phase by
 // its parity (use k of a barrier: k & 1) and must have seen phase k - 1 complete before waiting for phase k.
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {

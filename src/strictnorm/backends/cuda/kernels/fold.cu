@@ -9,7 +9,7 @@
 // result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), for fold_chain: CHAIN_ROWS, COLS, THREADS (below), and for
 // fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
-// CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), PACE (below), COLUMN_MAJOR
+// CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), COLUMN_MAJOR
 // (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
 // rows with one 16-byte load instead of one), FULL_STAGE
 // (the consumer's loop over a whole stage fully unrolled, so that its shared-memory loads run ahead of
@@ -194,48 +194,7 @@ __device__ __forceinline__ void issue_stage(unsigned char* slot, const a_t* a, c
     }
 }
 
-#ifndef PACE
-#define PACE 0
-#endif
-#if PACE
-// PACE: the ring runs beside a dx pass (rms_norm.cu's backward with PROGRESS) that counts the row groups it has
-// done in *progress (its blocks take the groups in ascending order, a wave of resident blocks at a time, and load
-// a wave or two ahead of what they have done). A producer copies rows below `end` only once progress *
-// rows_per_count >= min(end - ahead, all rows): the fold keeps within `ahead` rows of the dx pass, so each row's two
-// reads (dx pass and fold) come close enough in time for the second to find it in L2 (tens of MB: refilled in some
-// 10 us at the copy rate) and DRAM sees each row once. Only the timing changes: the fold reads inputs that
-// the dx pass does not write, in the same order. A CTA stops pacing (for the rest of the kernel) once the count has
-// not moved for PACE_STALL_NS: the dx pass is done, not running or not resident beside this CTA, so the fold never
-// waits for work that cannot come.
-#define RING_PARAMS FOLD_PARAMS, const int* __restrict__ progress, long long rows_per_count, long long ahead
-#ifndef PACE_STALL_NS
-#define PACE_STALL_NS 50000ull
-#endif
-
-// The poller's wait: known holds the rows it last saw counted (it polls only when a stage needs more).
-__device__ __forceinline__ void pace(bool& pacing, long long& known, const int* progress, long long rows_per_count,
-                                     long long need) {
-    int last = -1;
-    unsigned long long since = 0;
-    while (pacing && known < need) {
-        const int seen = load_acquire(progress);
-        known = static_cast<long long>(seen) * rows_per_count;
-        if (known >= need) return;
-        const unsigned long long now = global_ns();
-        if (seen != last) {
-            last = seen, since = now;
-        } else if (now - since > PACE_STALL_NS) {
-            pacing = false;
-            note_stall();
-        }
-        pause_ns(256);
-    }
-}
-#else
-#define RING_PARAMS FOLD_PARAMS
-#endif
-
-extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(RING_PARAMS) {
+extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
     extern __shared__ __align__(16) unsigned char ring[];
     const int h = blockIdx.y;
     const int col0 = blockIdx.x * COLS;
@@ -245,30 +204,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(RING_PARAMS) {
     const bool consumer = threadIdx.x < 32;
     const int p = threadIdx.x - 32;
 
-#if PACE
-    // One producer (p == 0) polls the counter and posts the rows it saw counted in shared memory, where the other
-    // producers wait: the counter's address takes a poll a CTA at a time, not one a warp.
-    __shared__ long long posted;
-    if (threadIdx.x == 0) posted = 0;
-    __syncthreads();
-    bool pacing = true;
-    long long known = 0;
-#endif
     auto issue = [&](long long s) {
-#if PACE
-        const long long last_t = (s + 1) * ROWS_PER_STAGE < rows_per_group ? (s + 1) * ROWS_PER_STAGE : rows_per_group;
-        const long long end = (last_t - 1) * group_step + h + 1, all = rows_per_group * group_step;  // logical rows
-        const long long need = end - ahead < all ? end - ahead : all;
-        if (known < need) {
-            if (p == 0) {
-                pace(pacing, known, progress, rows_per_count, need);
-                if (!pacing) known = 0x7fffffffffffffffLL;  // given up: every later stage may go
-                store_volatile(&posted, known);
-            } else {
-                while ((known = load_volatile(&posted)) < need) pause_ns(128);
-            }
-        }
-#endif
         issue_stage(ring + (s % STAGES) * STAGE_BYTES, a, b, rstd, la, lb, p, s * ROWS_PER_STAGE, rows_per_group,
                     group_step, h, col0, n);
     };

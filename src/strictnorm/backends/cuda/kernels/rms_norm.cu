@@ -470,16 +470,9 @@ __device__ __forceinline__ void unstage_row(Held<CODE>& h, const uint4* slot) {
 // their loads are in flight while this row computes and stores; the same loads, earlier. (Measured slower at the
 // tables' grids before run 10; the Triton and cute backwards won with it at 2 blocks or programs an SM, fewer and
 // fuller: bench/NOTES.md, runs 14 and 16.)
-// PROGRESS: a strict dW fold paced behind this pass (fold.cu's PACE) runs beside it: without partials, dw_part
-// carries an int counter instead, raised by one for each row group once the group's row sums are done (its rows
-// of z and dy are then in L2, where the fold reads them soon after).
 // Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM, PADDED (N below P: padded lanes exist), STAGED,
-// HOLD_F32, PREFETCH, PROGRESS.
-#ifndef PROGRESS
-#define PROGRESS 0
-#endif
+// HOLD_F32, PREFETCH.
 typedef Elem<DYC>::T dy_t;
-static_assert(!(PROGRESS && DW_PARTIALS), "PROGRESS: the counter takes the partial rows' pointer");
 static_assert(!STAGED || (HOLD && EVEN && !DW_SMEM), "STAGED: held rows of whole pieces, shared memory for them");
 static_assert(!PREFETCH || (HOLD && !STAGED), "PREFETCH: held rows, not staged");
 static_assert(!HOLD_F32 || HOLD, "HOLD_F32: held rows");
@@ -636,11 +629,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
             part[k] = pair_tree<PIECE>(prod);
         }
         const float c = __fdiv_rn(row_sum(part, scratch, it & 1), static_cast<float>(n));
-#if PROGRESS
-        // thread 0's rows have been read by now (the whole block's where row_sum takes a barrier, TPR > 32): the
-        // count only times the fold, which reads inputs this pass never writes
-        if (threadIdx.x == 0) atomicAdd(reinterpret_cast<int*>(dw_part), 1);
-#endif
 #if HOLD && !HOLD_F32
         launder(zh), launder(dh);
 #endif
