@@ -10,7 +10,7 @@
 #                 determinism, graph and in-place tests)
 #   cute          tests/test_cute.py
 #   pytest:EXPR   tests/ -k EXPR (EXPR without spaces; '+' stands for a space)
-#   sweep-triton, sweep-cuda, sweep-cute, sweep-fold
+#   sweep-triton, sweep-cuda, sweep-cute, sweep-fold, sweep-onepass
 #                 bench/sweep_*.py, configured by the SWEEP_* variables; a Triton or CUDA sweep's choices are also
 #                 merged into /tmp/strictnorm-<name>-tuning.json (by padded length), which a later call on the same
 #                 machine takes with TUNING_FROM_LAST=1 (and which comes back as <name>-tuning.json)
@@ -20,6 +20,8 @@
 #   bench         `strictnorm bench` ($BENCH_ARGS)
 #   host          bench/host_breakdown.py
 #   strict-parts  bench/strict_parts.py (the CUDA strict backward's parts alone and together)
+#   ncu           Nsight Compute over bench/ncu_probe.py $NCU_PROBE ("M N case...": one call of each case), the
+#                 sections $NCU_SECTIONS (default: speed of light, occupancy, launch, warp states, scheduler, memory)
 #   memcheck      compute-sanitizer over the guard-band tests ($MEMCHECK_K)
 # --wheels a copies the first half of the device wheels (.device-wheels/a, carried) to /tmp/dw; --wheels b installs
 # them with the second half (.device-wheels/b, carried): two calls back to back on one machine. Every job writes
@@ -66,8 +68,12 @@ job_command() {
       [[ $job == *:* ]] && { local var="SWEEP_ENV_${job#*:}"; settings=${!var:-}; }
       echo "env $settings timeout ${SWEEP_TIMEOUT:-400} python3 bench/sweep_$name.py '$base.json' '$base-tuning.json'" \
            "> '$log' 2>&1; python3 bench/tuning_merge.py /tmp/strictnorm-$name-tuning.json '$base-tuning.json'" ;;
-    sweep-cute|sweep-fold)
+    sweep-cute|sweep-fold|sweep-onepass)
       echo "timeout ${SWEEP_TIMEOUT:-400} python3 bench/sweep_${job#sweep-}.py '$W/$job.json' > '$log' 2>&1" ;;
+    ncu) local sections=${NCU_SECTIONS:-"SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats MemoryWorkloadAnalysis"}
+         echo "timeout ${NCU_TIMEOUT:-300} \$(command -v ncu || echo /usr/local/cuda/bin/ncu) --profile-from-start off" \
+              "--clock-control none $(printf -- '--section %s ' $sections)python3 bench/ncu_probe.py" \
+              "${NCU_PROBE:-32768 4096 onepass-strict} > '$log' 2>&1" ;;
     bench) echo "timeout ${BENCH_TIMEOUT:-330} python3 -m strictnorm.bench --json '$W/bench.json'" \
                 "--markdown '$W/bench.md' ${BENCH_ARGS:-} > '$log' 2>&1" ;;
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;

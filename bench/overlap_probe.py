@@ -51,15 +51,16 @@ def best_tuning(m: int, n: int) -> FoldTuning | None:
                                                           if k in best})
 
 
-def variant(timer: Timer, bwd, outs: dict, key: str, **settings) -> float:
-    """Kernel-only us of bwd with these CudaBackend attributes set (restored after); its outputs in outs[key]."""
+def variant(timer: Timer, bwd, outs: dict, key: str, queued: bool = False, **settings) -> float:
+    """Kernel-only us of bwd (queued: Timer.queued_us, the host ahead of the GPU) with these CudaBackend attributes
+    set (restored after); its outputs in outs[key]."""
     cb = get_backend("cuda")
     saved = {k: getattr(cb, k) for k in settings}
     for k, v in settings.items():
         setattr(cb, k, v)
     try:
         outs[key] = bwd()
-        return timer.kernel_us(bwd)
+        return timer.queued_us(bwd) if queued else timer.kernel_us(bwd)
     finally:
         for k, v in saved.items():
             setattr(cb, k, v)

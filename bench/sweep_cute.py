@@ -44,10 +44,10 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "weight first": {**DEFAULT, "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
             "weight after the sum": {**DEFAULT, "weight_first_rows": {}},
             "forward 64 a thread": {**DEFAULT, "forward_values": {4096: 64}},
-            "forward 64 a thread, weight first": {**DEFAULT, "forward_values": {4096: 64},
+            "forward 64 a thread + weight first": {**DEFAULT, "forward_values": {4096: 64},
                                                   "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}}}
 FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum", "forward 64 a thread",
-                "forward 64 a thread, weight first")
+                "forward 64 a thread + weight first")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
 FORWARD_VALUES = K.FORWARD_VALUES
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
@@ -71,6 +71,9 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
     case = Case.make(ref, timer.device, m, n, spec)
     rows = []
     chosen = os.environ.get("SWEEP_VARIANTS")
+    unknown = set(chosen.split(",")) - set(VARIANTS) if chosen else set()
+    if unknown:  # a name with a comma in it, or a typo, would otherwise be skipped without a word
+        raise SystemExit(f"SWEEP_VARIANTS: no variant named {sorted(unknown)}; the variants: {list(VARIANTS)}")
     for name, variant in VARIANTS.items():
         if chosen and name not in chosen.split(","):
             continue

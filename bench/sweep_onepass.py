@@ -1,6 +1,7 @@
-"""Sweep of onepass.cu's knobs (OnepassTuning): the one-pass strict backward's kernel-only time per shape and
-configuration, each checked bitwise against the two-pass strict backward (dx pass, then the dW fold), beside
-the two-pass time. SWEEP_SHAPES=MxN,... replaces the shapes. Run on the GPU machine:
+"""Sweep of onepass.cu's knobs (OnepassTuning): the one-pass strict backward's time per shape and configuration,
+each checked bitwise against the two-pass strict backward (the backend's default: dx pass, then the dW fold),
+beside the two-pass time; both timed with the host ahead of the GPU (Timer.queued_us: the gap between the two
+passes' kernels counts, as in a training step). SWEEP_SHAPES=MxN,... replaces the shapes. Run on the GPU machine:
     python3 bench/sweep_onepass.py [out.json]
 """
 
@@ -44,13 +45,14 @@ def main() -> None:
             return cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
 
         outs: dict = {}
-        two_pass = variant(timer, bwd, outs, "two_pass", onepass_strict=False)
+        two_pass = variant(timer, bwd, outs, "two_pass", queued=True, onepass_strict=False)
         floor = 6 * m * n / ceiling / 1e3
         for tuning in TUNINGS:
             cb._bwd_plans.clear()
             row = {"m": m, "n": n, "tuning": str(tuning), "floor_us": floor, "two_pass_us": two_pass}
             try:
-                row["us"] = variant(timer, bwd, outs, "onepass", onepass_strict=True, onepass_tuning=tuning)
+                row["us"] = variant(timer, bwd, outs, "onepass", queued=True, onepass_strict=True,
+                                    onepass_tuning=tuning)
                 row["applied"] = any(p.onepass is not None for p in cb._bwd_plans.values())
                 row["same_bits"] = all(torch.equal(p.view(torch.int16), q.view(torch.int16))
                                        for p, q in zip(outs["two_pass"], outs["onepass"], strict=True))
@@ -59,7 +61,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     cb._bwd_plans.clear()
-    print(f"copy {ceiling:.0f} GB/s; kernel-only us, strict backward, bf16 llama")
+    print(f"copy {ceiling:.0f} GB/s; queued us (the host ahead), strict backward, bf16 llama")
     print(f"{'M x N':>14} {'floor':>7} {'two pass':>8} {'one pass':>8} bits  tuning")
     for r in rows:
         us = f"{r['us']:8.1f}" if "us" in r and r.get("applied") else f"{'n/a':>8}"
