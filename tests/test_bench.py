@@ -229,6 +229,31 @@ def test_device_call_plans_its_jobs(tmp_path):
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
 
 
+def test_device_call_profiles_with_ncu(tmp_path):
+    """device_call.sh's ncu job: Nsight Compute over bench/ncu_probe.py with $NCU_PROBE's shape and cases and the
+    named sections (each a --section flag), from the probe's profiler range on; sweep-onepass runs its sweep."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"),
+           "NCU_PROBE": "4096 4096 fold-dw onepass-strict", "NCU_SECTIONS": "SpeedOfLight WarpStateStats"}
+    run = subprocess.run(["bash", "bench/device_call.sh", "--first", "ncu sweep-onepass"], cwd=root, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    ncu, onepass = run.stdout.splitlines()
+    assert "--profile-from-start off" in ncu and "--section SpeedOfLight --section WarpStateStats python3" in ncu
+    assert "bench/ncu_probe.py 4096 4096 fold-dw onepass-strict >" in ncu and f"{tmp_path}/w/ncu.log" in ncu
+    assert "bench/sweep_onepass.py" in onepass and f"{tmp_path}/w/sweep-onepass.json" in onepass
+
+
+def test_queued_time_on_the_cpu_is_the_wall_clock():
+    """Timer.queued_us without a GPU: the call's wall-clock median (no sleep kernel, no events), after two warm-up
+    calls, once a timed iteration."""
+    calls = []
+    us = bench.Timer(torch.device("cpu"), iters=3).queued_us(lambda: calls.append(1) or sum(range(20000)))
+    assert len(calls) == 2 + 3 and us > 0
+
+
 def test_device_call_runs_tagged_sweeps_with_their_settings(tmp_path):
     """device_call.sh's sweep-triton:TAG runs the sweep with $SWEEP_ENV_TAG's settings, its files named by the tag,
     and merges its choices into the machine's tuning file; bench/tuning_merge.py replaces entries per direction and

@@ -221,8 +221,8 @@ def _kernel_checks(backend: str, device: torch.device, quick: bool) -> Iterator[
                 lambda dtype=dtype, fused=fused, mode=mode: _norm_case(
                     backend, device, rows=11, n=100, dtype=dtype, mode=mode, offset=-0.5, wdtype=torch.bfloat16,
                     fused=fused, seed=seed, specials=True))
-    if not quick and device.type == "cuda":  # rows enough for the strict dW fold to run beside the dx pass
-        yield "rms_norm", "16384x256 bf16 llama (the fold beside the dx pass)", (
+    if not quick and device.type == "cuda":  # a long strict dW fold (many rows, as a training step's)
+        yield "rms_norm", "16384x256 bf16 llama (a long strict fold)", (
             lambda: _norm_case(backend, device, rows=16384, n=256, dtype=torch.bfloat16, mode="llama", offset=0.0,
                                wdtype=torch.bfloat16, fused=False, seed=seed))
     yield "qk_norm", "(2,5,4,64) strided bf16 gemma per-head", lambda: _qk_case(backend, device, seed)
