@@ -88,23 +88,18 @@ class Timer:
             torch.cuda.synchronize()
 
     def kernel_us(self, fn: Callable[[], object]) -> float:
-        for _ in range(2):
-            fn()
-        self.sync()
-        if not self.cuda:
-            return self._wall_us(fn)
+        return self._median_us(fn, self._profiled_us)
+
+    def _profiled_us(self, fn: Callable[[], object]) -> float:
+        """One call alone under torch.profiler: the union of its kernels' intervals."""
         from torch.profiler import ProfilerActivity, profile
 
-        per_iter = []
-        for _ in range(self.iters):
-            self.flush.zero_()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize()
-            per_iter.append(busy_us([(e.time_range.start, e.time_range.end) for e in prof.events()
-                                     if e.device_type == torch.autograd.DeviceType.CUDA]))
-        return statistics.median(per_iter)
+        return busy_us([(e.time_range.start, e.time_range.end) for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA])
 
     def queued_us(self, fn: Callable[[], object]) -> float:
         """GPU time of the call with the host's launches ahead of the GPU, as in a busy training step: a sleep
@@ -113,6 +108,22 @@ class Timer:
         counts the gaps between the call's kernels, but never the host's time between its launches: where two
         kernels run side by side (the strict dW fold beside the dx pass) this is their real overlap, which
         kernel_us cannot see when the host launches the second one after the first has run. L2 flushed first."""
+        return self._median_us(fn, self._held_us)
+
+    @staticmethod
+    def _held_us(fn: Callable[[], object]) -> float:
+        """One call enqueued behind a sleep kernel, timed by events from the sleep's end."""
+        torch.cuda._sleep(_HOLD_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    def _median_us(self, fn: Callable[[], object], once: Callable[[Callable[[], object]], float]) -> float:
+        """Two warm-up calls, then the median of `once(fn)` over the iterations, L2 flushed before each; the
+        wall clock on the CPU."""
         for _ in range(2):
             fn()
         self.sync()
@@ -121,13 +132,7 @@ class Timer:
         times = []
         for _ in range(self.iters):
             self.flush.zero_()
-            torch.cuda._sleep(_HOLD_CYCLES)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
+            times.append(once(fn))
         return statistics.median(times)
 
     def eager_us(self, fn: Callable[[], object]) -> float:
