@@ -30,6 +30,7 @@ from sweep_cuda import Case, Sweep, shapes_from_env
 
 from strictnorm.backends.cuda.backend import FoldTuning
 from strictnorm.backends.layout import row_layout
+from strictnorm.bench import HOLD_CYCLES
 
 SHAPES = shapes_from_env([(32768, 4096), (8192, 8192), (2048, 18432), (262144, 128)])
 
@@ -130,7 +131,7 @@ def _timeline(sw: Sweep, case: Case) -> list[dict]:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         if TIMER == "queued":  # the host enqueues both kernels while this holds the stream
-            torch.cuda._sleep(4_000_000)
+            torch.cuda._sleep(HOLD_CYCLES)
         b.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "strict", True, None)
         torch.cuda.synchronize()
     b.fold_beside_dx = False

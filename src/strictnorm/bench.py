@@ -39,7 +39,7 @@ NORM_SHAPES = [(128, 4096), (2048, 4096), (8192, 4096), (32768, 4096), (8192, 81
 FOLD_SHAPES = ([(r, 128) for r in (1, 16, 256, 1024, 4096, 16384, 65536, 262144)]
                + [(r, 4096) for r in (1, 64, 1024, 4096)] + [(1024, c) for c in (64, 512, 4096, 8192)])
 CHAIN_NS_PER_ROW = 4 / 1.98  # one dependent fp32 add: 4 cycles at ~1.98 GHz
-_HOLD_CYCLES = 4_000_000  # queued_us's sleep: ~2 ms at ~1.98 GHz, longer than the host takes to enqueue a call
+HOLD_CYCLES = 4_000_000  # queued_us's sleep: ~2 ms at ~1.98 GHz, longer than the host takes to enqueue a call
 
 
 def environment() -> dict:
@@ -113,7 +113,7 @@ class Timer:
     @staticmethod
     def _held_us(fn: Callable[[], object]) -> float:
         """One call enqueued behind a sleep kernel, timed by events from the sleep's end."""
-        torch.cuda._sleep(_HOLD_CYCLES)
+        torch.cuda._sleep(HOLD_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -472,9 +472,9 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
                "MODE": MODE_CODES[mode], "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols,
                "G_DATA": -(-n // w_cols), "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "TILES": tuning.tiles,
                "B_WARPS": tuning.b_warps, "DX_WARPS": tuning.dx_warps, "DX_GROUPS": tuning.dx_groups,
-               "C_WARPS": tuning.c_warps, "THREADS": threads}
+               "C_WARPS": tuning.c_warps, "SLOTS": slots, "THREADS": threads}
     if tuning.dx_global:
-        defines.update(DX_GLOBAL=1, SLOTS=slots)
+        defines["DX_GLOBAL"] = 1
     return OnepassLaunch(defines, defines["G_DATA"], threads, shmem_of(rows))
 
 
@@ -724,8 +724,8 @@ class CudaBackend:
                                             sms))
         return self._launch_fold(plan, a, b, rstd, beside)
 
-    def shared_fold_sms(self, n: int, rows: int, out_of_place: bool) -> int:
-        """The SMs a strict dW fold of rows x n is sized for beside a dx pass whose persistent grid takes the
+    def shared_fold_sms(self, n: int, out_of_place: bool) -> int:
+        """The SMs a strict dW fold of n columns is sized for beside a dx pass whose persistent grid takes the
         rest (0: no share): only out of place (a dx_out of the same signature may or may not overlap dy from call
         to call) where the fold runs beside; fold_sms where it is set, else _SHARED_FOLD_SMS for the default fold."""
         if not out_of_place or not self.fold_beside(None):
@@ -860,7 +860,7 @@ class CudaBackend:
         if need_dw and not partials:
             groups = weight.shape[0] if weight.dim() == 2 else 1
             ring = _ring_ok(v.dy, v.dlay) and _ring_ok(v.z, v.lay)
-            shared_sms = self.shared_fold_sms(n, rows, dx_out is None)
+            shared_sms = self.shared_fold_sms(n, dx_out is None)
             strict = self._fold_plan(dev, v.dlay, v.dy.dtype, v.lay, v.z.dtype, MODE_CODES[spec.mode] + 1, groups, ring,
                                      _simple_rows(v.dlay) and _simple_rows(v.lay), weight.dtype, shared_sms)
         kernel = self._norm_kernel(dev, "rms_bwd", fl)
@@ -894,8 +894,7 @@ class CudaBackend:
         resident = kernel.kernel.occupancy.max_active_blocks_per_multiprocessor(fl.threads, fl.shmem)
         if resident * props.multi_processor_count < fl.grid:
             return None
-        slots = fl.defines.get("SLOTS", fl.defines["TILES"])  # global slots of row sums and c values
-        return _OnepassPlan(kernel, fl, -(-v.lay.rows // fl.defines["ROWS"]), slots * fl.defines["ROWS"])
+        return _OnepassPlan(kernel, fl, -(-v.lay.rows // fl.defines["ROWS"]), fl.defines["SLOTS"] * fl.defines["ROWS"])
 
     def _run_onepass(self, plan: _BwdPlan, dy: Tensor, z: Tensor, w: Tensor | None, rstd: Tensor, dx: Tensor,
                      weight: Tensor) -> Tensor:

@@ -116,7 +116,7 @@ class CuteBackend:
         fold_sms = 0
         if need_dw and (strict or rows == 0):  # first, or beside the dx pass (fold_beside_dx): dx is its own buffer
             cb = _cuda()
-            fold_sms = cb.shared_fold_sms(n, rows, True) if self.share_sms_with_fold else 0
+            fold_sms = cb.shared_fold_sms(n, True) if self.share_sms_with_fold else 0
             dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight,
                                     cb.fold_beside(None), sms=fold_sms)
         partials = need_dw and dw is None

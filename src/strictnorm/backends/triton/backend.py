@@ -390,7 +390,7 @@ class TritonBackend:
         partials = wants_partials and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0)
         fold_sms = 0
         if need_dw and not partials and self.share_sms_with_fold and self._cuda_available(z):
-            fold_sms = get_backend("cuda").shared_fold_sms(n, rows, dx_out is None)
+            fold_sms = get_backend("cuda").shared_fold_sms(n, dx_out is None)
         nprog = _programs(_cdiv(rows, tile.rows), tile, z.device, partials or tile.prefetch or tile.stages > 1,
                           sms_left=fold_sms)
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
