@@ -2,9 +2,10 @@
 consumer's whole-stage unroll, the ring's shared memory (past 48 KB: opted into), on plain fp32 rows and on
 the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major; and fold_chain
 (chain_rows: items spread over every SM, the sums handed from item to item).
-SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_KNOBS=chain (or smem, ring,
-wide, or several: smem,wide) limits the configurations to fold_chain's, the rings past 48 KB / column-major,
-the 48 KB rings, or the rings of 32 columns past 48 KB;
+and fold_stream (stream: copies, conversion and the fold in separate warps).
+SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_KNOBS=chain (or stream, smem,
+ring, wide, or several: smem,wide) limits the configurations to fold_chain's, fold_stream's, the rings past 48 KB /
+column-major, the 48 KB rings, or the rings of 32 columns past 48 KB;
 base: the default (fold_chain where the backend picks it) against the default ring only.
 SWEEP_FOLD_PLAIN / SWEEP_FOLD_DW=MxN,... replace the shapes.
 
@@ -40,6 +41,12 @@ TUNINGS += [FoldTuning(cols=32, rows_per_stage=r, smem_bytes=kb * 1024, column_m
 # fold_chain: items of chain_rows rows x cols columns spread over every SM
 TUNINGS += [FoldTuning(cols=c, chain_rows=r, smem_bytes=200 * 1024) for c in (4, 8, 16) for r in (512, 1024, 2048, 4096)
             if c * (r + 4) * 4 + 16 <= 200 * 1024]
+# fold_stream: copies, conversion and fold in separate warps (the planner's own choice, then columns x rows a stage,
+# then more converting or copying warps)
+TUNINGS += [FoldTuning(stream=True)] + [FoldTuning(stream=True, cols=c, rows_per_stage=r)
+                                        for c in (8, 16, 32, 64, 128) for r in (32, 64, 128)]
+TUNINGS += [FoldTuning(stream=True, cols=c, rows_per_stage=r, convert_warps=v, load_warps=lw)
+            for c, r in ((32, 64), (64, 32)) for v, lw in ((8, 1), (4, 2), (2, 1))]
 PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
 STRICT_DW = [(262144, 128), (32768, 4096)]  # rows x N of bf16 dy and x; llama contributions
 
@@ -73,6 +80,36 @@ def _cases(dev: torch.device):
                                            cb.fold(dk, dlay, xk, xlay, rstd, 1, 1)), None
 
 
+def _strict_backward(timer: Timer, name: str, m: int, n: int, timed: list[dict]) -> list[dict]:
+    """SWEEP_FOLD_BACKWARD=1: the whole strict backward (dx pass, then the dW fold) of a strict dW case with the
+    default fold and with the case's fastest fold_stream, timed queued (Timer.queued_us: the host ahead, as in a
+    training step); its dx and dW checked against the default's."""
+    from strictnorm.contract import make_spec
+
+    cb = get_backend("cuda")
+    dev = timer.device
+    g = torch.Generator(device=dev).manual_seed(1)
+    dy, x = (torch.randn(m, n, device=dev, generator=g).bfloat16() for _ in range(2))
+    w = (torch.randn(n, device=dev, generator=g) * 0.5 + 1).bfloat16()
+    rstd = torch.rand(m, device=dev, generator=g) + 0.5
+    spec = make_spec(x.dtype, 1e-6, 0.0, "llama", x.dtype)
+    bwd = lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)  # noqa: E731
+    streams = [r for r in timed if r.get("stream") and "us" in r]
+    best = min(streams, key=lambda r: r["us"]) if streams else None
+    out, want = [], None
+    for tuning in [None] + ([FoldTuning(**{k: best[k] for k in FoldTuning.__dataclass_fields__})] if best else []):
+        cb.fold_tuning = tuning
+        got = bwd()
+        want = want or got
+        out.append({"case": f"strict backward {m}x{n}", "M": m, "N": n, "fold": "default" if tuning is None else
+                    dataclasses.asdict(tuning), "queued_us": timer.queued_us(bwd),
+                    "bitwise_vs_default": all(torch.equal(p.view(torch.int16), q.view(torch.int16))
+                                              for p, q in zip(got, want, strict=True))})
+        print(json.dumps(out[-1]), flush=True)
+    cb.fold_tuning = None
+    return out
+
+
 def main() -> None:
     dev = torch.device("cuda")
     timer = Timer(dev, iters=9)
@@ -81,10 +118,11 @@ def main() -> None:
     rows = []
     only = [t for t in os.environ.get("SWEEP_FOLD_CASES", "").split(",") if t]
     knobs = os.environ.get("SWEEP_FOLD_KNOBS", "")
-    kinds = {"chain": lambda t: t.chain_rows > 0,
-             "smem": lambda t: not t.chain_rows and (t.smem_bytes > 48 * 1024 or t.column_major),
-             "ring": lambda t: not t.chain_rows and t.smem_bytes <= 48 * 1024 and not t.column_major,
-             "wide": lambda t: not t.chain_rows and t.cols == 32 and t.smem_bytes > 48 * 1024}
+    ring = lambda t: not t.chain_rows and not t.stream  # noqa: E731
+    kinds = {"chain": lambda t: t.chain_rows > 0, "stream": lambda t: t.stream,
+             "smem": lambda t: ring(t) and (t.smem_bytes > 48 * 1024 or t.column_major),
+             "ring": lambda t: ring(t) and t.smem_bytes <= 48 * 1024 and not t.column_major,
+             "wide": lambda t: ring(t) and t.cols == 32 and t.smem_bytes > 48 * 1024}
     # "base": the default (fold_chain where default_chain picks it) against the default ring alone
     tunings = [None] + ([FoldTuning()] if knobs == "base" else
                         list(dict.fromkeys(t for t in TUNINGS[1:]
@@ -110,18 +148,24 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         cb.fold_tuning = None
+        if name.startswith("strict dW") and os.environ.get("SWEEP_FOLD_BACKWARD"):
+            rows.extend(_strict_backward(timer, name, m, n, [r for r in rows if r["case"] == name]))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump({"copy_GBps": ceiling, "rows": rows}, f, indent=1)
-    ok = all(r.get("bitwise_vs_default", False) and r.get("bitwise_vs_loop", True) for r in rows if "us" in r)
+    ok = all(r.get("bitwise_vs_default", False) and r.get("bitwise_vs_loop", True) for r in rows
+             if "us" in r or "queued_us" in r)
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; every timed configuration bitwise: {ok}")
-    for name in dict.fromkeys(r["case"] for r in rows):
+    for r in rows:
+        if "queued_us" in r:
+            print(f"{r['case']:>24}: queued {r['queued_us']:8.1f} us, fold {r['fold']}")
+    for name in dict.fromkeys(r["case"] for r in rows if "us" in r):
         timed = [r for r in rows if r["case"] == name and "us" in r]
         default = next(r for r in timed if r.get("default")) if any(r.get("default") for r in timed) else None
         best = min(timed, key=lambda r: r["us"]) if timed else None
         if best:
             knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes", "column_major",
-                                          "chain_rows") if k in best}
+                                          "chain_rows", "stream", "load_warps", "convert_warps") if k in best}
             print(f"{name:>24}: default {default['us'] if default else float('nan'):8.1f} us, best {best['us']:8.1f}"
                   f" us ({best['x_chain_floor']:.2f}x chain floor) {knobs or 'default'}")
 

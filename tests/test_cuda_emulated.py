@@ -252,6 +252,39 @@ def test_emulated_fold_chain_bitwise(chain_rows, cols, n, items, what, seed, tmp
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
 
 
+# fold_stream: (columns a CTA, rows a stage, tiles, dy's dtype, x's dtype, what, N): one consumer lane a column up
+# to two consumer warps, a ring of 2 tiles that wraps every other stage, stages of 4 rows, a partial column group,
+# fp16 and fp32 rows (two 16-byte chunks a row to x's one), the plain fold (what 0) of bf16 and fp32 rows
+STREAM_CASES = [(8, 64, 0, torch.bfloat16, torch.bfloat16, 1, 20), (16, 32, 2, torch.bfloat16, torch.bfloat16, 1, 40),
+                (32, 64, 0, torch.float16, torch.float16, 1, 40), (64, 16, 3, torch.bfloat16, torch.float32, 1, 70),
+                (24, 4, 2, torch.bfloat16, torch.bfloat16, 1, 24), (32, 64, 0, torch.bfloat16, torch.bfloat16, 0, 33),
+                (8, 32, 0, torch.float32, torch.float32, 0, 20)]
+
+
+@pytest.mark.parametrize("cols, rows_per_stage, stages, dy_dtype, x_dtype, what, n", STREAM_CASES)
+def test_emulated_fold_stream_bitwise(cols, rows_per_stage, stages, dy_dtype, x_dtype, what, n, seed, tmp_path):
+    """fold.cu's fold_stream (copies, conversion and the fold in separate warps, handing tiles and addend
+    buffers to each other through mbarriers) equals the reference's ascending left fold of the dW contributions
+    (in x's casting) or of the rows themselves; rows with special values, a partial last stage. The emulation
+    runs each thread as a thread of its own with random delays, so a wait left out lets a job overtake the one
+    it waits for."""
+    from strictnorm.reference import dw_contributions, left_fold_rows
+
+    g = torch.Generator().manual_seed(seed)
+    rows = 300 + seed % 61
+    dy, x = torch.randn(rows, n, generator=g).to(dy_dtype), torch.randn(rows, n, generator=g).to(x_dtype)
+    x[3::7] = sprinkle_specials(x[3::7], g, "zeros subnormals")
+    dy[5, 0], x[9, 1] = float("inf"), float("nan")  # two columns decided whatever the order
+    rstd = torch.rand(rows, generator=g) + 0.5
+    tuning = FoldTuning(stream=True, cols=cols, rows_per_stage=rows_per_stage, stages=stages)
+    fl = fold_launch(n, dy_dtype, x_dtype, what, True, True, num_sms=132, tuning=tuning, smem_optin=227 * 1024)
+    assert fl.kernel == "fold_stream" and fl.defines["COLS"] == cols and fl.grid_x == -(-n // cols)
+    assert fl.defines["STAGES"] == (stages or fl.defines["STAGES"]) and fl.defines["STAGES"] >= 2
+    spec = make_spec(x_dtype, 1e-6, 0.0, "llama", x_dtype)
+    want = left_fold_rows(dw_contributions(dy, x, rstd, spec) if what else dy)
+    assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
+
+
 def _emulate_onepass(defines: dict, dy: torch.Tensor, z: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
                      offset: float, tmp: Path) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = dy.shape

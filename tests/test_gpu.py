@@ -391,6 +391,40 @@ def test_cuda_fold_chain_bitwise(chain_rows, cols, seed):
         cb.fold_tuning = None
 
 
+@pytest.mark.parametrize("cols, rows_per_stage", [(0, 0), (8, 64), (16, 32), (32, 64), (64, 16), (128, 64)])
+def test_cuda_fold_stream_bitwise(cols, rows_per_stage, seed):
+    """fold_stream (FoldTuning.stream: copies, conversion and fold in separate warps, handing tiles through
+    mbarriers): the plain fold of bf16 and fp32 rows equals the Python loop; the strict dW fold (5000 rows: a
+    partial last stage; 4100 columns: a partial last column group) and per-head dW (4 groups) equal the
+    one-thread-per-column kernel, run after run; every rows-per-stage and column width the planner takes."""
+    from strictnorm.backends.cuda.backend import FoldTuning, fold_launch
+    from strictnorm.backends.layout import row_layout
+
+    cb = get_backend("cuda")
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    plain = [(torch.randn(3001, 1000, device=DEV, generator=g) * 1e3).to(dt) for dt in (torch.bfloat16, torch.float32)]
+    dy, x = (torch.randn(5000, 4104, device=DEV, generator=g).bfloat16() for _ in range(2))
+    rstd = torch.rand(5000, device=DEV, generator=g) + 0.5
+    want_plain = [_loop(p) for p in plain]
+    want_dw = cb.fold(*row_layout(dy), *row_layout(x), rstd, 1, 1, ring=False)
+    want_heads = cb.fold(*row_layout(dy), *row_layout(x), rstd, 2, 4, ring=False)
+    cb.fold_tuning = FoldTuning(stream=True, cols=cols, rows_per_stage=rows_per_stage)
+    try:
+        for _ in range(2):
+            for p, want in zip(plain, want_plain, strict=True):
+                assert bits_equal(cb.left_fold(p), want)
+            assert bits_equal(cb.fold(*row_layout(dy), *row_layout(x), rstd, 1, 1), want_dw)
+            assert bits_equal(cb.fold(*row_layout(dy), *row_layout(x), rstd, 2, 4), want_heads)
+        props = torch.cuda.get_device_properties(DEV)
+        fl = fold_launch(4104, torch.bfloat16, torch.bfloat16, 1, True, True, props.multi_processor_count,
+                         cb.fold_tuning, rows=5000, smem_optin=props.shared_memory_per_block_optin)
+        assert fl.kernel == "fold_stream"
+        planned = [(p.block, p.shmem, p.grid) for p in cb._fold_plans.values()]
+        assert (fl.block, fl.shmem, (fl.grid_x, 1, 1)) in planned
+    finally:
+        cb.fold_tuning = None
+
+
 def test_cuda_default_strict_backward_at_qk_norm_shapes(seed):
     """The strict dW by default at QK-norm's shapes (tokens x heads rows of head_dim 128; fold_chain from
     8192 rows): bitwise equal to the reference's strict backward, gemma offset, 65536 rows, odd row counts,

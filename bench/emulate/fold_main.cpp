@@ -1,4 +1,4 @@
-// Runs fold.cu's fold_ring (one CTA at a time, THREADS std::threads each) or, with CHAIN_ROWS, fold_chain (CTAS
+// Runs fold.cu's fold_ring or, with STREAM_ROWS, fold_stream (one CTA at a time, THREADS std::threads each) or, with CHAIN_ROWS, fold_chain (CTAS
 // CTAs at once, default 3, taking items from the counter, each waiting for its predecessor's hand-over, which
 // another CTA may hold) on the CPU through shim.h, on buffers of exactly a launch's sizes and shared memory
 // of exactly its bytes, so AddressSanitizer reports any access outside them. Usage: fold_emulate ROWS N SHMEM
@@ -52,13 +52,18 @@ int main(int argc, char** argv) {
     }
 #else
     gridDim = {static_cast<unsigned>((n + COLS - 1) / COLS), 1, 1};
+#ifdef STREAM_ROWS
+    auto* kernel = fold_stream;  // the same parameters
+#else
+    auto* kernel = fold_ring;
+#endif
     EmuBlock blk(THREADS, shmem);
     for (unsigned bx = 0; bx < gridDim.x; ++bx) {  // one CTA at a time
         std::vector<std::thread> ts;
         for (int t = 0; t < THREADS; ++t)
             ts.emplace_back([&, bx, t] {
                 emu_enter(blk, bx, t);
-                fold_ring(a, n, 0, 0, b, n, 0, 0, 1, 1, rstd, out, rows, n, 1);
+                kernel(a, n, 0, 0, b, n, 0, 0, 1, 1, rstd, out, rows, n, 1);
             });
         for (auto& th : ts) th.join();
     }

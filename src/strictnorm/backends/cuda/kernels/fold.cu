@@ -8,6 +8,7 @@
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), OUT_CODE (the
 // result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), for fold_chain: CHAIN_ROWS, COLS, THREADS (below), and for
+// fold_stream: COLS, STREAM_ROWS, STAGES, CSTAGES, LOAD_WARPS, CONVERT_WARPS, THREADS (below), and for
 // fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
 // CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), COLUMN_MAJOR
 // (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
@@ -117,6 +118,55 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
 }
 
 #if defined(COLS) && !defined(CHAIN_ROWS)
+// Copies rows [t0, t0 + ROWS) of group h, columns [col0, col0 + COLS), into one ring slot with cp.async: a's
+// row segments (A_PITCH bytes apart), b's (from ROWS * A_PITCH on, B_PITCH apart) and rstd (after them) for
+// the dW fold. Thread p of NTHREADS takes chunk ch of row `row` for i = row * CHUNKS + ch (consecutive threads,
+// consecutive chunks of a row), a row's offsets computed once for all its copies (run 8, ncu: with a loop per
+// tensor, address arithmetic was ~30% of the dW ring's instructions). Rows past the group's end are not copied.
+template <int ROWS, int NTHREADS, int A_PITCH, int B_PITCH>
+__device__ __forceinline__ void copy_rows(unsigned char* slot, const a_t* a, const b_t* b, const float* rstd,
+                                          const Layout& la, const Layout& lb, int p, long long t0,
+                                          long long rows_per_group, long long group_step, int h, int col0, int n) {
+    constexpr int A_CHUNKS = COLS * sizeof(a_t) / 16;
+    constexpr int B_CHUNKS = WHAT != 0 ? COLS * sizeof(b_t) / 16 : 0;
+    constexpr int CHUNKS = A_CHUNKS > B_CHUNKS ? A_CHUNKS : B_CHUNKS;
+    static_assert((COLS * sizeof(a_t)) % 16 == 0 && (COLS * sizeof(b_t)) % 16 == 0, "whole 16-byte chunks");
+    for (int i = p; i < ROWS * CHUNKS; i += NTHREADS) {
+        const int row = i / CHUNKS, ch = i % CHUNKS;
+        const long long t = t0 + row;
+        if (t >= rows_per_group) break;  // i grows with row: later i are past the end too
+        const long long r = t * group_step + h;
+        if (ch < A_CHUNKS)
+            copy_chunk(slot + row * A_PITCH + ch * 16, a + fold_row_offset(r, la),
+                       col0 + ch * (16 / static_cast<int>(sizeof(a_t))), n);
+#if WHAT != 0
+        if (ch < B_CHUNKS)
+            copy_chunk(slot + ROWS * A_PITCH + row * B_PITCH + ch * 16, b + fold_row_offset(r, lb),
+                       col0 + ch * (16 / static_cast<int>(sizeof(b_t))), n);
+        if (ch == 0) cp_async4(slot + ROWS * (A_PITCH + B_PITCH) + row * 4, rstd + r);
+#else
+        (void)b, (void)lb, (void)rstd;
+#endif
+    }
+}
+
+// The fp32 addends of VEC consecutive columns of one row: A widened (WHAT == 0) or the dW contributions from
+// dy (pa), the norm's input (pb) and the row's rstd; pa and pb 16-byte aligned.
+template <int VEC>
+__device__ __forceinline__ void row_addends(float* v, const a_t* pa, const b_t* pb, float rs) {
+    load_widened<a_t, A_CODE, VEC>(v, pa);
+#if WHAT != 0
+    float vb[VEC];
+    load_widened<b_t, B_CODE, VEC>(vb, pb);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = contribution(v[j], vb[j], rs);
+#else
+    (void)pb, (void)rs;
+#endif
+}
+#endif
+
+#if defined(COLS) && !defined(CHAIN_ROWS) && !defined(STREAM_ROWS)
 // A shared-memory ring keeps (STAGES - 1) * ROWS_PER_STAGE rows in flight so that the dependent
 // chain of adds, not memory latency, sets the pace. Warp 0 folds (one lane per column); the other
 // warps are producers issuing 16-byte cp.async copies. Needs 16-byte aligned row segments: the
@@ -163,37 +213,6 @@ static_assert(!CONVERT || (WHAT != 0 && STAGES >= 3), "CONVERT folds dW contribu
 constexpr int CONVERT_VEC = 8;
 static_assert(!CONVERT || COLS % CONVERT_VEC == 0, "CONVERT: whole groups of CONVERT_VEC columns");
 
-constexpr int A_CHUNKS = A_ROW_BYTES / 16;
-constexpr int B_CHUNKS = B_ROW_BYTES / 16;
-constexpr int CHUNKS = A_CHUNKS > B_CHUNKS ? A_CHUNKS : B_CHUNKS;
-
-// Copies rows [t0, t0 + ROWS_PER_STAGE) of group h into one ring slot: a's row segments, and b's and rstd
-// for the dW fold. Producer p takes chunk ch of row `row` for i = row * CHUNKS + ch (consecutive producers,
-// consecutive chunks of a row), a row's offsets computed once for all its copies (run 8, ncu: with a loop
-// per tensor, address arithmetic was ~30% of the dW ring's instructions, and the ring is issue-bound).
-__device__ __forceinline__ void issue_stage(unsigned char* slot, const a_t* a, const b_t* b, const float* rstd,
-                                            const Layout& la, const Layout& lb, int p, long long t0,
-                                            long long rows_per_group, long long group_step, int h, int col0,
-                                            int n) {
-    for (int i = p; i < ROWS_PER_STAGE * CHUNKS; i += PRODUCERS) {
-        const int row = i / CHUNKS, ch = i % CHUNKS;
-        const long long t = t0 + row;
-        if (t >= rows_per_group) break;  // i grows with row: later i are past the end too
-        const long long r = t * group_step + h;
-        if (ch < A_CHUNKS)
-            copy_chunk(slot + row * A_ROW_BYTES + ch * 16, a + fold_row_offset(r, la),
-                       col0 + ch * (16 / static_cast<int>(sizeof(a_t))), n);
-#if WHAT != 0
-        if (ch < B_CHUNKS)
-            copy_chunk(slot + A_TILE + row * B_ROW_BYTES + ch * 16, b + fold_row_offset(r, lb),
-                       col0 + ch * (16 / static_cast<int>(sizeof(b_t))), n);
-        if (ch == 0) cp_async4(slot + A_TILE + B_TILE + row * 4, rstd + r);
-#else
-        (void)b, (void)lb, (void)rstd;
-#endif
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
     extern __shared__ __align__(16) unsigned char ring[];
     const int h = blockIdx.y;
@@ -205,8 +224,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
     const int p = threadIdx.x - 32;
 
     auto issue = [&](long long s) {
-        issue_stage(ring + (s % STAGES) * STAGE_BYTES, a, b, rstd, la, lb, p, s * ROWS_PER_STAGE, rows_per_group,
-                    group_step, h, col0, n);
+        copy_rows<ROWS_PER_STAGE, PRODUCERS, A_ROW_BYTES, B_ROW_BYTES>(
+            ring + (s % STAGES) * STAGE_BYTES, a, b, rstd, la, lb, p, s * ROWS_PER_STAGE, rows_per_group, group_step,
+            h, col0, n);
     };
 
     for (int s = 0; s < STAGES - 1; ++s) {  // one commit group per stage, empty ones included
@@ -230,12 +250,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
         // CONVERT_VEC columns of a row at a time: 16-byte loads of a, b and (row-major) the contributions
         for (int i = p; i < ROWS_PER_STAGE * (COLS / CONVERT_VEC); i += PRODUCERS) {
             const int row = i / (COLS / CONVERT_VEC), c0 = (i % (COLS / CONVERT_VEC)) * CONVERT_VEC;
-            float v[CONVERT_VEC], vb[CONVERT_VEC];
-            load_widened<a_t, A_CODE, CONVERT_VEC>(v, ta + row * COLS + c0);
-            load_widened<b_t, B_CODE, CONVERT_VEC>(vb, tb + row * COLS + c0);
-            const float rs = tr[row];
-#pragma unroll
-            for (int j = 0; j < CONVERT_VEC; ++j) v[j] = contribution(v[j], vb[j], rs);
+            float v[CONVERT_VEC];
+            row_addends<CONVERT_VEC>(v, ta + row * COLS + c0, tb + row * COLS + c0, tr[row]);
 #if COLUMN_MAJOR
 #pragma unroll
             for (int j = 0; j < CONVERT_VEC; ++j) dst[(c0 + j) * COLUMN_STRIDE + row] = v[j];
@@ -299,6 +315,108 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
         out[static_cast<long long>(h) * n + col0 + lane] = Elem<OUT_CODE>::narrow(acc);
 }
 #endif  // COLS
+
+#ifdef STREAM_ROWS
+// fold_stream: the ring with its three jobs in separate warps that wait on each other through shared-memory
+// barriers (mbarrier) instead of a block-wide barrier each stage. LOAD_WARPS copy stages of STREAM_ROWS rows x
+// COLS columns (and rstd) into a ring of STAGES tiles with cp.async, each thread's copies arriving on the
+// tile's `full` barrier as they land; CONVERT_WARPS turn a landed tile into fp32 addends, stored a column's rows
+// contiguous in one of CSTAGES buffers, and free the tile; the consumer warps (one lane a column) fold a
+// buffer's rows in order and free it. Each job runs as far ahead as its buffers let it, so the chain of adds,
+// the copies and the conversion overlap; fold_ring's barrier each stage runs their latencies one after another
+// (run 19: 462 us at 32768 x 4096 with 32 columns a CTA, against a ~66 us chain). Wide rows (32-128 columns:
+// 64-256 bytes of every bf16 row) make whole DRAM bursts; fold_ring's 8 columns read 16 bytes a row.
+constexpr int S_CONSUMER_WARPS = COLS >= 32 ? COLS / 32 : 1;
+constexpr int S_LOADERS = LOAD_WARPS * 32;
+constexpr int S_CONVERTERS = CONVERT_WARPS * 32;
+constexpr int S_VEC = 8;  // columns a converter thread takes at once: 16 bytes of a 16-bit dtype
+static_assert(THREADS == (S_CONSUMER_WARPS + LOAD_WARPS + CONVERT_WARPS) * 32, "THREADS: the three jobs' warps");
+static_assert(COLS % S_VEC == 0 && (COLS <= 32 || COLS % 32 == 0), "COLS: 8, 16, 24 or 32, or whole warps of 32");
+static_assert(STREAM_ROWS % 4 == 0, "the consumer loads four rows at once");
+// tile rows padded by 16 bytes: a converter warp's 16-byte loads of consecutive rows fall in different banks
+constexpr int S_A_PITCH = COLS * sizeof(a_t) + 16;
+constexpr int S_B_PITCH = WHAT != 0 ? COLS * sizeof(b_t) + 16 : 0;
+constexpr int S_SLOT = STREAM_ROWS * (S_A_PITCH + S_B_PITCH) + (WHAT != 0 ? STREAM_ROWS * 4 : 0);
+// a column's rows contiguous, padded by 4 floats: the converters' stores (consecutive rows) and the consumer's
+// 16-byte loads (consecutive columns) fall in different banks
+constexpr int S_CSTRIDE = STREAM_ROWS + 4;
+constexpr int S_CTILE = COLS * S_CSTRIDE;
+// shared memory: the tiles, the addends' buffers, then the barriers (full, empty: a tile's; cfull, cempty: a
+// buffer's); the loader's shmem is S_BARRIERS_AT + (2 * STAGES + 2 * CSTAGES) * 8 bytes
+constexpr int S_BARRIERS_AT = STAGES * S_SLOT + CSTAGES * S_CTILE * 4;
+static_assert(S_SLOT % 16 == 0 && S_BARRIERS_AT % 8 == 0, "16-byte tiles, 8-byte barriers");
+
+// use k of one of `count` buffers taken in turn by items 0, 1, ...: its barrier's phase parity
+__device__ __forceinline__ int stream_use(long long item, int count) { return static_cast<int>((item / count) & 1); }
+
+extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
+    extern __shared__ __align__(16) unsigned char stream_smem[];
+    float* addends = reinterpret_cast<float*>(stream_smem + STAGES * S_SLOT);
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(stream_smem + S_BARRIERS_AT);
+    unsigned long long* empty = full + STAGES;
+    unsigned long long* cfull = empty + STAGES;
+    unsigned long long* cempty = cfull + CSTAGES;
+    const int h = blockIdx.y;
+    const int col0 = blockIdx.x * COLS;
+    const long long stages = (rows_per_group + STREAM_ROWS - 1) / STREAM_ROWS;
+    auto stage_rows = [&](long long s) {
+        const long long left = rows_per_group - s * STREAM_ROWS;
+        return left < STREAM_ROWS ? static_cast<int>(left) : STREAM_ROWS;
+    };
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < STAGES; ++i) mbar_init(full + i, S_LOADERS), mbar_init(empty + i, S_CONVERTERS);
+        for (int i = 0; i < CSTAGES; ++i) mbar_init(cfull + i, S_CONVERTERS), mbar_init(cempty + i, S_CONSUMER_WARPS * 32);
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / 32;
+    if (warp < S_CONSUMER_WARPS) {  // the fold: lane c of the consumer warps adds column col0 + c
+        const int c = threadIdx.x;
+        float acc = 0.0f;
+        for (long long s = 0; s < stages; ++s) {
+            const int cs = static_cast<int>(s % CSTAGES);
+            mbar_wait(cfull + cs, stream_use(s, CSTAGES));
+            if (c < COLS) acc = fold_column<STREAM_ROWS>(acc, stage_rows(s), addends + cs * S_CTILE + c * S_CSTRIDE);
+            mbar_arrive(cempty + cs);
+        }
+        if (c < COLS && col0 + c < n) out[static_cast<long long>(h) * n + col0 + c] = Elem<OUT_CODE>::narrow(acc);
+    } else if (warp < S_CONSUMER_WARPS + LOAD_WARPS) {  // the copies
+        const int p = threadIdx.x - S_CONSUMER_WARPS * 32;
+        const Layout la{as0, as1, asg, r1, g};
+        const Layout lb{bs0, bs1, bsg, r1, g};
+        for (long long s = 0; s < stages; ++s) {
+            const int slot = static_cast<int>(s % STAGES);
+            if (s >= STAGES) mbar_wait(empty + slot, stream_use(s - STAGES, STAGES));  // converted
+            copy_rows<STREAM_ROWS, S_LOADERS, S_A_PITCH, S_B_PITCH>(stream_smem + slot * S_SLOT, a, b, rstd, la, lb, p,
+                                                                  s * STREAM_ROWS, rows_per_group, group_step, h,
+                                                                  col0, n);
+            cp_async_mbar_arrive(full + slot);  // once this thread's copies have landed
+        }
+    } else {  // the conversion: item i is row i % STREAM_ROWS, columns [8 (i / STREAM_ROWS), +8)
+        const int v = threadIdx.x - (S_CONSUMER_WARPS + LOAD_WARPS) * 32;
+        for (long long s = 0; s < stages; ++s) {
+            const int slot = static_cast<int>(s % STAGES), cs = static_cast<int>(s % CSTAGES);
+            const unsigned char* tile = stream_smem + slot * S_SLOT;
+            const float* tr = reinterpret_cast<const float*>(tile + STREAM_ROWS * (S_A_PITCH + S_B_PITCH));
+            float* dst = addends + cs * S_CTILE;
+            const int rows = stage_rows(s);
+            mbar_wait(full + slot, stream_use(s, STAGES));
+            if (s >= CSTAGES) mbar_wait(cempty + cs, stream_use(s - CSTAGES, CSTAGES));  // folded
+            for (int i = v; i < STREAM_ROWS * (COLS / S_VEC); i += S_CONVERTERS) {
+                const int row = i % STREAM_ROWS, c0 = (i / STREAM_ROWS) * S_VEC;
+                if (row >= rows) continue;
+                float val[S_VEC];
+                row_addends<S_VEC>(val, reinterpret_cast<const a_t*>(tile + row * S_A_PITCH) + c0,
+                                   reinterpret_cast<const b_t*>(tile + STREAM_ROWS * S_A_PITCH + row * S_B_PITCH) + c0,
+                                   WHAT != 0 ? tr[row] : 0.0f);
+#pragma unroll
+                for (int j = 0; j < S_VEC; ++j) dst[(c0 + j) * S_CSTRIDE + row] = val[j];
+            }
+            mbar_arrive(empty + slot);
+            mbar_arrive(cfull + cs);
+        }
+    }
+}
+#endif  // STREAM_ROWS
 
 
 #ifdef CHAIN_ROWS
