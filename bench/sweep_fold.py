@@ -47,6 +47,12 @@ TUNINGS += [FoldTuning(stream=True)] + [FoldTuning(stream=True, cols=c, rows_per
                                         for c in (8, 16, 32, 64, 128) for r in (32, 64, 128)]
 TUNINGS += [FoldTuning(stream=True, cols=c, rows_per_stage=r, convert_warps=v, load_warps=lw)
             for c, r in ((32, 64), (64, 32)) for v, lw in ((8, 1), (4, 2), (2, 1))]
+# SWEEP_FOLD_STREAM=cols:rows:load_warps:convert_warps,... replaces the fold_stream configurations
+if os.environ.get("SWEEP_FOLD_STREAM"):
+    TUNINGS = [t for t in TUNINGS if t is None or not t.stream] + [
+        FoldTuning(stream=True, **dict(zip(("cols", "rows_per_stage", "load_warps", "convert_warps"),
+                                           map(int, v.split(":")), strict=True)))
+        for v in os.environ["SWEEP_FOLD_STREAM"].split(",")]
 PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
 STRICT_DW = [(262144, 128), (32768, 4096)]  # rows x N of bf16 dy and x; llama contributions
 
