@@ -41,16 +41,17 @@ TUNINGS += [FoldTuning(cols=32, rows_per_stage=r, smem_bytes=kb * 1024, column_m
 # fold_chain: items of chain_rows rows x cols columns spread over every SM
 TUNINGS += [FoldTuning(cols=c, chain_rows=r, smem_bytes=200 * 1024) for c in (4, 8, 16) for r in (512, 1024, 2048, 4096)
             if c * (r + 4) * 4 + 16 <= 200 * 1024]
-# fold_stream: copies, conversion and fold in separate warps (the planner's own choice, then columns x rows a stage,
-# then more converting or copying warps)
+# fold_stream: converter warps loading rows into registers (the planner's own choice, then columns x rows a stage,
+# then fewer or more converting warps)
 TUNINGS += [FoldTuning(stream=True)] + [FoldTuning(stream=True, cols=c, rows_per_stage=r)
-                                        for c in (8, 16, 32, 64, 128) for r in (32, 64, 128)]
-TUNINGS += [FoldTuning(stream=True, cols=c, rows_per_stage=r, convert_warps=v, load_warps=lw)
-            for c, r in ((32, 64), (64, 32)) for v, lw in ((8, 1), (4, 2), (2, 1))]
-# SWEEP_FOLD_STREAM=cols:rows:load_warps:convert_warps,... replaces the fold_stream configurations
+                                        for c, r in ((8, 64), (8, 128), (16, 32), (16, 64), (16, 128), (32, 32),
+                                                     (32, 64), (64, 16), (64, 32), (128, 16))]
+TUNINGS += [FoldTuning(stream=True, cols=c, rows_per_stage=r, convert_warps=v)
+            for c, r in ((16, 64), (32, 64), (64, 32)) for v in (4, 12, 16)]
+# SWEEP_FOLD_STREAM=cols:rows:convert_warps:buffers,... replaces the fold_stream configurations (0: the planner's)
 if os.environ.get("SWEEP_FOLD_STREAM"):
     TUNINGS = [t for t in TUNINGS if t is None or not t.stream] + [
-        FoldTuning(stream=True, **dict(zip(("cols", "rows_per_stage", "load_warps", "convert_warps"),
+        FoldTuning(stream=True, **dict(zip(("cols", "rows_per_stage", "convert_warps", "buffers"),
                                            map(int, v.split(":")), strict=True)))
         for v in os.environ["SWEEP_FOLD_STREAM"].split(",")]
 PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
@@ -171,7 +172,7 @@ def main() -> None:
         best = min(timed, key=lambda r: r["us"]) if timed else None
         if best:
             knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes", "column_major",
-                                          "chain_rows", "stream", "load_warps", "convert_warps") if k in best}
+                                          "chain_rows", "stream", "convert_warps", "buffers") if k in best}
             print(f"{name:>24}: default {default['us'] if default else float('nan'):8.1f} us, best {best['us']:8.1f}"
                   f" us ({best['x_chain_floor']:.2f}x chain floor) {knobs or 'default'}")
 

@@ -304,35 +304,39 @@ def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_fold_stream_compiles_and_plans(arch, tmp_path, monkeypatch):
-    """fold_stream (FoldTuning.stream): the widest columns that still give most SMs a CTA, tiles filling the
-    CTA's share of an SM's shared memory (up to 16), every dtype and both folds compiling through NVRTC
-    (cp.async's arrival on an mbarrier needs sm_80); column counts and stages it cannot take refused clearly."""
+    """fold_stream (FoldTuning.stream): the widest columns that still give most SMs a CTA, up to 8 row segments a
+    converting lane, addend buffers cut where the CTAs an SM holds would not fit, every dtype and both folds
+    compiling through NVRTC; shapes it cannot take refused clearly."""
     from strictnorm.backends.cuda.backend import FoldTuning
 
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     h200, bf16 = 227 * 1024, torch.bfloat16
     stream = FoldTuning(stream=True)
-    for n, cols in ((4096, 32), (8192, 64), (18432, 64), (2048, 16), (1024, 8), (128, 8)):
+    for n, cols, rows in ((4096, 32, 64), (8192, 64, 32), (18432, 64, 32), (2048, 16, 64), (1024, 8, 64),
+                          (128, 8, 64)):
         fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, tuning=stream, rows=32768, smem_optin=h200)
-        assert fl.kernel == "fold_stream" and fl.defines["COLS"] == cols and fl.grid_x == -(-n // cols)
-        assert 2 <= fl.defines["STAGES"] <= 16 and fl.shmem <= h200
-        assert fl.block == (max(1, cols // 32) + 1 + 4) * 32
-    # 288 CTAs of 64 columns at 18432: three an SM, each within a third of its shared memory
+        assert fl.kernel == "fold_stream" and fl.grid_x == -(-n // cols)
+        assert (fl.defines["COLS"], fl.defines["STREAM_ROWS"]) == (cols, rows) and fl.shmem <= h200
+        assert fl.block == (max(1, cols // 32) + 8) * 32 and fl.defines["CSTAGES"] % 8 == 0
+    # 288 CTAs of 64 columns at 18432: three an SM, each within a third of its shared memory (8 buffers, not 16)
     wide = fold_launch(18432, bf16, bf16, 1, True, True, num_sms=132, tuning=stream, smem_optin=h200)
-    assert wide.shmem <= 228 * 1024 // 3 - 1024
+    assert wide.shmem <= 228 * 1024 // 3 - 1024 and wide.defines["CSTAGES"] == 8
     for a_dtype, b_dtype, what in ((bf16, bf16, 1), (torch.float16, torch.float16, 1), (bf16, torch.float32, 1),
                                    (torch.float32, torch.float32, 0), (bf16, bf16, 0)):
         for cols in (8, 32, 64):
             fl = fold_launch(4096, a_dtype, b_dtype, what, True, True, num_sms=132, smem_optin=h200,
                              tuning=FoldTuning(stream=True, cols=cols))
             assert nvrtc.compile_cubin("fold.cu", arch, fl.defines, use_cache=False)[:4] == b"\x7fELF"
-    for bad in (FoldTuning(stream=True, cols=12), FoldTuning(stream=True, cols=48), FoldTuning(stream=True, cols=256),
-                FoldTuning(stream=True, rows_per_stage=30)):
+    for bad in (FoldTuning(stream=True, cols=24), FoldTuning(stream=True, cols=48), FoldTuning(stream=True, cols=256),
+                FoldTuning(stream=True, rows_per_stage=30), FoldTuning(stream=True, cols=8, rows_per_stage=16)):
         with pytest.raises(ValueError, match="fold_stream takes"):
             fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, tuning=bad, smem_optin=h200)
+    with pytest.raises(ValueError, match="buffers"):
+        fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, smem_optin=h200,
+                    tuning=FoldTuning(stream=True, convert_warps=4, buffers=6))
     with pytest.raises(ValueError, match="shared memory"):
         fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, smem_optin=h200,
-                    tuning=FoldTuning(stream=True, cols=128, rows_per_stage=512))
+                    tuning=FoldTuning(stream=True, cols=128, rows_per_stage=128))
 
 
 def test_default_fold_is_the_chain_for_few_columns_and_many_rows():

@@ -391,12 +391,12 @@ def test_cuda_fold_chain_bitwise(chain_rows, cols, seed):
         cb.fold_tuning = None
 
 
-@pytest.mark.parametrize("cols, rows_per_stage", [(0, 0), (8, 64), (16, 32), (32, 64), (64, 16), (128, 64)])
+@pytest.mark.parametrize("cols, rows_per_stage", [(0, 0), (8, 64), (16, 32), (32, 64), (64, 16), (128, 16)])
 def test_cuda_fold_stream_bitwise(cols, rows_per_stage, seed):
-    """fold_stream (FoldTuning.stream: copies, conversion and fold in separate warps, handing tiles through
-    mbarriers): the plain fold of bf16 and fp32 rows equals the Python loop; the strict dW fold (5000 rows: a
-    partial last stage; 4100 columns: a partial last column group) and per-head dW (4 groups) equal the
-    one-thread-per-column kernel, run after run; every rows-per-stage and column width the planner takes."""
+    """fold_stream (FoldTuning.stream: converter warps loading rows into registers, handing fp32 addends to the
+    consumer warps through mbarrier-guarded buffers): the plain fold of bf16 and fp32 rows equals the Python
+    loop; the strict dW fold (5000 rows: a partial last stage; 4104 columns: a partial last column group) and
+    per-head dW (4 groups) equal the one-thread-per-column kernel, run after run; several widths and stages."""
     from strictnorm.backends.cuda.backend import FoldTuning, fold_launch
     from strictnorm.backends.layout import row_layout
 

@@ -152,8 +152,6 @@ inline void mbar_arrive(unsigned long long* bar) {
     auto& b = g_block->mbars.at(bar);
     if (--b.pending == 0) b.pending = b.count, ++b.phase;
 }
-// the copies are synchronous here: they have landed, so the arrival is at once
-inline void cp_async_mbar_arrive(unsigned long long* bar) { mbar_arrive(bar); }
 inline void mbar_wait(unsigned long long* bar, int parity) {
     const auto start = std::chrono::steady_clock::now();
     for (;;) {

@@ -81,14 +81,13 @@ class FoldTuning:
     # > 0: fold_chain instead of the ring (one group of rows, i.e. no per-head weights): items of this many
     # rows x cols columns spread over every SM, the running sums handed from item to item
     chain_rows: int = 0
-    # fold_stream instead of the ring: copies, conversion and the fold in separate warps waiting on each other
-    # through shared-memory barriers (cols 8-128, rows_per_stage a multiple of 4; smem_bytes and column_major
-    # do not apply: its tiles fill the CTA's share of the SM's shared memory). stages: the tiles in flight (0:
-    # as many as fit, up to 16); load_warps, convert_warps: 0 for 1 and 4
+    # fold_stream instead of the ring: converter warps load rows straight into registers and hand fp32 addends to
+    # the consumer warps through shared-memory buffers (cols 8, 16, 32, 64 or 128; rows_per_stage with whole warps
+    # of 16-byte row segments; smem_bytes, full_stage and column_major do not apply). convert_warps: 0 for 8;
+    # buffers: the addend buffers, a multiple of convert_warps (0: twice as many)
     stream: bool = False
-    stages: int = 0
-    load_warps: int = 0
     convert_warps: int = 0
+    buffers: int = 0
 
 
 def _chain_shmem(cols: int, chain_rows: int) -> int:
@@ -111,7 +110,6 @@ def _chain_launch(n: int, rows: int, num_sms: int, tuning: FoldTuning, defines: 
                       max(1, min(items, num_sms * per_sm)), _THREADS, shmem, 2 + items * cols * 2)
 
 
-_STREAM_CSTAGES = 3  # fold_stream's addend buffers
 _SM_SHARED = 228 * 1024  # an SM's shared memory (Hopper; a CTA reserves 1 KB of it)
 
 
@@ -123,37 +121,31 @@ def _stream_cols(n: int, groups: int, num_sms: int) -> int:
     return 8
 
 
-def _stream_launch(n: int, a_size: int, b_size: int, what: int, num_sms: int, groups: int, smem_optin: int,
-                   tuning: FoldTuning, defines: dict[str, int]) -> FoldLaunch:
+def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: FoldTuning,
+                   defines: dict[str, int]) -> FoldLaunch:
     cols = tuning.cols or _stream_cols(n, groups, num_sms)
-    rows = tuning.rows_per_stage or 64
-    if cols % 8 or not 8 <= cols <= 128 or (cols > 32 and cols % 32) or rows % 4 or rows <= 0:
-        raise ValueError(f"fold_stream takes 8, 16, 24, 32, 64, 96 or 128 columns and a multiple of 4 rows a stage, "
-                         f"got {cols} x {rows}")
-    load_warps, convert_warps = tuning.load_warps or 1, tuning.convert_warps or 4
-    threads = (max(1, cols // 32) + load_warps + convert_warps) * 32
-    if threads > 1024:
-        raise ValueError(f"fold_stream: {threads} threads a CTA, more than 1024")
-    ctas = -(-n // cols) * groups
-    per_sm = min(4, -(-ctas // num_sms))
+    rows = tuning.rows_per_stage or min(64, 2048 // cols)  # up to 8 row segments a converter lane
+    segments = rows * cols // 8
+    if cols not in (8, 16, 32, 64, 128) or rows % 4 or segments % 32:
+        raise ValueError(f"fold_stream takes 8, 16, 32, 64 or 128 columns and rows a stage in multiples of 4 with "
+                         f"whole warps of 8-column segments, got {cols} x {rows}")
+    warps = tuning.convert_warps or 8
+    buffers = tuning.buffers or 2 * warps
+    threads = (max(1, cols // 32) + warps) * 32
+    if threads > 1024 or buffers % warps:
+        raise ValueError(f"fold_stream: {threads} threads a CTA (at most 1024) and {buffers} buffers (a multiple of "
+                         f"{warps} converting warps)")
+    shmem = buffers * cols * (rows + 4) * 4 + buffers * 16
+    per_sm = min(4, -(-(-(-n // cols) * groups) // num_sms))
     budget = min(smem_optin or _SMEM_LIMIT, _SM_SHARED // per_sm - 1024)  # the CTA's share of an SM
-    while True:  # without rows_per_stage: stages of fewer rows where fewer than 4 tiles of 64 fit the share
-        slot = rows * (cols * a_size + 16) + (rows * (cols * b_size + 16) + rows * 4 if what else 0)
-        addends = _STREAM_CSTAGES * cols * (rows + 4) * 4
-        fit = (budget - addends - 2 * _STREAM_CSTAGES * 8) // (slot + 16)
-        if tuning.rows_per_stage or fit >= 4 or rows <= 16:
-            break
-        rows //= 2
-    stages = tuning.stages or min(16, fit)
-    shmem = stages * slot + addends + (2 * stages + 2 * _STREAM_CSTAGES) * 8
-    if stages < 2 or shmem > budget:
-        raise ValueError(f"fold_stream of {cols} columns x {rows} rows a stage: {max(stages, 2)} stages need "
-                         f"{max(stages, 2) * slot + addends} bytes of shared memory, more than the {budget} a CTA "
-                         f"has ({per_sm} an SM)")
-    return FoldLaunch("fold_stream", dict(defines, COLS=cols, STREAM_ROWS=rows, STAGES=stages,
-                                          CSTAGES=_STREAM_CSTAGES, LOAD_WARPS=load_warps,
-                                          CONVERT_WARPS=convert_warps, THREADS=threads),
-                      -(-n // cols), threads, shmem)
+    if shmem > (smem_optin or _SMEM_LIMIT):
+        raise ValueError(f"fold_stream of {cols} columns x {rows} rows a stage: {buffers} buffers need {shmem} bytes "
+                         f"of shared memory, more than {smem_optin or _SMEM_LIMIT}")
+    if shmem > budget and not tuning.buffers:  # fewer buffers where the CTAs an SM holds would otherwise drop
+        buffers = max(warps, (budget // (cols * (rows + 4) * 4 + 16)) // warps * warps)
+        shmem = buffers * cols * (rows + 4) * 4 + buffers * 16
+    return FoldLaunch("fold_stream", dict(defines, COLS=cols, STREAM_ROWS=rows, CSTAGES=buffers,
+                                          CONVERT_WARPS=warps, THREADS=threads), -(-n // cols), threads, shmem)
 
 
 # fold_chain by default where the ring leaves most SMs idle and the chain of adds is long: few columns (the
@@ -225,8 +217,7 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
     if tuning is not None and tuning.chain_rows and groups == 1:
         return _chain_launch(n, rows, num_sms, tuning, defines)
     if tuning is not None and tuning.stream:
-        return _stream_launch(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, groups, smem_optin, tuning,
-                              defines)
+        return _stream_launch(n, num_sms, groups, smem_optin, tuning, defines)
     cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
     defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
     tuning = tuning or FoldTuning()

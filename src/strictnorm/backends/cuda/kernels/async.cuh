@@ -11,12 +11,6 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 }
-// One arrival on the shared-memory barrier `bar` once every cp.async this thread issued before has landed (the
-// barrier's count includes it: .noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(s) : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

@@ -8,7 +8,7 @@
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), OUT_CODE (the
 // result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), for fold_chain: CHAIN_ROWS, COLS, THREADS (below), and for
-// fold_stream: COLS, STREAM_ROWS, STAGES, CSTAGES, LOAD_WARPS, CONVERT_WARPS, THREADS (below), and for
+// fold_stream: COLS, STREAM_ROWS, CSTAGES, CONVERT_WARPS, THREADS (below), and for
 // fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
 // CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), COLUMN_MAJOR
 // (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
@@ -90,6 +90,20 @@ __device__ __forceinline__ float fold_column(float acc, int rows, const float* c
     for (; i + 4 <= rows; i += 4) acc = add4(acc, c4[i / 4]);
     for (; i < rows; ++i) acc = __fadd_rn(acc, col[i]);
     return acc;
+}
+
+// COUNT consecutive values of one row widened to fp32, those at or past `left` as +0.0: 16-byte loads where the
+// row segment is aligned and whole, else one element at a time.
+template <typename T, int CODE, int COUNT>
+__device__ __forceinline__ void load_upto(float* v, const T* p, int left, bool aligned) {
+    if constexpr ((COUNT * sizeof(T)) % 16 == 0) {
+        if (aligned && left >= COUNT) {
+            load_widened<T, CODE, COUNT>(v, p);
+            return;
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < COUNT; ++c) v[c] = c < left ? Elem<CODE>::widen(p[c]) : 0.0f;
 }
 
 #define FOLD_PARAMS                                                                               \
@@ -317,44 +331,71 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
 #endif  // COLS
 
 #ifdef STREAM_ROWS
-// fold_stream: the ring with its three jobs in separate warps that wait on each other through shared-memory
-// barriers (mbarrier) instead of a block-wide barrier each stage. LOAD_WARPS copy stages of STREAM_ROWS rows x
-// COLS columns (and rstd) into a ring of STAGES tiles with cp.async, each thread's copies arriving on the
-// tile's `full` barrier as they land; CONVERT_WARPS turn a landed tile into fp32 addends, stored a column's rows
-// contiguous in one of CSTAGES buffers, and free the tile; the consumer warps (one lane a column) fold a
-// buffer's rows in order and free it. Each job runs as far ahead as its buffers let it, so the chain of adds,
-// the copies and the conversion overlap; fold_ring's barrier each stage runs their latencies one after another
-// (run 19: 462 us at 32768 x 4096 with 32 columns a CTA, against a ~66 us chain). Wide rows (32-128 columns:
-// 64-256 bytes of every bf16 row) make whole DRAM bursts; fold_ring's 8 columns read 16 bytes a row.
+// fold_stream: the fold fed by converter warps that load rows straight into registers. Converter warp w takes
+// stages w, w + CONVERT_WARPS, ... (STREAM_ROWS rows x COLS columns each): it issues all of a stage's 16-byte
+// loads of dy, x and rstd at once, turns them into fp32 addends and stores those, a column's rows contiguous,
+// in one of its own CSTAGES / CONVERT_WARPS buffers once the consumer is done with it (mbarrier cempty), then
+// marks the buffer full (cfull). The consumer warps (one lane a column) take the buffers in stage order and
+// fold their rows in order. Every converter warp has a stage's loads in flight while the consumer adds, and
+// no data passes through shared memory twice: fold_ring copies tiles into shared memory (cp.async), converts
+// them into a second buffer and syncs the block every stage (its time at 32768 x 4096: 305 us, ~4.6x the
+// chain); run 20's first fold_stream, with cp.async tiles and copying warps, reached 242 us at best.
 constexpr int S_CONSUMER_WARPS = COLS >= 32 ? COLS / 32 : 1;
-constexpr int S_LOADERS = LOAD_WARPS * 32;
-constexpr int S_CONVERTERS = CONVERT_WARPS * 32;
-constexpr int S_VEC = 8;  // columns a converter thread takes at once: 16 bytes of a 16-bit dtype
-static_assert(THREADS == (S_CONSUMER_WARPS + LOAD_WARPS + CONVERT_WARPS) * 32, "THREADS: the three jobs' warps");
+constexpr int S_VEC = 8;  // columns a converter lane takes at once: 16 bytes of a 16-bit dtype
+constexpr int S_GROUPS = COLS / S_VEC;
+constexpr int S_ITEMS = STREAM_ROWS * S_GROUPS / 32;  // a converter lane's row segments a stage
+static_assert(THREADS == (S_CONSUMER_WARPS + CONVERT_WARPS) * 32, "THREADS: the consumer's and converters' warps");
 static_assert(COLS % S_VEC == 0 && (COLS <= 32 || COLS % 32 == 0), "COLS: 8, 16, 24 or 32, or whole warps of 32");
-static_assert(STREAM_ROWS % 4 == 0, "the consumer loads four rows at once");
-// tile rows padded by 16 bytes: a converter warp's 16-byte loads of consecutive rows fall in different banks
-constexpr int S_A_PITCH = COLS * sizeof(a_t) + 16;
-constexpr int S_B_PITCH = WHAT != 0 ? COLS * sizeof(b_t) + 16 : 0;
-constexpr int S_SLOT = STREAM_ROWS * (S_A_PITCH + S_B_PITCH) + (WHAT != 0 ? STREAM_ROWS * 4 : 0);
-// a column's rows contiguous, padded by 4 floats: the converters' stores (consecutive rows) and the consumer's
-// 16-byte loads (consecutive columns) fall in different banks
+static_assert(32 % S_GROUPS == 0 || S_GROUPS % 32 == 0, "a row's segments on consecutive lanes");
+static_assert(STREAM_ROWS % 4 == 0 && (STREAM_ROWS * S_GROUPS) % 32 == 0, "whole warps of segments a stage");
+static_assert(CSTAGES % CONVERT_WARPS == 0, "each converter warp owns CSTAGES / CONVERT_WARPS buffers");
+// a column's rows contiguous, padded by 4 floats: the consumer's 16-byte loads (consecutive columns) fall in
+// different banks
 constexpr int S_CSTRIDE = STREAM_ROWS + 4;
 constexpr int S_CTILE = COLS * S_CSTRIDE;
-// shared memory: the tiles, the addends' buffers, then the barriers (full, empty: a tile's; cfull, cempty: a
-// buffer's); the loader's shmem is S_BARRIERS_AT + (2 * STAGES + 2 * CSTAGES) * 8 bytes
-constexpr int S_BARRIERS_AT = STAGES * S_SLOT + CSTAGES * S_CTILE * 4;
-static_assert(S_SLOT % 16 == 0 && S_BARRIERS_AT % 8 == 0, "16-byte tiles, 8-byte barriers");
+// shared memory: the addend buffers, then their barriers; the loader's shmem is S_BARRIERS_AT + CSTAGES * 16
+constexpr int S_BARRIERS_AT = CSTAGES * S_CTILE * 4;
 
 // use k of one of `count` buffers taken in turn by items 0, 1, ...: its barrier's phase parity
 __device__ __forceinline__ int stream_use(long long item, int count) { return static_cast<int>((item / count) & 1); }
 
+// A stage's addends, segment k of this lane in v[k] (lane + 32 k: row (lane + 32 k) / S_GROUPS, columns
+// S_VEC * ((lane + 32 k) % S_GROUPS) on): WHOLE, every row and column of the stage exists (no checks); else
+// rows at or past `rows` are skipped and columns at or past n read as +0.0. All loads are issued before any
+// conversion.
+template <bool WHOLE>
+__device__ __forceinline__ void stage_addends(float (&v)[S_ITEMS][S_VEC], const a_t* a, const b_t* b,
+                                              const float* rstd, const Layout& la, const Layout& lb, int lane,
+                                              long long t0, int rows, long long group_step, int h, int col0, int n) {
+#if WHAT != 0
+    float vb[S_ITEMS][S_VEC];
+    float rs[S_ITEMS];
+#endif
+#pragma unroll
+    for (int k = 0; k < S_ITEMS; ++k) {
+        const int i = lane + 32 * k, row = i / S_GROUPS, c = col0 + (i % S_GROUPS) * S_VEC;
+        if (!WHOLE && row >= rows) continue;
+        const long long r = (t0 + row) * group_step + h;
+        load_upto<a_t, A_CODE, S_VEC>(v[k], a + fold_row_offset(r, la) + c, WHOLE ? S_VEC : n - c, true);
+#if WHAT != 0
+        load_upto<b_t, B_CODE, S_VEC>(vb[k], b + fold_row_offset(r, lb) + c, WHOLE ? S_VEC : n - c, true);
+        rs[k] = rstd[r];
+#endif
+    }
+#if WHAT != 0
+#pragma unroll
+    for (int k = 0; k < S_ITEMS; ++k)
+#pragma unroll
+        for (int j = 0; j < S_VEC; ++j) v[k][j] = contribution(v[k][j], vb[k][j], rs[k]);
+#else
+    (void)b, (void)lb, (void)rstd;
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
     extern __shared__ __align__(16) unsigned char stream_smem[];
-    float* addends = reinterpret_cast<float*>(stream_smem + STAGES * S_SLOT);
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(stream_smem + S_BARRIERS_AT);
-    unsigned long long* empty = full + STAGES;
-    unsigned long long* cfull = empty + STAGES;
+    float* addends = reinterpret_cast<float*>(stream_smem);
+    unsigned long long* cfull = reinterpret_cast<unsigned long long*>(stream_smem + S_BARRIERS_AT);
     unsigned long long* cempty = cfull + CSTAGES;
     const int h = blockIdx.y;
     const int col0 = blockIdx.x * COLS;
@@ -363,10 +404,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
         const long long left = rows_per_group - s * STREAM_ROWS;
         return left < STREAM_ROWS ? static_cast<int>(left) : STREAM_ROWS;
     };
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < STAGES; ++i) mbar_init(full + i, S_LOADERS), mbar_init(empty + i, S_CONVERTERS);
-        for (int i = 0; i < CSTAGES; ++i) mbar_init(cfull + i, S_CONVERTERS), mbar_init(cempty + i, S_CONSUMER_WARPS * 32);
-    }
+    if (threadIdx.x == 0)
+        for (int i = 0; i < CSTAGES; ++i) mbar_init(cfull + i, 32), mbar_init(cempty + i, S_CONSUMER_WARPS * 32);
     __syncthreads();
     const int warp = threadIdx.x / 32;
     if (warp < S_CONSUMER_WARPS) {  // the fold: lane c of the consumer warps adds column col0 + c
@@ -379,41 +418,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
             mbar_arrive(cempty + cs);
         }
         if (c < COLS && col0 + c < n) out[static_cast<long long>(h) * n + col0 + c] = Elem<OUT_CODE>::narrow(acc);
-    } else if (warp < S_CONSUMER_WARPS + LOAD_WARPS) {  // the copies
-        const int p = threadIdx.x - S_CONSUMER_WARPS * 32;
-        const Layout la{as0, as1, asg, r1, g};
-        const Layout lb{bs0, bs1, bsg, r1, g};
-        for (long long s = 0; s < stages; ++s) {
-            const int slot = static_cast<int>(s % STAGES);
-            if (s >= STAGES) mbar_wait(empty + slot, stream_use(s - STAGES, STAGES));  // converted
-            copy_rows<STREAM_ROWS, S_LOADERS, S_A_PITCH, S_B_PITCH>(stream_smem + slot * S_SLOT, a, b, rstd, la, lb, p,
-                                                                  s * STREAM_ROWS, rows_per_group, group_step, h,
-                                                                  col0, n);
-            cp_async_mbar_arrive(full + slot);  // once this thread's copies have landed
-        }
-    } else {  // the conversion: item i is row i % STREAM_ROWS, columns [8 (i / STREAM_ROWS), +8)
-        const int v = threadIdx.x - (S_CONSUMER_WARPS + LOAD_WARPS) * 32;
-        for (long long s = 0; s < stages; ++s) {
-            const int slot = static_cast<int>(s % STAGES), cs = static_cast<int>(s % CSTAGES);
-            const unsigned char* tile = stream_smem + slot * S_SLOT;
-            const float* tr = reinterpret_cast<const float*>(tile + STREAM_ROWS * (S_A_PITCH + S_B_PITCH));
-            float* dst = addends + cs * S_CTILE;
-            const int rows = stage_rows(s);
-            mbar_wait(full + slot, stream_use(s, STAGES));
-            if (s >= CSTAGES) mbar_wait(cempty + cs, stream_use(s - CSTAGES, CSTAGES));  // folded
-            for (int i = v; i < STREAM_ROWS * (COLS / S_VEC); i += S_CONVERTERS) {
-                const int row = i % STREAM_ROWS, c0 = (i / STREAM_ROWS) * S_VEC;
-                if (row >= rows) continue;
-                float val[S_VEC];
-                row_addends<S_VEC>(val, reinterpret_cast<const a_t*>(tile + row * S_A_PITCH) + c0,
-                                   reinterpret_cast<const b_t*>(tile + STREAM_ROWS * S_A_PITCH + row * S_B_PITCH) + c0,
-                                   WHAT != 0 ? tr[row] : 0.0f);
+        return;
+    }
+    const int lane = threadIdx.x % 32;
+    const Layout la{as0, as1, asg, r1, g};
+    const Layout lb{bs0, bs1, bsg, r1, g};
+    for (long long s = warp - S_CONSUMER_WARPS; s < stages; s += CONVERT_WARPS) {
+        const int cs = static_cast<int>(s % CSTAGES), rows = stage_rows(s);
+        float v[S_ITEMS][S_VEC];
+        if (rows == STREAM_ROWS && col0 + COLS <= n)
+            stage_addends<true>(v, a, b, rstd, la, lb, lane, s * STREAM_ROWS, rows, group_step, h, col0, n);
+        else
+            stage_addends<false>(v, a, b, rstd, la, lb, lane, s * STREAM_ROWS, rows, group_step, h, col0, n);
+        if (s >= CSTAGES) mbar_wait(cempty + cs, stream_use(s - CSTAGES, CSTAGES));  // the consumer is done with it
+        float* dst = addends + cs * S_CTILE;
 #pragma unroll
-                for (int j = 0; j < S_VEC; ++j) dst[(c0 + j) * S_CSTRIDE + row] = val[j];
-            }
-            mbar_arrive(empty + slot);
-            mbar_arrive(cfull + cs);
+        for (int k = 0; k < S_ITEMS; ++k) {
+            const int i = lane + 32 * k, row = i / S_GROUPS, c = (i % S_GROUPS) * S_VEC;
+            if (row < rows)
+#pragma unroll
+                for (int j = 0; j < S_VEC; ++j) dst[(c + j) * S_CSTRIDE + row] = v[k][j];
         }
+        mbar_arrive(cfull + cs);
     }
 }
 #endif  // STREAM_ROWS
@@ -435,19 +461,6 @@ constexpr unsigned long long HANDED = 1ull << 32;  // the ready mark above a han
 
 constexpr int CHAIN_STRIDE = CHAIN_ROWS + 4;  // padded: the producers' stores fall in different banks
 static_assert(CHAIN_ROWS % 4 == 0 && COLS <= 32, "four rows a load; one consumer lane per column");
-
-// COLS consecutive values of one row (lanes at or past `left` read as +0.0), widened to fp32.
-template <typename T, int CODE>
-__device__ __forceinline__ void load_cols(float* v, const T* p, int left, bool aligned) {
-    if constexpr ((COLS * sizeof(T)) % 16 == 0) {
-        if (aligned && left >= COLS) {
-            load_widened<T, CODE, COLS>(v, p);
-            return;
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) v[c] = c < left ? Elem<CODE>::widen(p[c]) : 0.0f;
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, int* __restrict__ state,
                                                                    int aligned) {
@@ -475,10 +488,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, in
         for (int r = threadIdx.x; r < rows; r += THREADS) {  // this item's contributions, column-major
             const long long t = t0 + r;
             float va[COLS];
-            load_cols<a_t, A_CODE>(va, a + fold_row_offset(t, la) + col0, n - col0, aligned);
+            load_upto<a_t, A_CODE, COLS>(va, a + fold_row_offset(t, la) + col0, n - col0, aligned);
 #if WHAT != 0
             float vb[COLS];
-            load_cols<b_t, B_CODE>(vb, b + fold_row_offset(t, lb) + col0, n - col0, aligned);
+            load_upto<b_t, B_CODE, COLS>(vb, b + fold_row_offset(t, lb) + col0, n - col0, aligned);
             const float rs = rstd[t];
 #pragma unroll
             for (int c = 0; c < COLS; ++c) va[c] = contribution(va[c], vb[c], rs);
