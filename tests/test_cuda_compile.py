@@ -366,6 +366,19 @@ def test_default_fold_is_the_chain_for_few_columns_and_many_rows():
     assert fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144).kernel == "fold_ring"
 
 
+def test_default_dw_fold_is_the_stream_from_4096_columns():
+    """Without a FoldTuning the dW fold from 4096 columns (where fold_chain does not apply) is fold_stream, 32 columns
+    a CTA up to 8192 columns and 16 beyond, 8 converting warps where the CTAs are one an SM, else 4 (H200, run 20);
+    the plain fold keeps the ring, and so does a device whose shared memory is not known or too small."""
+    h200, bf16 = 227 * 1024, torch.bfloat16
+    for n, groups, cols, warps in ((4096, 1, 32, 8), (8192, 1, 32, 4), (18432, 1, 16, 4), (4096, 2, 32, 4)):
+        fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=32768, groups=groups, smem_optin=h200)
+        assert fl.kernel == "fold_stream" and (fl.defines["COLS"], fl.defines["CONVERT_WARPS"]) == (cols, warps)
+    for n, what, optin in ((2048, 1, h200), (4096, 0, h200), (4096, 1, 0)):
+        dt = bf16 if what else torch.float32
+        assert fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=32768, smem_optin=optin).kernel == "fold_ring"
+
+
 def test_sms_shared_out_between_the_fold_and_the_dx_pass():
     """CudaBackend.fold_sms's arithmetic (no GPU: the residency query's cached answer stands in): fold_chain's grid
     sized for the fold's SMs, the dx pass's persistent grid for the rest; a non-persistent grid untouched."""
