@@ -6,8 +6,7 @@ cuda-fwd-hold<V> / cuda-fwd-stream<T> / cuda-bwd-hold<V> / cuda-bwd-stream<T> (a
 triton-fwd, triton-bwd, liger-fwd, liger-bwd, quack-fwd, quack-bwd; fold-plain (the strict left fold of x's
 rows) and fold-dw (the strict dW fold: contributions recomputed from dy, x and rstd, the kernel behind
 dw="strict"), fold-dw<C> (the ring with C columns a CTA, 128 rows a stage, whole stages converted);
-onepass-strict (the one-pass strict backward, kernels/onepass.cu, default knobs), onepass-strict-global<S> (its
-dx warps reading rows from global memory, S global slots: OnepassTuning.dx_global). bf16 x, dy and weight,
+onepass-strict (the one-pass strict backward, kernels/onepass.cu, default knobs). bf16 x, dy and weight,
 llama mode, fast dW but where named strict.
 Warm-up calls (compiles) run outside the range; each case's range holds one call.
 """
@@ -40,13 +39,8 @@ def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd:
         cb.fold_tuning = FoldTuning(cols=int(cols), rows_per_stage=128, full_stage=True) if cols else None
         return lambda: cb.strict_dw(*row_layout(dy), *row_layout(x), rstd, "llama", w)
     if backend == "onepass":
-        from strictnorm.backends.cuda.backend import OnepassTuning
-
         cb = get_backend("cuda")
         cb.onepass_strict = True
-        # onepass-strict-global<S>: the dx warps reading rows from global memory, S global slots
-        slots = int(shape[0][len("global"):]) if shape and shape[0].startswith("global") else 0
-        cb.onepass_tuning = OnepassTuning(dx_global=True, slots=slots) if slots else None
         return lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
     if backend in ("cuda", "triton"):
         b = get_backend(backend)

@@ -22,11 +22,7 @@ from strictnorm.contract import make_spec
 SHAPES = [(32768, 4096), (8192, 8192), (16384, 4096), (2048, 18432)]
 TUNINGS = [OnepassTuning(), OnepassTuning(dx_groups=1, c_warps=1), OnepassTuning(b_warps=8),
            OnepassTuning(dx_warps=8, dx_groups=4), OnepassTuning(c_warps=4), OnepassTuning(depth=3, tiles=6),
-           OnepassTuning(rows=64, depth=4, tiles=6), OnepassTuning(rows=256, depth=1, tiles=2),
-           # the dx warps reading rows from global memory (L2): tiles free once used, global slots in flight
-           OnepassTuning(dx_global=True, slots=4), OnepassTuning(dx_global=True, slots=8),
-           OnepassTuning(dx_global=True, slots=16), OnepassTuning(rows=256, depth=1, tiles=2, dx_global=True, slots=8),
-           OnepassTuning(rows=64, depth=4, tiles=6, dx_global=True, slots=16)]
+           OnepassTuning(rows=64, depth=4, tiles=6), OnepassTuning(rows=256, depth=1, tiles=2)]
 
 
 def main() -> None:

@@ -67,24 +67,6 @@ def test_onepass_configurations_compile(arch, tmp_path, monkeypatch):
     assert onepass_launch(65536, torch.bfloat16, torch.bfloat16, None, "llama", 132, 227 * 1024) is None
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_onepass_with_dx_from_global_memory_compiles(arch, tmp_path, monkeypatch):
-    """OnepassTuning.dx_global (the dx warps read rows from global memory; global slots apart from the tiles):
-    DX_GLOBAL and SLOTS passed and compiled at 4096 and 18432 columns, bf16 and fp16 rows; slots that a dx group
-    cannot serve alone, or slots other than the tiles without dx_global: no launch."""
-    from strictnorm.backends.cuda.backend import OnepassTuning, onepass_launch
-
-    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
-    for n, dt in ((4096, torch.bfloat16), (18432, torch.float16)):
-        fl = onepass_launch(n, dt, dt, dt, "llama", 132, 227 * 1024, OnepassTuning(dx_global=True, slots=8))
-        assert fl.defines["DX_GLOBAL"] == 1 and fl.defines["SLOTS"] == 8 and fl.shmem <= 227 * 1024
-        assert nvrtc.compile_cubin("onepass.cu", arch, fl.defines, use_cache=False)[:4] == b"\x7fELF"
-    bf16 = torch.bfloat16
-    assert onepass_launch(4096, bf16, bf16, bf16, "llama", 132, 227 * 1024,
-                          OnepassTuning(dx_global=True, slots=3)) is None  # 2 dx groups
-    assert onepass_launch(4096, bf16, bf16, bf16, "llama", 132, 227 * 1024, OnepassTuning(slots=8)) is None
-
-
 def test_disk_cache_is_keyed_by_macros(tmp_path, monkeypatch):
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     d1 = {"A_CODE": 0, "B_CODE": 0, "WHAT": 0, "SIMPLE_ROWS": 1}

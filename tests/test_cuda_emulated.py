@@ -320,16 +320,6 @@ ONEPASS_CASES = [
     # 256 columns a CTA (eight fold warps, rows in eight slices), 9 of 16 groups holding columns
     (70, 2100, (torch.bfloat16,) * 3, "none", OnepassTuning(w_cols=256, rows=16, b_warps=1, dx_warps=2, c_warps=1)),
     (1, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning()),  # a single row
-    # dx_global: the dx warps read their rows from global memory (row ends past N not read), global slots apart
-    # from the tiles: as few as 2, more than the tiles, one group or several
-    (300, 100, (torch.bfloat16,) * 3, "llama", OnepassTuning(rows=32, depth=1, tiles=2, b_warps=1, dx_warps=1,
-                                                              dx_groups=1, c_warps=1, dx_global=True, slots=2)),
-    (517, 1000, (torch.bfloat16,) * 3, "gemma", OnepassTuning(rows=64, depth=3, tiles=4, b_warps=2, dx_warps=2,
-                                                               c_warps=3, dx_global=True, slots=8)),
-    (203, 2050, (torch.float16, torch.float32, torch.float32), "none",
-     OnepassTuning(w_cols=64, rows=32, b_warps=1, dx_warps=1, dx_groups=1, dx_global=True, slots=5)),
-    (70, 2100, (torch.bfloat16,) * 3, "none", OnepassTuning(w_cols=256, rows=16, b_warps=1, dx_warps=2, c_warps=1,
-                                                             dx_global=True)),
 ]
 
 

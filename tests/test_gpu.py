@@ -267,12 +267,10 @@ def test_dx_pass_shares_the_sms_out_with_the_strict_fold(backend, m, n, seed):
     (32773, 4096, torch.bfloat16, torch.bfloat16, "llama"), (4099, 1000, torch.bfloat16, torch.bfloat16, "gemma"),
     (2048, 18432, torch.bfloat16, torch.bfloat16, "llama"), (1000, 8192, torch.float16, torch.float32, "none"),
     (3001, 5120, torch.float32, torch.float32, "llama"), (777, 64, torch.bfloat16, torch.bfloat16, "gemma")])
-@pytest.mark.parametrize("dx_global", [False, True])
-def test_cuda_onepass_strict_backward_bitwise(m, n, dtype, wdtype, mode, dx_global, seed):
+def test_cuda_onepass_strict_backward_bitwise(m, n, dtype, wdtype, mode, seed):
     """onepass.cu (CudaBackend.onepass_strict: column-group CTAs exchanging row sums, dW folded in row order):
     dx and the strict dW equal the reference's, in a cooperative launch; run twice (the arrival counters are
-    fresh per launch). dx_global: the dx warps reading rows from global memory, 8 global slots."""
-    from strictnorm.backends.cuda.backend import OnepassTuning
+    fresh per launch)."""
     from strictnorm.contract import make_spec
 
     cb, tr = get_backend("cuda"), get_backend("torch")
@@ -281,15 +279,13 @@ def test_cuda_onepass_strict_backward_bitwise(m, n, dtype, wdtype, mode, dx_glob
     rstd = tr.rms_norm_fwd(x, w, None, spec)[1]
     want = tr.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
     cb.onepass_strict = True
-    cb.onepass_tuning = OnepassTuning(dx_global=True, slots=8) if dx_global else None
     try:
         for _ in range(2):
             got = cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
             assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
-        assert any(p.onepass is not None and ("DX_GLOBAL" in p.onepass.launch.defines) == dx_global
-                   for p in cb._bwd_plans.values())
+        assert any(p.onepass is not None for p in cb._bwd_plans.values())
     finally:
-        cb.onepass_strict, cb.onepass_tuning = False, None
+        cb.onepass_strict = False
 
 
 def test_cuda_onepass_in_a_cuda_graph(seed):

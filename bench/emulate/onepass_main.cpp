@@ -38,8 +38,8 @@ int main(int argc, char** argv) {
         std::memcpy(z + r * zpitch, dense_z + r * n, n * sizeof(n_t));
     }
     const long long blocks = (rows + ROWS - 1) / ROWS;
-    auto* partials = buffer<float>(static_cast<long long>(SLOTS) * ROWS * GROUPS);
-    auto* cvals = buffer<float>(static_cast<long long>(SLOTS) * ROWS);
+    auto* partials = buffer<float>(static_cast<long long>(TILES) * ROWS * GROUPS);
+    auto* cvals = buffer<float>(static_cast<long long>(TILES) * ROWS);
     auto* arrive1 = buffer<int>(blocks);
     auto* arrive2 = buffer<int>(blocks);
     std::memset(arrive1, 0, blocks * sizeof(int)), std::memset(arrive2, 0, blocks * sizeof(int));

@@ -467,9 +467,7 @@ class OnepassTuning:
     ahead; tiles: the ring's slots (more than depth: the rest hold blocks waiting for their dx; a multiple of
     dx_groups); b_warps: warps loading blocks and computing their row sums and dW contributions; dx_warps:
     warps computing dx, in dx_groups groups taking blocks in turn; c_warps: combine warps taking blocks in turn
-    (beside them, w_cols / 32 fold warps). dx_global: the dx warps read their rows again from global memory (L2)
-    instead of the tile, so a tile is free once its row sums and contributions are done; slots: the global slots
-    of row sums and c values then (a multiple of dx_groups, at least 2; 0: tiles)."""
+    (beside them, w_cols / 32 fold warps)."""
 
     w_cols: int = 0
     rows: int = 128
@@ -479,8 +477,6 @@ class OnepassTuning:
     dx_warps: int = 4
     dx_groups: int = 2
     c_warps: int = 2
-    dx_global: bool = False
-    slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -518,9 +514,6 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
             or tuning.tiles <= tuning.depth or tuning.dx_warps % tuning.dx_groups or tuning.tiles % tuning.dx_groups
             or tuning.dx_groups > 14):
         return None
-    slots = tuning.slots or tuning.tiles
-    if slots != tuning.tiles and not tuning.dx_global or slots % tuning.dx_groups or slots < 2:
-        return None
     threads = 32 * (w_cols // 32 + tuning.b_warps + tuning.dx_warps + tuning.c_warps)
     if threads > 1024:
         return None
@@ -529,7 +522,7 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
     def shmem_of(rows: int) -> int:  # onepass.cu's ONEPASS_SMEM
         tile = rows * (w_cols * dy_dtype.itemsize + 16 + w_cols * z_dtype.itemsize + 16) + rows * 4
         return (tuning.tiles * tile + 2 * rows * (w_cols + 4) * 4 + 4 * (w_cols + tuning.dx_groups * rows)
-                + 8 * (tuning.tiles + slots + 4))
+                + 8 * (2 * tuning.tiles + 4))
 
     rows = tuning.rows
     while shmem_of(rows) > smem_optin and rows // 2 >= 4 and (rows // 2) % 4 == 0:
@@ -541,9 +534,7 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
                "MODE": MODE_CODES[mode], "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols,
                "G_DATA": -(-n // w_cols), "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "TILES": tuning.tiles,
                "B_WARPS": tuning.b_warps, "DX_WARPS": tuning.dx_warps, "DX_GROUPS": tuning.dx_groups,
-               "C_WARPS": tuning.c_warps, "SLOTS": slots, "THREADS": threads}
-    if tuning.dx_global:
-        defines["DX_GLOBAL"] = 1
+               "C_WARPS": tuning.c_warps, "THREADS": threads}
     return OnepassLaunch(defines, defines["G_DATA"], threads, shmem_of(rows))
 
 
@@ -638,7 +629,7 @@ class _OnepassPlan:
     kernel: object
     launch: OnepassLaunch
     blocks: int  # blocks of rows: one arrival counter each (two kinds)
-    slot_rows: int  # rows of the global exchange buffers: SLOTS blocks in flight
+    slot_rows: int  # rows of the global exchange buffers: TILES blocks in flight
 
 
 class CudaBackend:
@@ -963,7 +954,7 @@ class CudaBackend:
         resident = kernel.kernel.occupancy.max_active_blocks_per_multiprocessor(fl.threads, fl.shmem)
         if resident * props.multi_processor_count < fl.grid:
             return None
-        return _OnepassPlan(kernel, fl, -(-v.lay.rows // fl.defines["ROWS"]), fl.defines["SLOTS"] * fl.defines["ROWS"])
+        return _OnepassPlan(kernel, fl, -(-v.lay.rows // fl.defines["ROWS"]), fl.defines["TILES"] * fl.defines["ROWS"])
 
     def _run_onepass(self, plan: _BwdPlan, dy: Tensor, z: Tensor, w: Tensor | None, rstd: Tensor, dx: Tensor,
                      weight: Tensor) -> Tensor:

@@ -33,14 +33,6 @@
 // after its warps' barrier and polled by one thread with acquire loads before its warps' barrier, as a grid
 // barrier does it.
 //
-// DX_GLOBAL (opt-in): D reads its block's rows of dy, z and rstd again from global memory (L2, where B loaded
-// them shortly before) instead of from the tile, so a tile is free once B has used it and the ring holds only
-// the blocks B has yet to use: the rows' wait for their c values (two grid-wide hand-overs) no longer holds
-// shared memory. The global slots of partials and c values, SLOTS of each (a multiple of DX_GROUPS), then keep
-// the blocks in flight: B writes block b's partials once this CTA's D has finished block b - SLOTS (the
-// `freed` barriers, indexed by slot), which keeps the argument above with SLOTS in place of TILES. Without
-// DX_GLOBAL, SLOTS equals TILES.
-//
 // Same bits as the reference: the row sums are canon_sum's, c = sum / N, dx and the contributions are
 // rms_norm.cu's and fold.cu's expressions, and each column's fold adds the rows in ascending order.
 //
@@ -59,15 +51,6 @@ typedef Elem<DYC>::T dy_t;
 typedef Elem<NC>::T n_t;
 typedef Elem<WC>::T w_t;
 
-#ifndef DX_GLOBAL
-#define DX_GLOBAL 0
-#endif
-#ifndef SLOTS
-#define SLOTS TILES
-#endif
-static_assert(DX_GLOBAL ? SLOTS % DX_GROUPS == 0 && SLOTS >= 2 : SLOTS == TILES,
-              "global slots: each served by one dx group; the tiles' count without DX_GLOBAL");
-
 constexpr int FOLD_WARPS = W_COLS / 32;  // one thread a column
 constexpr int B_T0 = FOLD_WARPS * 32, B_THREADS = B_WARPS * 32;
 constexpr int DX_T0 = B_T0 + B_THREADS, DX_THREADS = DX_WARPS * 32;
@@ -84,7 +67,7 @@ constexpr int DY_TILE = ROWS * DY_PITCH, Z_TILE = ROWS * Z_PITCH;
 constexpr int TILE_BYTES = DY_TILE + Z_TILE + ROWS * 4;
 constexpr int C_PITCH = W_COLS + 4;  // floats: the contributions' rows, padded so (row, slice) stores spread over banks
 constexpr int CONTRIB_BYTES = ROWS * C_PITCH * 4;
-constexpr int MBARS = TILES + SLOTS + 4;  // landed[TILES], freed[SLOTS], full[2], empty[2]
+constexpr int MBARS = 2 * TILES + 4;  // landed[TILES], freed[TILES], full[2], empty[2]
 constexpr int MBAR_OFFSET = TILES * TILE_BYTES + 2 * CONTRIB_BYTES + 4 * (W_COLS + DX_GROUPS * ROWS);
 constexpr int ONEPASS_SMEM = MBAR_OFFSET + 8 * MBARS;
 constexpr int LEAVES = GROUPS >= 32 ? GROUPS / 32 : 1;  // subtree sums a lane combines
@@ -145,8 +128,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
     float* wf = contrib + 2 * ROWS * C_PITCH;  // the group's effective weight (row sums and dx)
     float* cs_all = wf + W_COLS;  // per dx group: the c values of its block, staged once from global memory
     unsigned long long* landed = reinterpret_cast<unsigned long long*>(onepass_smem + MBAR_OFFSET);  // B -> D
-    unsigned long long* freed = landed + TILES;  // D -> B: a block's dx done (its tile and global slot read)
-    unsigned long long* full = freed + SLOTS;  // B -> fold: a contributions buffer written
+    unsigned long long* freed = landed + TILES;  // D -> B: a tile read for the last time
+    unsigned long long* full = freed + TILES;  // B -> fold: a contributions buffer written
     unsigned long long* empty = full + 2;  // fold -> B: a contributions buffer added
     for (int c = threadIdx.x; c < W_COLS; c += THREADS) {
         float v = 1.0f;
@@ -158,8 +141,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         wf[c] = v;
     }
     if (threadIdx.x == 0) {
-        for (int s = 0; s < TILES; ++s) mbar_init(landed + s, B_THREADS);
-        for (int s = 0; s < SLOTS; ++s) mbar_init(freed + s, DX_GROUP);
+        for (int s = 0; s < TILES; ++s) mbar_init(landed + s, B_THREADS), mbar_init(freed + s, DX_GROUP);
         for (int k = 0; k < 2; ++k) mbar_init(full + k, B_THREADS), mbar_init(empty + k, 32 * FOLD_WARPS);
     }
     __syncthreads();  // the weights and the barriers, for every warp
@@ -169,8 +151,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             if (lane == 0) poll_all(arrive1 + j);
             __syncwarp();
             const int live = live_rows(j);
-            const float* part = partials + (j % SLOTS) * ROWS * GROUPS;
-            float* cv = cvals + (j % SLOTS) * ROWS;
+            const float* part = partials + (j % TILES) * ROWS * GROUPS;
+            float* cv = cvals + (j % TILES) * ROWS;
             for (int r = grp; r < live; r += G_DATA) {
                 float leaf[LEAVES];
 #pragma unroll
@@ -241,17 +223,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         }
         for (long long i = 0; i < blocks; ++i) {
             cp_async_wait<DEPTH - 1>();  // this thread's copies of block i landed
-#if !DX_GLOBAL
             mbar_arrive(landed + i % TILES);  // for D
-#endif
             named_barrier(1, B_THREADS);  // and every B thread's
             if (i >= 2) mbar_wait(empty + (i & 1), use(i - 2, 2));  // the fold has added block i - 2
-#if DX_GLOBAL
-            if (i >= SLOTS) mbar_wait(freed + i % SLOTS, use(i - SLOTS, SLOTS));  // D is done with its slot
-#endif
             const TileView tv = view(i);
             const int live = live_rows(i);
-            float* part = partials + (i % SLOTS) * ROWS * GROUPS;
+            float* part = partials + (i % TILES) * ROWS * GROUPS;
             float* cb = contrib + (i & 1) * ROWS * C_PITCH;
             for (int pair = t; pair < ROWS * SL; pair += B_THREADS) {  // whole warps: the shuffles below
                 const int r = pair / SL;
@@ -279,8 +256,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             named_barrier(1, B_THREADS);  // every B thread's partials written
             if (t == 0) add_release(arrive1 + i, 1);
             const long long next = i + DEPTH;  // into the slot of block next - TILES, once D has read it
-            if (next < blocks) {  // (with DX_GLOBAL only B reads a tile: block next - TILES < i is done)
-                if (!DX_GLOBAL && next >= TILES) mbar_wait(freed + next % TILES, use(next - TILES, TILES));
+            if (next < blocks) {
+                if (next >= TILES) mbar_wait(freed + next % TILES, use(next - TILES, TILES));
                 issue(next);
             }
             cp_async_commit();
@@ -290,41 +267,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         float* cs = cs_all + group * ROWS;
         for (long long j = group; j < blocks; j += DX_GROUPS) {
             if (t == 0) poll_all(arrive2 + j);
-#if !DX_GLOBAL
             mbar_wait(landed + j % TILES, use(j, TILES));
-            const TileView tv = view(j);
-#endif
             named_barrier(2 + group, DX_GROUP);
+            const TileView tv = view(j);
             const int live = live_rows(j);
-            const float* cv = cvals + (j % SLOTS) * ROWS;
+            const float* cv = cvals + (j % TILES) * ROWS;
             for (int r = t; r < live; r += DX_GROUP) cs[r] = __ldcg(cv + r);  // one L2 trip, not one a column
             named_barrier(2 + group, DX_GROUP);
             constexpr int CHUNKS = W_COLS / DX_VEC;
             for (int e = t; e < live * CHUNKS; e += DX_GROUP) {
                 const int r = e / CHUNKS, c0 = (e % CHUNKS) * DX_VEC;
-                const float c = cs[r];
+                const float rs = tv.rstd[r], c = cs[r];
                 float vd[DX_VEC], vz[DX_VEC];
-#if DX_GLOBAL
-                const long long row = j * ROWS + r;
-                const float rs = rstd[row];
-                const dy_t* gd = dy + row * ds + col0 + c0;
-                const n_t* gz = z + row * zs + col0 + c0;
-                if (col0 + c0 + DX_VEC <= n) {
-                    load_widened<dy_t, DYC, DX_VEC>(vd, gd);
-                    load_widened<n_t, NC, DX_VEC>(vz, gz);
-                } else {  // the row's last chunk: its columns past N are not read (nor stored below)
-#pragma unroll
-                    for (int q = 0; q < DX_VEC; ++q) {
-                        const bool in = col0 + c0 + q < n;
-                        vd[q] = in ? Elem<DYC>::widen(gd[q]) : 0.0f;
-                        vz[q] = in ? Elem<NC>::widen(gz[q]) : 0.0f;
-                    }
-                }
-#else
-                const float rs = tv.rstd[r];
                 load_widened<dy_t, DYC, DX_VEC>(vd, reinterpret_cast<const dy_t*>(tv.dy + r * DY_PITCH) + c0);
                 load_widened<n_t, NC, DX_VEC>(vz, reinterpret_cast<const n_t*>(tv.z + r * Z_PITCH) + c0);
-#endif
                 __align__(16) n_t out[DX_VEC];
 #pragma unroll
                 for (int q = 0; q < DX_VEC; ++q) {
@@ -341,9 +297,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                     for (int q = 0; q < DX_VEC && col0 + c0 + q < n; ++q) dst[q] = out[q];
                 }
             }
-            // this thread is done with block j's tile and global slot; cs is rewritten for the next block only
-            // after every thread's reads (behind the next block's first barrier)
-            mbar_arrive(freed + j % SLOTS);
+            // this thread is done with block j's tile; cs is rewritten for the next block only after every
+            // thread's reads (behind the next block's first barrier)
+            mbar_arrive(freed + j % TILES);
         }
     }
 }
