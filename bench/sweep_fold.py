@@ -48,11 +48,15 @@ TUNINGS += [FoldTuning(stream=True)] + [FoldTuning(stream=True, cols=c, rows_per
                                                      (32, 64), (64, 16), (64, 32), (128, 16))]
 TUNINGS += [FoldTuning(stream=True, cols=c, rows_per_stage=r, convert_warps=v)
             for c, r in ((16, 64), (32, 64), (64, 32)) for v in (4, 12, 16)]
-# SWEEP_FOLD_STREAM=cols:rows:convert_warps:buffers,... replaces the fold_stream configurations (0: the planner's)
+# the addend buffers padded after each group of 8 columns (the converters' stores free of bank conflicts)
+TUNINGS += [FoldTuning(stream=True, cols=c, rows_per_stage=r, convert_warps=v, pad_groups=True)
+            for c, r, v in ((32, 64, 8), (32, 64, 4), (16, 64, 4), (16, 64, 8), (64, 32, 8))]
+# SWEEP_FOLD_STREAM=cols:rows:convert_warps:buffers[:pad],... replaces the fold_stream configurations (0: the
+# planner's; pad 1: pad_groups)
 if os.environ.get("SWEEP_FOLD_STREAM"):
     TUNINGS = [t for t in TUNINGS if t is None or not t.stream] + [
-        FoldTuning(stream=True, **dict(zip(("cols", "rows_per_stage", "convert_warps", "buffers"),
-                                           map(int, v.split(":")), strict=True)))
+        FoldTuning(stream=True, **dict(zip(("cols", "rows_per_stage", "convert_warps", "buffers", "pad_groups"),
+                                           map(int, v.split(":")), strict=False)))
         for v in os.environ["SWEEP_FOLD_STREAM"].split(",")]
 PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
 STRICT_DW = [(262144, 128), (32768, 4096)]  # rows x N of bf16 dy and x; llama contributions
@@ -172,7 +176,8 @@ def main() -> None:
         best = min(timed, key=lambda r: r["us"]) if timed else None
         if best:
             knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes", "column_major",
-                                          "chain_rows", "stream", "convert_warps", "buffers") if k in best}
+                                          "chain_rows", "stream", "convert_warps", "buffers",
+                                          "pad_groups") if k in best}
             print(f"{name:>24}: default {default['us'] if default else float('nan'):8.1f} us, best {best['us']:8.1f}"
                   f" us ({best['x_chain_floor']:.2f}x chain floor) {knobs or 'default'}")
 

@@ -309,6 +309,13 @@ def test_fold_stream_compiles_and_plans(arch, tmp_path, monkeypatch):
             fl = fold_launch(4096, a_dtype, b_dtype, what, True, True, num_sms=132, smem_optin=h200,
                              tuning=FoldTuning(stream=True, cols=cols))
             assert nvrtc.compile_cubin("fold.cu", arch, fl.defines, use_cache=False)[:4] == b"\x7fELF"
+    # the buffers padded after each group of 8 columns: 8 floats more a group, the default's macros untouched
+    padded = fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, smem_optin=h200,
+                         tuning=FoldTuning(stream=True, pad_groups=True))
+    plain = fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, smem_optin=h200, tuning=stream)
+    assert padded.defines["GROUP_PAD"] == 8 and "GROUP_PAD" not in plain.defines
+    assert padded.shmem - plain.shmem == plain.defines["CSTAGES"] * 4 * 8 * 4
+    assert nvrtc.compile_cubin("fold.cu", arch, padded.defines, use_cache=False)[:4] == b"\x7fELF"
     for bad in (FoldTuning(stream=True, cols=24), FoldTuning(stream=True, cols=48), FoldTuning(stream=True, cols=256),
                 FoldTuning(stream=True, rows_per_stage=30), FoldTuning(stream=True, cols=8, rows_per_stage=16)):
         with pytest.raises(ValueError, match="fold_stream takes"):

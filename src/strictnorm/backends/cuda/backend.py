@@ -88,6 +88,9 @@ class FoldTuning:
     stream: bool = False
     convert_warps: int = 0
     buffers: int = 0
+    # fold_stream's addend buffers padded by 8 floats after each group of 8 columns (GROUP_PAD): the converters'
+    # stores free of bank conflicts (opt-in, not yet run on a GPU)
+    pad_groups: bool = False
 
 
 def _chain_shmem(cols: int, chain_rows: int) -> int:
@@ -137,13 +140,16 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
                          f"{warps} converting warps)")
     per_sm = min(4, -(-(-(-n // cols) * groups) // num_sms))
     budget = min(smem_optin or _SMEM_LIMIT, _SM_SHARED // per_sm - 1024)  # the CTA's share of an SM
-    per_buffer = cols * (rows + 4) * 4 + 16
+    pad = 8 if tuning.pad_groups else 0
+    per_buffer = (cols * (rows + 4) + cols // 8 * pad) * 4 + 16
     if not tuning.buffers and buffers * per_buffer > budget:  # fewer where the CTAs an SM holds would not fit
         buffers = max(warps, budget // per_buffer // warps * warps)
     shmem = buffers * per_buffer
     if shmem > (smem_optin or _SMEM_LIMIT):
         raise ValueError(f"fold_stream of {cols} columns x {rows} rows a stage: {buffers} buffers need {shmem} bytes "
                          f"of shared memory, more than {smem_optin or _SMEM_LIMIT}")
+    if pad:
+        defines = dict(defines, GROUP_PAD=pad)
     return FoldLaunch("fold_stream", dict(defines, COLS=cols, STREAM_ROWS=rows, CSTAGES=buffers,
                                           CONVERT_WARPS=warps, THREADS=threads), -(-n // cols), threads, shmem)
 

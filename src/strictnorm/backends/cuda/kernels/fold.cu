@@ -8,7 +8,7 @@
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), OUT_CODE (the
 // result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), for fold_chain: CHAIN_ROWS, COLS, THREADS (below), and for
-// fold_stream: COLS, STREAM_ROWS, CSTAGES, CONVERT_WARPS, THREADS (below), and for
+// fold_stream: COLS, STREAM_ROWS, CSTAGES, CONVERT_WARPS, THREADS, GROUP_PAD (below), and for
 // fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
 // CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), COLUMN_MAJOR
 // (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
@@ -350,9 +350,15 @@ static_assert(32 % S_GROUPS == 0 || S_GROUPS % 32 == 0, "a row's segments on con
 static_assert(STREAM_ROWS % 4 == 0 && (STREAM_ROWS * S_GROUPS) % 32 == 0, "whole warps of segments a stage");
 static_assert(CSTAGES % CONVERT_WARPS == 0, "each converter warp owns CSTAGES / CONVERT_WARPS buffers");
 // a column's rows contiguous, padded by 4 floats: the consumer's 16-byte loads (consecutive columns) fall in
-// different banks
+// different banks. GROUP_PAD (floats, 0 or 8) more after each group of S_VEC columns: the converters' stores, whose
+// lanes hold the same row of different groups, then fall in different banks too (without it those lanes meet in
+// one bank: up to 4-way conflicts at 32 columns)
+#ifndef GROUP_PAD
+#define GROUP_PAD 0
+#endif
 constexpr int S_CSTRIDE = STREAM_ROWS + 4;
-constexpr int S_CTILE = COLS * S_CSTRIDE;
+constexpr int S_CTILE = COLS * S_CSTRIDE + S_GROUPS * GROUP_PAD;
+__device__ __forceinline__ int column_at(int c) { return c * S_CSTRIDE + (c / S_VEC) * GROUP_PAD; }
 // shared memory: the addend buffers, then their barriers; the loader's shmem is S_BARRIERS_AT + CSTAGES * 16
 constexpr int S_BARRIERS_AT = CSTAGES * S_CTILE * 4;
 
@@ -414,7 +420,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
         for (long long s = 0; s < stages; ++s) {
             const int cs = static_cast<int>(s % CSTAGES);
             mbar_wait(cfull + cs, stream_use(s, CSTAGES));
-            if (c < COLS) acc = fold_column<STREAM_ROWS>(acc, stage_rows(s), addends + cs * S_CTILE + c * S_CSTRIDE);
+            if (c < COLS) acc = fold_column<STREAM_ROWS>(acc, stage_rows(s), addends + cs * S_CTILE + column_at(c));
             mbar_arrive(cempty + cs);
         }
         if (c < COLS && col0 + c < n) out[static_cast<long long>(h) * n + col0 + c] = Elem<OUT_CODE>::narrow(acc);
@@ -437,7 +443,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
             const int i = lane + 32 * k, row = i / S_GROUPS, c = (i % S_GROUPS) * S_VEC;
             if (row < rows)
 #pragma unroll
-                for (int j = 0; j < S_VEC; ++j) dst[(c + j) * S_CSTRIDE + row] = v[k][j];
+                for (int j = 0; j < S_VEC; ++j) dst[column_at(c + j) + row] = v[k][j];
         }
         mbar_arrive(cfull + cs);
     }
