@@ -345,7 +345,7 @@ constexpr int S_VEC = 8;  // columns a converter lane takes at once: 16 bytes of
 constexpr int S_GROUPS = COLS / S_VEC;
 constexpr int S_ITEMS = STREAM_ROWS * S_GROUPS / 32;  // a converter lane's row segments a stage
 static_assert(THREADS == (S_CONSUMER_WARPS + CONVERT_WARPS) * 32, "THREADS: the consumer's and converters' warps");
-static_assert(COLS % S_VEC == 0 && (COLS <= 32 || COLS % 32 == 0), "COLS: 8, 16, 24 or 32, or whole warps of 32");
+static_assert(COLS % S_VEC == 0 && (COLS <= 32 || COLS % 32 == 0), "COLS: 8, 16, 32, 64 or 128");
 static_assert(32 % S_GROUPS == 0 || S_GROUPS % 32 == 0, "a row's segments on consecutive lanes");
 static_assert(STREAM_ROWS % 4 == 0 && (STREAM_ROWS * S_GROUPS) % 32 == 0, "whole warps of segments a stage");
 static_assert(CSTAGES % CONVERT_WARPS == 0, "each converter warp owns CSTAGES / CONVERT_WARPS buffers");
