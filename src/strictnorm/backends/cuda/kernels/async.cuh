@@ -75,6 +75,12 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
 }
 #endif
 
+// The phase parity an mbar_wait names for the use of a barrier by `item` (0, 1, ...), when `count` barriers are
+// taken in turn: the barrier's (item / count)-th completion.
+__device__ __forceinline__ int mbar_use_parity(long long item, int count) {
+    return static_cast<int>((item / count) & 1);
+}
+
 // One 16-byte chunk of a row segment from column c on: fewer bytes, zero-filled, past column n.
 template <typename T>
 __device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* row, int c, int n) {

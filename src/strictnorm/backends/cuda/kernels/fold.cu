@@ -131,55 +131,6 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
     out[static_cast<long long>(h) * n + col] = Elem<OUT_CODE>::narrow(acc);
 }
 
-#if defined(COLS) && !defined(CHAIN_ROWS)
-// Copies rows [t0, t0 + ROWS) of group h, columns [col0, col0 + COLS), into one ring slot with cp.async: a's
-// row segments (A_PITCH bytes apart), b's (from ROWS * A_PITCH on, B_PITCH apart) and rstd (after them) for
-// the dW fold. Thread p of NTHREADS takes chunk ch of row `row` for i = row * CHUNKS + ch (consecutive threads,
-// consecutive chunks of a row), a row's offsets computed once for all its copies (run 8, ncu: with a loop per
-// tensor, address arithmetic was ~30% of the dW ring's instructions). Rows past the group's end are not copied.
-template <int ROWS, int NTHREADS, int A_PITCH, int B_PITCH>
-__device__ __forceinline__ void copy_rows(unsigned char* slot, const a_t* a, const b_t* b, const float* rstd,
-                                          const Layout& la, const Layout& lb, int p, long long t0,
-                                          long long rows_per_group, long long group_step, int h, int col0, int n) {
-    constexpr int A_CHUNKS = COLS * sizeof(a_t) / 16;
-    constexpr int B_CHUNKS = WHAT != 0 ? COLS * sizeof(b_t) / 16 : 0;
-    constexpr int CHUNKS = A_CHUNKS > B_CHUNKS ? A_CHUNKS : B_CHUNKS;
-    static_assert((COLS * sizeof(a_t)) % 16 == 0 && (COLS * sizeof(b_t)) % 16 == 0, "whole 16-byte chunks");
-    for (int i = p; i < ROWS * CHUNKS; i += NTHREADS) {
-        const int row = i / CHUNKS, ch = i % CHUNKS;
-        const long long t = t0 + row;
-        if (t >= rows_per_group) break;  // i grows with row: later i are past the end too
-        const long long r = t * group_step + h;
-        if (ch < A_CHUNKS)
-            copy_chunk(slot + row * A_PITCH + ch * 16, a + fold_row_offset(r, la),
-                       col0 + ch * (16 / static_cast<int>(sizeof(a_t))), n);
-#if WHAT != 0
-        if (ch < B_CHUNKS)
-            copy_chunk(slot + ROWS * A_PITCH + row * B_PITCH + ch * 16, b + fold_row_offset(r, lb),
-                       col0 + ch * (16 / static_cast<int>(sizeof(b_t))), n);
-        if (ch == 0) cp_async4(slot + ROWS * (A_PITCH + B_PITCH) + row * 4, rstd + r);
-#else
-        (void)b, (void)lb, (void)rstd;
-#endif
-    }
-}
-
-// The fp32 addends of VEC consecutive columns of one row: A widened (WHAT == 0) or the dW contributions from
-// dy (pa), the norm's input (pb) and the row's rstd; pa and pb 16-byte aligned.
-template <int VEC>
-__device__ __forceinline__ void row_addends(float* v, const a_t* pa, const b_t* pb, float rs) {
-    load_widened<a_t, A_CODE, VEC>(v, pa);
-#if WHAT != 0
-    float vb[VEC];
-    load_widened<b_t, B_CODE, VEC>(vb, pb);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) v[j] = contribution(v[j], vb[j], rs);
-#else
-    (void)pb, (void)rs;
-#endif
-}
-#endif
-
 #if defined(COLS) && !defined(CHAIN_ROWS) && !defined(STREAM_ROWS)
 // A shared-memory ring keeps (STAGES - 1) * ROWS_PER_STAGE rows in flight so that the dependent
 // chain of adds, not memory latency, sets the pace. Warp 0 folds (one lane per column); the other
@@ -227,6 +178,37 @@ static_assert(!CONVERT || (WHAT != 0 && STAGES >= 3), "CONVERT folds dW contribu
 constexpr int CONVERT_VEC = 8;
 static_assert(!CONVERT || COLS % CONVERT_VEC == 0, "CONVERT: whole groups of CONVERT_VEC columns");
 
+constexpr int A_CHUNKS = A_ROW_BYTES / 16;
+constexpr int B_CHUNKS = B_ROW_BYTES / 16;
+constexpr int CHUNKS = A_CHUNKS > B_CHUNKS ? A_CHUNKS : B_CHUNKS;
+
+// Copies rows [t0, t0 + ROWS_PER_STAGE) of group h into one ring slot: a's row segments, and b's and rstd
+// for the dW fold. Producer p takes chunk ch of row `row` for i = row * CHUNKS + ch (consecutive producers,
+// consecutive chunks of a row), a row's offsets computed once for all its copies (run 8, ncu: with a loop
+// per tensor, address arithmetic was ~30% of the dW ring's instructions, and the ring is issue-bound).
+__device__ __forceinline__ void issue_stage(unsigned char* slot, const a_t* a, const b_t* b, const float* rstd,
+                                            const Layout& la, const Layout& lb, int p, long long t0,
+                                            long long rows_per_group, long long group_step, int h, int col0,
+                                            int n) {
+    for (int i = p; i < ROWS_PER_STAGE * CHUNKS; i += PRODUCERS) {
+        const int row = i / CHUNKS, ch = i % CHUNKS;
+        const long long t = t0 + row;
+        if (t >= rows_per_group) break;  // i grows with row: later i are past the end too
+        const long long r = t * group_step + h;
+        if (ch < A_CHUNKS)
+            copy_chunk(slot + row * A_ROW_BYTES + ch * 16, a + fold_row_offset(r, la),
+                       col0 + ch * (16 / static_cast<int>(sizeof(a_t))), n);
+#if WHAT != 0
+        if (ch < B_CHUNKS)
+            copy_chunk(slot + A_TILE + row * B_ROW_BYTES + ch * 16, b + fold_row_offset(r, lb),
+                       col0 + ch * (16 / static_cast<int>(sizeof(b_t))), n);
+        if (ch == 0) cp_async4(slot + A_TILE + B_TILE + row * 4, rstd + r);
+#else
+        (void)b, (void)lb, (void)rstd;
+#endif
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
     extern __shared__ __align__(16) unsigned char ring[];
     const int h = blockIdx.y;
@@ -238,9 +220,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
     const int p = threadIdx.x - 32;
 
     auto issue = [&](long long s) {
-        copy_rows<ROWS_PER_STAGE, PRODUCERS, A_ROW_BYTES, B_ROW_BYTES>(
-            ring + (s % STAGES) * STAGE_BYTES, a, b, rstd, la, lb, p, s * ROWS_PER_STAGE, rows_per_group, group_step,
-            h, col0, n);
+        issue_stage(ring + (s % STAGES) * STAGE_BYTES, a, b, rstd, la, lb, p, s * ROWS_PER_STAGE, rows_per_group,
+                    group_step, h, col0, n);
     };
 
     for (int s = 0; s < STAGES - 1; ++s) {  // one commit group per stage, empty ones included
@@ -264,8 +245,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_ring(FOLD_PARAMS) {
         // CONVERT_VEC columns of a row at a time: 16-byte loads of a, b and (row-major) the contributions
         for (int i = p; i < ROWS_PER_STAGE * (COLS / CONVERT_VEC); i += PRODUCERS) {
             const int row = i / (COLS / CONVERT_VEC), c0 = (i % (COLS / CONVERT_VEC)) * CONVERT_VEC;
-            float v[CONVERT_VEC];
-            row_addends<CONVERT_VEC>(v, ta + row * COLS + c0, tb + row * COLS + c0, tr[row]);
+            float v[CONVERT_VEC], vb[CONVERT_VEC];
+            load_widened<a_t, A_CODE, CONVERT_VEC>(v, ta + row * COLS + c0);
+            load_widened<b_t, B_CODE, CONVERT_VEC>(vb, tb + row * COLS + c0);
+            const float rs = tr[row];
+#pragma unroll
+            for (int j = 0; j < CONVERT_VEC; ++j) v[j] = contribution(v[j], vb[j], rs);
 #if COLUMN_MAJOR
 #pragma unroll
             for (int j = 0; j < CONVERT_VEC; ++j) dst[(c0 + j) * COLUMN_STRIDE + row] = v[j];
@@ -362,9 +347,6 @@ __device__ __forceinline__ int column_at(int c) { return c * S_CSTRIDE + (c / S_
 // shared memory: the addend buffers, then their barriers; the loader's shmem is S_BARRIERS_AT + CSTAGES * 16
 constexpr int S_BARRIERS_AT = CSTAGES * S_CTILE * 4;
 
-// use k of one of `count` buffers taken in turn by items 0, 1, ...: its barrier's phase parity
-__device__ __forceinline__ int stream_use(long long item, int count) { return static_cast<int>((item / count) & 1); }
-
 // A stage's addends, segment k of this lane in v[k] (lane + 32 k: row (lane + 32 k) / S_GROUPS, columns
 // S_VEC * ((lane + 32 k) % S_GROUPS) on): WHOLE, every row and column of the stage exists (no checks); else
 // rows at or past `rows` are skipped and columns at or past n read as +0.0. All loads are issued before any
@@ -419,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
         float acc = 0.0f;
         for (long long s = 0; s < stages; ++s) {
             const int cs = static_cast<int>(s % CSTAGES);
-            mbar_wait(cfull + cs, stream_use(s, CSTAGES));
+            mbar_wait(cfull + cs, mbar_use_parity(s, CSTAGES));
             if (c < COLS) acc = fold_column<STREAM_ROWS>(acc, stage_rows(s), addends + cs * S_CTILE + column_at(c));
             mbar_arrive(cempty + cs);
         }
@@ -436,7 +418,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
             stage_addends<true>(v, a, b, rstd, la, lb, lane, s * STREAM_ROWS, rows, group_step, h, col0, n);
         else
             stage_addends<false>(v, a, b, rstd, la, lb, lane, s * STREAM_ROWS, rows, group_step, h, col0, n);
-        if (s >= CSTAGES) mbar_wait(cempty + cs, stream_use(s - CSTAGES, CSTAGES));  // the consumer is done with it
+        if (s >= CSTAGES) mbar_wait(cempty + cs, mbar_use_parity(s - CSTAGES, CSTAGES));  // the consumer's done
         float* dst = addends + cs * S_CTILE;
 #pragma unroll
         for (int k = 0; k < S_ITEMS; ++k) {

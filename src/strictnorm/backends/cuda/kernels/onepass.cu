@@ -123,7 +123,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         return TileView{t, t + DY_TILE, reinterpret_cast<const float*>(t + DY_TILE + Z_TILE)};
     };
     auto live_rows = [&](long long b) { return static_cast<int>(rows - b * ROWS < ROWS ? rows - b * ROWS : ROWS); };
-    auto use = [](long long b, int slots) { return static_cast<int>((b / slots) & 1); };  // a barrier's phase parity
     float* contrib = reinterpret_cast<float*>(onepass_smem + TILES * TILE_BYTES);  // [2][ROWS][C_PITCH]
     float* wf = contrib + 2 * ROWS * C_PITCH;  // the group's effective weight (row sums and dx)
     float* cs_all = wf + W_COLS;  // per dx group: the c values of its block, staged once from global memory
@@ -169,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
     } else if (warp < FOLD_WARPS) {  // fold: block after block, rows in order
         float acc = 0.0f;
         for (long long i = 0; i < blocks; ++i) {
-            mbar_wait(full + (i & 1), use(i, 2));
+            mbar_wait(full + (i & 1), mbar_use_parity(i, 2));
             const int live = live_rows(i);
             const float* col = contrib + (i & 1) * ROWS * C_PITCH + threadIdx.x;
             // batches of rows, the next batch's loads issued before this batch's adds: the chain of adds waits
@@ -225,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             cp_async_wait<DEPTH - 1>();  // this thread's copies of block i landed
             mbar_arrive(landed + i % TILES);  // for D
             named_barrier(1, B_THREADS);  // and every B thread's
-            if (i >= 2) mbar_wait(empty + (i & 1), use(i - 2, 2));  // the fold has added block i - 2
+            if (i >= 2) mbar_wait(empty + (i & 1), mbar_use_parity(i - 2, 2));  // the fold has added block i - 2
             const TileView tv = view(i);
             const int live = live_rows(i);
             float* part = partials + (i % TILES) * ROWS * GROUPS;
@@ -257,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
             if (t == 0) add_release(arrive1 + i, 1);
             const long long next = i + DEPTH;  // into the slot of block next - TILES, once D has read it
             if (next < blocks) {
-                if (next >= TILES) mbar_wait(freed + next % TILES, use(next - TILES, TILES));
+                if (next >= TILES) mbar_wait(freed + next % TILES, mbar_use_parity(next - TILES, TILES));
                 issue(next);
             }
             cp_async_commit();
@@ -267,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
         float* cs = cs_all + group * ROWS;
         for (long long j = group; j < blocks; j += DX_GROUPS) {
             if (t == 0) poll_all(arrive2 + j);
-            mbar_wait(landed + j % TILES, use(j, TILES));
+            mbar_wait(landed + j % TILES, mbar_use_parity(j, TILES));
             named_barrier(2 + group, DX_GROUP);
             const TileView tv = view(j);
             const int live = live_rows(j);
