@@ -5,7 +5,7 @@ the per-lane paths compiled: EVEN off);
 cuda-fwd-hold<V> / cuda-fwd-stream<T> / cuda-bwd-hold<V> / cuda-bwd-stream<T> (a fixed block shape);
 triton-fwd, triton-bwd, liger-fwd, liger-bwd, quack-fwd, quack-bwd; fold-plain (the strict left fold of x's
 rows) and fold-dw (the strict dW fold: contributions recomputed from dy, x and rstd, the kernel behind
-dw="strict", as the backend picks it: fold_stream from 4096 columns), fold-dw<C> (the ring with C columns a CTA, 128
+dw="strict", as the backend picks it: fold_stream), fold-dw<C> (the ring with C columns a CTA, 128
 rows a stage, whole stages converted);
 onepass-strict (the one-pass strict backward, kernels/onepass.cu, default knobs). bf16 x, dy and weight,
 llama mode, fast dW but where named strict.

@@ -1,12 +1,12 @@
 """Tuning sweep for the strict left fold's ring (kernels/fold.cu): columns per CTA, rows per stage and the
 consumer's whole-stage unroll, the ring's shared memory (past 48 KB: opted into), on plain fp32 rows and on
-the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major; and fold_chain
-(chain_rows: items spread over every SM, the sums handed from item to item).
-and fold_stream (stream: copies, conversion and the fold in separate warps).
+the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major; fold_chain
+(chain_rows: items spread over every SM, the sums handed from item to item); and fold_stream (stream: converting
+warps load rows into registers and hand fp32 addends to the folding warps).
 SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_KNOBS=chain (or stream, smem,
-ring, wide, or several: smem,wide) limits the configurations to fold_chain's, fold_stream's, the rings past 48 KB /
-column-major, the 48 KB rings, or the rings of 32 columns past 48 KB;
-base: the default (fold_chain where the backend picks it) against the default ring only.
+ring, wide, base, or several: base,stream) limits the configurations to fold_chain's, fold_stream's, the rings past
+48 KB / column-major, the 48 KB rings, the rings of 32 columns past 48 KB, or the default ring (FoldTuning()); the
+default (no FoldTuning) is always timed, and every other configuration checked against it.
 SWEEP_FOLD_PLAIN / SWEEP_FOLD_DW=MxN,... replace the shapes.
 
 Any configuration must give the same bits (the order is the rows' order): each is checked against the
@@ -29,7 +29,7 @@ from strictnorm.backends.layout import row_layout
 from strictnorm.backends.registry import get_backend
 from strictnorm.bench import CHAIN_NS_PER_ROW, Timer, copy_ceiling_gbps
 
-TUNINGS = [None] + [FoldTuning(cols=c, rows_per_stage=r, full_stage=f)
+TUNINGS = [None, FoldTuning()] + [FoldTuning(cols=c, rows_per_stage=r, full_stage=f)
                     for c in (8, 16, 32) for r in (64, 128, 256) for f in (False, True)]
 # bigger rings (more stages in flight; the dW fold converting stages of 256 or 512 rows)
 TUNINGS += [FoldTuning(cols=c, rows_per_stage=r, smem_bytes=kb * 1024, column_major=cm)
@@ -58,6 +58,11 @@ if os.environ.get("SWEEP_FOLD_STREAM"):
         FoldTuning(stream=True, **dict(zip(("cols", "rows_per_stage", "convert_warps", "buffers", "pad_groups"),
                                            map(int, v.split(":")), strict=False)))
         for v in os.environ["SWEEP_FOLD_STREAM"].split(",")]
+# SWEEP_FOLD_CHAIN=cols:chain_rows,... replaces the fold_chain configurations
+if os.environ.get("SWEEP_FOLD_CHAIN"):
+    TUNINGS = [t for t in TUNINGS if t is None or not t.chain_rows] + [
+        FoldTuning(cols=int(c), chain_rows=int(r), smem_bytes=200 * 1024)
+        for c, r in (v.split(":") for v in os.environ["SWEEP_FOLD_CHAIN"].split(","))]
 PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
 STRICT_DW = [(262144, 128), (32768, 4096)]  # rows x N of bf16 dy and x; llama contributions
 
@@ -130,14 +135,13 @@ def main() -> None:
     only = [t for t in os.environ.get("SWEEP_FOLD_CASES", "").split(",") if t]
     knobs = os.environ.get("SWEEP_FOLD_KNOBS", "")
     ring = lambda t: not t.chain_rows and not t.stream  # noqa: E731
-    kinds = {"chain": lambda t: t.chain_rows > 0, "stream": lambda t: t.stream,
+    kinds = {"base": lambda t: t == FoldTuning(), "chain": lambda t: t.chain_rows > 0, "stream": lambda t: t.stream,
              "smem": lambda t: ring(t) and (t.smem_bytes > 48 * 1024 or t.column_major),
              "ring": lambda t: ring(t) and t.smem_bytes <= 48 * 1024 and not t.column_major,
              "wide": lambda t: ring(t) and t.cols == 32 and t.smem_bytes > 48 * 1024}
-    # "base": the default (fold_chain where default_chain picks it) against the default ring alone
-    tunings = [None] + ([FoldTuning()] if knobs == "base" else
-                        list(dict.fromkeys(t for t in TUNINGS[1:]
-                                           if not knobs or any(kinds[k](t) for k in knobs.split(",")))))
+    # "base": the default ring (FoldTuning()), e.g. "base,stream": the default against the ring and fold_stream's
+    tunings = [None] + list(dict.fromkeys(t for t in TUNINGS[1:]
+                                          if not knobs or any(kinds[k](t) for k in knobs.split(","))))
     for name, m, n, fn, ref in _cases(dev):
         if only and not any(t in name for t in only):
             continue

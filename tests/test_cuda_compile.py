@@ -328,44 +328,43 @@ def test_fold_stream_compiles_and_plans(arch, tmp_path, monkeypatch):
                     tuning=FoldTuning(stream=True, cols=128, rows_per_stage=128))
 
 
-def test_default_fold_is_the_chain_for_few_columns_and_many_rows():
-    """Without a FoldTuning the fold takes fold_chain where the ring would leave most SMs idle (one group;
-    the dW fold from 8192 rows up to 1024 columns, the plain fold from 32768 rows up to 512), with items as
-    long as the device's shared memory allows; the ring elsewhere, and where there is no shared-memory
-    figure (the sweep and compile tests pass none)."""
+def test_default_fold_below_4096_columns_is_the_stream():
+    """Without a FoldTuning both folds below 4096 columns take fold_stream: 8 columns a CTA in stages of 256 rows (the
+    plain fold) or 128 (the dW fold) where the columns are few, wider stripes where they still give most SMs a CTA, 8
+    converting warps where the CTAs are one an SM, else 4. Where its buffers do not fit the device's shared memory,
+    fold_chain takes one group of many rows with items as long as that memory allows (default_chain), and the ring
+    the rest."""
     from strictnorm.backends.cuda.backend import default_chain
 
-    h200 = 227 * 1024
-    bf16 = torch.bfloat16
-    fl = fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144, smem_optin=h200)
-    assert fl.kernel == "fold_chain" and fl.defines["CHAIN_ROWS"] == 4096 and fl.defines["COLS"] == 8
-    assert fl.shmem <= h200
+    h200, bf16, f32 = 227 * 1024, torch.bfloat16, torch.float32
+    for n, dt, what, rows, groups, cols, stage, warps in (
+            (128, bf16, 1, 262144, 1, 8, 128, 8), (128, f32, 0, 16384, 1, 8, 256, 8),
+            (64, bf16, 1, 1024, 1, 8, 128, 8), (1000, bf16, 1, 12289, 1, 8, 128, 8),
+            (2048, bf16, 1, 8192, 1, 16, 64, 8), (2048, f32, 0, 1024, 1, 16, 64, 8),
+            (128, bf16, 1, 4099, 8, 8, 128, 8), (128, bf16, 1, 4099, 32, 32, 64, 8),
+            (1000, bf16, 1, 4099, 16, 64, 32, 4)):
+        fl = fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=rows, groups=groups, smem_optin=h200)
+        assert fl.kernel == "fold_stream" and fl.grid_x == -(-n // cols) and fl.shmem <= h200, (n, rows, groups)
+        assert (fl.defines["COLS"], fl.defines["STREAM_ROWS"], fl.defines["CONVERT_WARPS"]) == (cols, stage, warps)
+    # 48 KB a block (no opt-in): the plain fold's 8 buffers of 256 rows x 8 columns do not fit (67 KB); fold_chain of
+    # 1024-row items does
+    fl = fold_launch(128, f32, f32, 0, True, True, num_sms=132, rows=262144, smem_optin=48 * 1024)
+    assert fl.kernel == "fold_chain" and fl.defines["CHAIN_ROWS"] == 1024 and fl.defines["COLS"] == 8
+    assert default_chain(128, 262144, 1, h200).chain_rows == 4096
     assert default_chain(512, 8192, 1, h200).chain_rows == 4096
     assert default_chain(1024, 8192, 1, h200).chain_rows == 2048
     assert default_chain(512, 32768, 1, h200, what=0).chain_rows == 4096
+    assert default_chain(128, 262144, 1, 99 * 1024).chain_rows == 2048  # e.g. sm_89: 99 KB a block
     for n, rows, groups, what in ((1025, 262144, 1, 1), (128, 8191, 1, 1), (128, 262144, 8, 1),
                                   (513, 262144, 1, 0), (128, 32767, 1, 0)):
         assert default_chain(n, rows, groups, h200, what) is None
-        dt = bf16 if what else torch.float32
+        dt = bf16 if what else f32
         assert fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=rows, groups=groups,
-                           smem_optin=h200).kernel == "fold_ring"
-    assert default_chain(128, 262144, 1, 99 * 1024).chain_rows == 2048  # e.g. sm_89: 99 KB a block
-    assert default_chain(128, 262144, 1, 48 * 1024).chain_rows == 1024
+                           smem_optin=16 * 1024).kernel == "fold_ring"
     assert default_chain(128, 262144, 1, 16 * 1024) is None
-    assert fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144).kernel == "fold_ring"
-
-
-def test_default_dw_fold_is_the_stream_from_4096_columns():
-    """Without a FoldTuning the dW fold from 4096 columns (where fold_chain does not apply) is fold_stream, 32 columns
-    a CTA up to 8192 columns and 16 beyond, 8 converting warps where the CTAs are one an SM, else 4 (H200, run 20);
-    the plain fold keeps the ring, and so does a device whose shared memory is not known or too small."""
-    h200, bf16 = 227 * 1024, torch.bfloat16
-    for n, groups, cols, warps in ((4096, 1, 32, 8), (8192, 1, 32, 4), (18432, 1, 16, 4), (4096, 2, 32, 4)):
-        fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=32768, groups=groups, smem_optin=h200)
-        assert fl.kernel == "fold_stream" and (fl.defines["COLS"], fl.defines["CONVERT_WARPS"]) == (cols, warps)
-    for n, what, optin in ((2048, 1, h200), (4096, 0, h200), (4096, 1, 0)):
-        dt = bf16 if what else torch.float32
-        assert fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=32768, smem_optin=optin).kernel == "fold_ring"
+    # no opt-in figure known: what fits the 48 KB any launch may use (the dW fold's 34 KB), else the ring
+    assert fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144).kernel == "fold_stream"
+    assert fold_launch(128, f32, f32, 0, True, True, num_sms=132, rows=262144).kernel == "fold_ring"
 
 
 def test_sms_shared_out_between_the_fold_and_the_dx_pass():

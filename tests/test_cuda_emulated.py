@@ -253,7 +253,7 @@ def test_emulated_fold_chain_bitwise(chain_rows, cols, n, items, what, seed, tmp
 
 
 # fold_stream: (columns a CTA, rows a stage, converting warps, addend buffers, dy's dtype, x's dtype, what, N, the
-# buffers padded after each group of 8 columns): one
+# buffers padded after each group of 8 columns): the default's 256-row stages at 8 columns; one
 # consumer lane a column up to two consumer warps, one buffer a converting warp (each waits for the consumer every
 # stage) or more, a partial last column group (of whole 16-byte chunks, or fp32 rows of 20 columns: element loads),
 # fp16 and fp32 rows (two 16-byte loads a segment), the plain fold (what 0) of bf16 and fp32 rows; rows 16-byte aligned
@@ -262,7 +262,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 STREAM_CASES = [(8, 32, 2, 2, BF16, BF16, 1, 24, False), (16, 32, 4, 8, BF16, BF16, 1, 40, False),
                 (32, 64, 0, 0, FP16, FP16, 1, 40, False), (64, 32, 2, 4, BF16, FP32, 1, 72, False),
                 (32, 32, 3, 3, BF16, BF16, 0, 40, False), (8, 32, 1, 1, FP32, FP32, 0, 20, False),
-                (32, 32, 2, 4, BF16, BF16, 1, 40, True), (64, 32, 1, 2, BF16, BF16, 0, 72, True)]
+                (32, 32, 2, 4, BF16, BF16, 1, 40, True), (64, 32, 1, 2, BF16, BF16, 0, 72, True),
+                (8, 256, 2, 0, BF16, BF16, 1, 24, False), (8, 256, 1, 0, FP32, FP32, 0, 16, False)]
 
 
 @pytest.mark.parametrize("cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad", STREAM_CASES)

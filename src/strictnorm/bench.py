@@ -425,7 +425,9 @@ def _fold_one(timer: Timer, m: int, n: int, ceiling: float) -> dict:
 
     g = torch.Generator(device="cuda").manual_seed(m + n)
     c = torch.randn(m, n, device="cuda", generator=g)
-    row = {"M": m, "N": n, "bytes_floor_us": m * n * 4 / (ceiling / 2) / 1e3,
+    # the bytes floor: the fp32 rows read once at the copy ceiling's rate (bytes read plus written a second: a read
+    # stream moves as many); runs 1-20 counted reads at half that rate, a floor twice too high where bytes rule
+    row = {"M": m, "N": n, "bytes_floor_us": m * n * 4 / ceiling / 1e3,
            "chain_floor_us": m * CHAIN_NS_PER_ROW / 1e3}
 
     def loop():

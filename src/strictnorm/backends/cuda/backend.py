@@ -154,7 +154,8 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
                                           CONVERT_WARPS=warps, THREADS=threads), -(-n // cols), threads, shmem)
 
 
-# fold_chain by default where the ring leaves most SMs idle and the chain of adds is long: few columns (the
+# fold_chain (by default since session 22 only where fold_stream's buffers do not fit the device's shared memory)
+# where the ring leaves most SMs idle and the chain of adds is long: few columns (the
 # ring gives each group of 8-16 columns one SM: 8-16 of 132 busy at 128 columns) and many rows. H200 sweeps
 # of 2026-11-30 (bench/results/2026-11-30-h200-run7, calls d, e, g; every configuration bitwise): the dW fold
 # (contributions converted by a whole CTA, where the ring's single consumer warp also converts) wins from
@@ -184,15 +185,26 @@ def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1
 # strict dW alone, kernel-only: 32768 x 4096 303.6 -> 192.7 us, 2048 x 4096 27.0 -> 20.8, 8192 x 8192 101.4 -> 95.8
 # with 32 columns and 4 converting warps, 2048 x 18432 66.4 -> 62.5 with 16 and 4; the whole strict backward queued:
 # 32768 x 4096 513.2 -> 403.1, 2048 x 4096 45.3 -> 38.9). 8 converting warps where the CTAs are one an SM, else 4.
-# The plain fold keeps the ring (4096 x 4096 fp32: 25.5 us against 27.8).
+# The plain fold from 4096 columns keeps the ring (4096 x 4096 fp32: 25.5 us against 27.8).
+# Below 4096 columns, both folds: fold_stream in place of fold_chain and the ring (session 22). With a converting
+# warp's loads in registers, one SM reads a stripe of 8 columns far faster than the chain of adds consumes it (262144
+# rows x 8 fp32 columns: 8 MB in the chain's 530 us), which is what fold_chain spread over every SM for; long stages at
+# 8 columns keep the consumer's wait per stage small beside its adds: 256 rows for the plain fold, 128 for the dW fold
+# (whose converting lanes hold x as well as dy: 128 registers at 128 rows, spills at 256; NVRTC 13, sm_90).
+_STREAM_NARROW_ROWS = (256, 128)  # rows a stage where a CTA takes 8 columns: the plain fold's, the dW fold's
 
 
 def default_stream(n: int, groups: int, num_sms: int, what: int) -> FoldTuning | None:
-    """The fold_stream tuning the dW fold uses without a FoldTuning (where fold_chain does not apply), or None."""
-    if what == 0 or n < 4096:
-        return None
-    cols = 32 if n <= 8192 else 16
-    return FoldTuning(stream=True, cols=cols, convert_warps=8 if -(-n // cols) * groups <= num_sms else 4)
+    """The fold_stream tuning the fold uses without a FoldTuning (what: 0 plain fold, else the dW fold), or None
+    for the ring (the plain fold from 4096 columns)."""
+    if n >= 4096:
+        if what == 0:
+            return None
+        cols = 32 if n <= 8192 else 16
+    else:
+        cols = _stream_cols(n, groups, num_sms)
+    return FoldTuning(stream=True, cols=cols, rows_per_stage=_STREAM_NARROW_ROWS[what != 0] if cols == 8 else 0,
+                      convert_warps=8 if -(-n // cols) * groups <= num_sms else 4)
 
 
 def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
@@ -225,8 +237,8 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
                 ) -> FoldLaunch:
     """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel (any layout);
     else the ring, fold_chain where the tuning asks for it and there is one group of `rows` rows, or fold_stream
-    where it asks for that (without a tuning: default_chain, given the device's opt-in shared memory per block,
-    else default_stream).
+    where it asks for that (without a tuning: default_stream where its buffers fit the device's opt-in shared memory
+    per block, else default_chain, else the ring).
     out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
     defines = {"A_CODE": DTYPE_CODES[a_dtype], "B_CODE": DTYPE_CODES[b_dtype], "WHAT": what,
                "SIMPLE_ROWS": int(simple_rows)}
@@ -235,13 +247,13 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     if tuning is None:
-        tuning = default_chain(n, rows, groups, smem_optin, what)
-        stream = default_stream(n, groups, num_sms, what) if tuning is None else None
+        stream = default_stream(n, groups, num_sms, what)
         if stream is not None:
             try:
                 return _stream_launch(n, num_sms, groups, smem_optin, stream, defines)
-            except ValueError:  # its buffers do not fit this device's shared memory (or none is known): the ring
+            except ValueError:  # its buffers do not fit this device's shared memory (or none is known)
                 pass
+        tuning = default_chain(n, rows, groups, smem_optin, what)
     if tuning is not None and tuning.chain_rows and groups == 1:
         return _chain_launch(n, rows, num_sms, tuning, defines)
     if tuning is not None and tuning.stream:
@@ -585,6 +597,7 @@ class _FoldPlan:
     out_shape: tuple[int, int]
     out_dtype: torch.dtype
     state_ints: int = 0  # fold_chain's zeroed state, allocated per call
+    kernel_name: str = ""  # fold.cu's kernel: fold_simple, fold_ring, fold_chain or fold_stream
 
 
 @dataclass(frozen=True)
@@ -727,7 +740,8 @@ class CudaBackend:
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
             kernel.allow_dynamic_shared(fl.shmem)
         return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
-                         alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints)
+                         alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints,
+                         fl.kernel)
 
     def _side_stream(self, dev: int) -> torch.cuda.Stream:
         side = self._side_streams.get(dev)
