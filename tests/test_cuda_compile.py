@@ -249,13 +249,14 @@ def test_row_bounded_entries_apply_within_their_bound():
 
 @pytest.mark.parametrize("what, dtype", [(0, torch.float32), (1, torch.bfloat16)])
 def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
-    """fold.cu's sweep knobs (bench/sweep_fold.py): the default launch unrolls whole stages (FULL_STAGE);
+    """fold.cu's sweep knobs (bench/sweep_fold.py): the default ring unrolls whole stages (FULL_STAGE);
     other ring shapes and the 16-row unroll compile; a ring whose two stages exceed the shared memory
     limit is refused with a clear error instead of failing at launch."""
     from strictnorm.backends.cuda.backend import FoldTuning
 
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
-    assert fold_launch(128, dtype, dtype, what, True, True, num_sms=132).defines["FULL_STAGE"] == 1
+    ring = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=FoldTuning())
+    assert ring.kernel == "fold_ring" and ring.defines["FULL_STAGE"] == 1
     for tuning in (FoldTuning(full_stage=False), FoldTuning(cols=16, rows_per_stage=64, full_stage=False)):
         fl = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=tuning)
         assert "FULL_STAGE" not in fl.defines and fl.shmem <= 48 * 1024
@@ -316,6 +317,15 @@ def test_fold_stream_compiles_and_plans(arch, tmp_path, monkeypatch):
     assert padded.defines["GROUP_PAD"] == 8 and "GROUP_PAD" not in plain.defines
     assert padded.shmem - plain.shmem == plain.defines["CSTAGES"] * 4 * 8 * 4
     assert nvrtc.compile_cubin("fold.cu", arch, padded.defines, use_cache=False)[:4] == b"\x7fELF"
+    # the consumers alone on their sub-partitions: converters on warps 1-3, 5-7, ... (one consumer), 2-3, 6-7, ... (two)
+    for cols, warps, threads in ((8, 4, 6 * 32), (32, 8, 11 * 32), (64, 3, 7 * 32)):
+        fl = fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, smem_optin=h200,
+                         tuning=FoldTuning(stream=True, cols=cols, convert_warps=warps, isolate=True))
+        assert fl.defines["ISOLATE"] == 1 and fl.block == threads
+        assert nvrtc.compile_cubin("fold.cu", arch, fl.defines, use_cache=False)[:4] == b"\x7fELF"
+    with pytest.raises(ValueError, match="isolate"):
+        fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, smem_optin=h200,
+                    tuning=FoldTuning(stream=True, cols=128, isolate=True))
     for bad in (FoldTuning(stream=True, cols=24), FoldTuning(stream=True, cols=48), FoldTuning(stream=True, cols=256),
                 FoldTuning(stream=True, rows_per_stage=30), FoldTuning(stream=True, cols=8, rows_per_stage=16)):
         with pytest.raises(ValueError, match="fold_stream takes"):
@@ -328,43 +338,56 @@ def test_fold_stream_compiles_and_plans(arch, tmp_path, monkeypatch):
                     tuning=FoldTuning(stream=True, cols=128, rows_per_stage=128))
 
 
-def test_default_fold_below_4096_columns_is_the_stream():
-    """Without a FoldTuning both folds below 4096 columns take fold_stream: 8 columns a CTA in stages of 256 rows (the
-    plain fold) or 128 (the dW fold) where the columns are few, wider stripes where they still give most SMs a CTA, 8
-    converting warps where the CTAs are one an SM, else 4. Where its buffers do not fit the device's shared memory,
-    fold_chain takes one group of many rows with items as long as that memory allows (default_chain), and the ring
-    the rest."""
+def test_default_folds_below_4096_columns():
+    """Without a FoldTuning, below 4096 columns: fold_chain for one group of many rows (the dW fold from 32768 rows up
+    to 1024 columns, the plain fold from 16384 rows up to 128 columns and from 32768 up to 512) with items as long as
+    the device's shared memory allows; else the dW fold takes fold_stream (8 columns a CTA in stages of 256 rows with
+    4 converting warps where the columns are few, wider stripes where they still give most SMs a CTA) where its
+    buffers fit, and the plain fold the ring (H200, session 22)."""
     from strictnorm.backends.cuda.backend import default_chain
 
     h200, bf16, f32 = 227 * 1024, torch.bfloat16, torch.float32
-    for n, dt, what, rows, groups, cols, stage, warps in (
-            (128, bf16, 1, 262144, 1, 8, 128, 8), (128, f32, 0, 16384, 1, 8, 256, 8),
-            (64, bf16, 1, 1024, 1, 8, 128, 8), (1000, bf16, 1, 12289, 1, 8, 128, 8),
-            (2048, bf16, 1, 8192, 1, 16, 64, 8), (2048, f32, 0, 1024, 1, 16, 64, 8),
-            (128, bf16, 1, 4099, 8, 8, 128, 8), (128, bf16, 1, 4099, 32, 32, 64, 8),
-            (1000, bf16, 1, 4099, 16, 64, 32, 4)):
-        fl = fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=rows, groups=groups, smem_optin=h200)
+    for n, rows, groups, cols, stage, warps in ((128, 4096, 1, 8, 256, 4), (128, 32767, 1, 8, 256, 4),
+                                                (1000, 8192, 1, 8, 256, 4), (2048, 8192, 1, 16, 64, 8),
+                                                (128, 4099, 8, 8, 256, 4), (128, 262144, 32, 32, 64, 8),
+                                                (1000, 4099, 16, 64, 32, 4)):
+        fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=rows, groups=groups, smem_optin=h200)
         assert fl.kernel == "fold_stream" and fl.grid_x == -(-n // cols) and fl.shmem <= h200, (n, rows, groups)
         assert (fl.defines["COLS"], fl.defines["STREAM_ROWS"], fl.defines["CONVERT_WARPS"]) == (cols, stage, warps)
-    # 48 KB a block (no opt-in): the plain fold's 8 buffers of 256 rows x 8 columns do not fit (67 KB); fold_chain of
-    # 1024-row items does
-    fl = fold_launch(128, f32, f32, 0, True, True, num_sms=132, rows=262144, smem_optin=48 * 1024)
-    assert fl.kernel == "fold_chain" and fl.defines["CHAIN_ROWS"] == 1024 and fl.defines["COLS"] == 8
-    assert default_chain(128, 262144, 1, h200).chain_rows == 4096
-    assert default_chain(512, 8192, 1, h200).chain_rows == 4096
-    assert default_chain(1024, 8192, 1, h200).chain_rows == 2048
-    assert default_chain(512, 32768, 1, h200, what=0).chain_rows == 4096
-    assert default_chain(128, 262144, 1, 99 * 1024).chain_rows == 2048  # e.g. sm_89: 99 KB a block
-    for n, rows, groups, what in ((1025, 262144, 1, 1), (128, 8191, 1, 1), (128, 262144, 8, 1),
-                                  (513, 262144, 1, 0), (128, 32767, 1, 0)):
-        assert default_chain(n, rows, groups, h200, what) is None
+    for n, rows, what, chain_rows in ((128, 32768, 1, 4096), (128, 262144, 1, 4096), (1024, 32768, 1, 2048),
+                                      (128, 16384, 0, 4096), (512, 32768, 0, 4096)):
         dt = bf16 if what else f32
-        assert fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=rows, groups=groups,
-                           smem_optin=16 * 1024).kernel == "fold_ring"
+        fl = fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=rows, smem_optin=h200)
+        assert fl.kernel == "fold_chain" and fl.defines["CHAIN_ROWS"] == chain_rows and fl.defines["COLS"] == 8
+        assert fl.shmem <= h200 and default_chain(n, rows, 1, h200, what).chain_rows == chain_rows
+    for n, rows in ((128, 16383), (256, 16384), (512, 32767), (513, 262144), (2048, 1024)):
+        assert default_chain(n, rows, 1, h200, 0) is None
+        assert fold_launch(n, f32, f32, 0, True, True, num_sms=132, rows=rows, smem_optin=h200).kernel == "fold_ring"
+    for n, rows, groups in ((1025, 262144, 1), (128, 32767, 1), (128, 262144, 8)):
+        assert default_chain(n, rows, groups, h200) is None
+    assert default_chain(128, 262144, 1, 99 * 1024).chain_rows == 2048  # e.g. sm_89: 99 KB a block
+    assert default_chain(128, 262144, 1, 48 * 1024).chain_rows == 1024
     assert default_chain(128, 262144, 1, 16 * 1024) is None
-    # no opt-in figure known: what fits the 48 KB any launch may use (the dW fold's 34 KB), else the ring
-    assert fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=262144).kernel == "fold_stream"
-    assert fold_launch(128, f32, f32, 0, True, True, num_sms=132, rows=262144).kernel == "fold_ring"
+    # 8 buffers of 256 rows x 8 columns (67 KB) past the 48 KB any launch may use: one a converting warp (33 KB);
+    # past what the device offers (16 KB): the ring
+    for optin in (0, 48 * 1024):
+        fl = fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=4096, smem_optin=optin)
+        assert fl.kernel == "fold_stream" and fl.defines["CSTAGES"] == 4 and fl.shmem <= 48 * 1024
+    fl = fold_launch(128, bf16, bf16, 1, True, True, num_sms=132, rows=4096, smem_optin=16 * 1024)
+    assert fl.kernel == "fold_ring"
+
+
+def test_default_dw_fold_is_the_stream_from_4096_columns():
+    """Without a FoldTuning the dW fold from 4096 columns (where fold_chain does not apply) is fold_stream, 32 columns
+    a CTA up to 8192 columns and 16 beyond, 8 converting warps where the CTAs are one an SM, else 4 (H200, run 20);
+    the plain fold keeps the ring, and so does a device whose shared memory is not known or too small."""
+    h200, bf16 = 227 * 1024, torch.bfloat16
+    for n, groups, cols, warps in ((4096, 1, 32, 8), (8192, 1, 32, 4), (18432, 1, 16, 4), (4096, 2, 32, 4)):
+        fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=32768, groups=groups, smem_optin=h200)
+        assert fl.kernel == "fold_stream" and (fl.defines["COLS"], fl.defines["CONVERT_WARPS"]) == (cols, warps)
+    for n, what, optin in ((4096, 0, h200), (8192, 0, h200), (4096, 1, 0)):
+        dt = bf16 if what else torch.float32
+        assert fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=32768, smem_optin=optin).kernel == "fold_ring"
 
 
 def test_sms_shared_out_between_the_fold_and_the_dx_pass():

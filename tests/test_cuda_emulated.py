@@ -216,7 +216,7 @@ def test_emulated_strict_dw_fold_other_dtypes(dy_dtype, x_dtype, seed, tmp_path)
     dy, x = torch.randn(rows, n, generator=g).to(dy_dtype), torch.randn(rows, n, generator=g).to(x_dtype)
     x[3::7] = sprinkle_specials(x[3::7], g, "zeros subnormals")
     rstd = torch.rand(rows, generator=g) + 0.5
-    fl = fold_launch(n, dy_dtype, x_dtype, 1, True, True, num_sms=132)
+    fl = fold_launch(n, dy_dtype, x_dtype, 1, True, True, num_sms=132, tuning=FoldTuning())  # the ring
     assert fl.defines["CONVERT"] == 1
     want = left_fold_rows(dw_contributions(dy, x, rstd, make_spec(x_dtype, 1e-6, 0.0, "llama", x_dtype)))
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
@@ -253,22 +253,25 @@ def test_emulated_fold_chain_bitwise(chain_rows, cols, n, items, what, seed, tmp
 
 
 # fold_stream: (columns a CTA, rows a stage, converting warps, addend buffers, dy's dtype, x's dtype, what, N, the
-# buffers padded after each group of 8 columns): the default's 256-row stages at 8 columns; one
+# buffers padded after each group of 8 columns, the consumers isolated on their sub-partitions): the default's 256-row
+# stages at 8 columns; one
 # consumer lane a column up to two consumer warps, one buffer a converting warp (each waits for the consumer every
 # stage) or more, a partial last column group (of whole 16-byte chunks, or fp32 rows of 20 columns: element loads),
 # fp16 and fp32 rows (two 16-byte loads a segment), the plain fold (what 0) of bf16 and fp32 rows; rows 16-byte aligned
 # (the backend takes fold_simple otherwise)
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-STREAM_CASES = [(8, 32, 2, 2, BF16, BF16, 1, 24, False), (16, 32, 4, 8, BF16, BF16, 1, 40, False),
-                (32, 64, 0, 0, FP16, FP16, 1, 40, False), (64, 32, 2, 4, BF16, FP32, 1, 72, False),
-                (32, 32, 3, 3, BF16, BF16, 0, 40, False), (8, 32, 1, 1, FP32, FP32, 0, 20, False),
-                (32, 32, 2, 4, BF16, BF16, 1, 40, True), (64, 32, 1, 2, BF16, BF16, 0, 72, True),
-                (8, 256, 2, 0, BF16, BF16, 1, 24, False), (8, 256, 1, 0, FP32, FP32, 0, 16, False)]
+STREAM_CASES = [(8, 32, 2, 2, BF16, BF16, 1, 24, False, False), (16, 32, 4, 8, BF16, BF16, 1, 40, False, False),
+                (32, 64, 0, 0, FP16, FP16, 1, 40, False, False), (64, 32, 2, 4, BF16, FP32, 1, 72, False, False),
+                (32, 32, 3, 3, BF16, BF16, 0, 40, False, False), (8, 32, 1, 1, FP32, FP32, 0, 20, False, False),
+                (32, 32, 2, 4, BF16, BF16, 1, 40, True, False), (64, 32, 1, 2, BF16, BF16, 0, 72, True, False),
+                (8, 256, 2, 0, BF16, BF16, 1, 24, False, False), (8, 256, 1, 0, FP32, FP32, 0, 16, False, False),
+                (8, 256, 4, 0, BF16, BF16, 1, 24, False, True), (64, 32, 3, 0, FP32, FP32, 0, 72, False, True)]
 
 
-@pytest.mark.parametrize("cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad", STREAM_CASES)
-def test_emulated_fold_stream_bitwise(cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad, seed,
-                                      tmp_path):
+@pytest.mark.parametrize("cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad, isolate",
+                         STREAM_CASES)
+def test_emulated_fold_stream_bitwise(cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad, isolate,
+                                      seed, tmp_path):
     """fold.cu's fold_stream (converter warps loading rows into registers and handing fp32 addends to the consumer
     warps through mbarrier-guarded buffers) equals the reference's ascending left fold of the dW contributions (in
     x's casting) or of the rows themselves; rows with special values, a partial last stage. The emulation runs
@@ -283,10 +286,11 @@ def test_emulated_fold_stream_bitwise(cols, rows_per_stage, warps, buffers, dy_d
     dy[5, 0], x[9, 1] = float("inf"), float("nan")  # two columns decided whatever the order
     rstd = torch.rand(rows, generator=g) + 0.5
     tuning = FoldTuning(stream=True, cols=cols, rows_per_stage=rows_per_stage, convert_warps=warps, buffers=buffers,
-                        pad_groups=pad)
+                        pad_groups=pad, isolate=isolate)
     fl = fold_launch(n, dy_dtype, x_dtype, what, True, True, num_sms=132, tuning=tuning, smem_optin=227 * 1024)
     assert fl.kernel == "fold_stream" and fl.defines["COLS"] == cols and fl.grid_x == -(-n // cols)
     assert fl.defines["CSTAGES"] == (buffers or 2 * (warps or 8)) and fl.defines.get("GROUP_PAD", 0) == 8 * pad
+    assert fl.defines.get("ISOLATE", 0) == isolate
     spec = make_spec(x_dtype, 1e-6, 0.0, "llama", x_dtype)
     want = left_fold_rows(dw_contributions(dy, x, rstd, spec) if what else dy)
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))

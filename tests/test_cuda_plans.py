@@ -97,7 +97,7 @@ def test_backward_plans_fold_before_dx_and_sum_partials(recording):
     x, dy, w = torch.randn(64, 128).bfloat16(), torch.randn(64, 128).bfloat16(), torch.randn(128).bfloat16()
     rstd = torch.rand(64) + 0.5
     cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, dy)
-    assert [e[0] for e in log] == ["fold_ring", "rms_bwd"]
+    assert [e[0] for e in log] == ["fold_stream", "rms_bwd"]
     assert log[0][4][0] == dy.data_ptr() and log[1][4][0] == dy.data_ptr()
     log.clear()
     cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "fast", True, None)
@@ -135,12 +135,12 @@ def test_strict_fold_forks_beside_the_dx_kernel(recording, monkeypatch):
     rstd = torch.rand(64) + 0.5
     cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, None)
     assert [(e[0], e[-1]) if e[0] != "wait" else e for e in log] == [
-        ("wait", 7, 0), ("fold_ring", 7), ("rms_bwd", 0), ("wait", 0, 7)]
+        ("wait", 7, 0), ("fold_stream", 7), ("rms_bwd", 0), ("wait", 0, 7)]
     for dx_out, beside in ((None, False), (dy, True)):
         log.clear()
         cb.fold_beside_dx = beside
         cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, dx_out)
-        assert [(e[0], e[-1]) for e in log] == [("fold_ring", 0), ("rms_bwd", 0)]
+        assert [(e[0], e[-1]) for e in log] == [("fold_stream", 0), ("rms_bwd", 0)]
     assert not cb.fold_beside(dy[1:], x, dy) and cb.fold_beside(torch.empty(1), x[0])
     assert not cb.fold_beside(dy, dy)
     cb.fold_beside_dx = False
@@ -167,7 +167,7 @@ def test_onepass_strict_backward_is_one_cooperative_launch(recording):
     assert log[0][0] == "rms_bwd"
     log.clear()
     cb.rms_norm_bwd(dy, x, w, rstd, dy.clone(), _spec(), "strict", True, None)  # a residual gradient
-    assert [e[0] for e in log] == ["fold_ring", "rms_bwd"]
+    assert [e[0] for e in log] == ["fold_stream", "rms_bwd"]
 
 
 def test_plan_cache_is_bounded(recording, monkeypatch):

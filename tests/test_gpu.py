@@ -424,16 +424,18 @@ def test_cuda_fold_stream_bitwise(cols, rows_per_stage, pad, seed):
 
 
 def test_cuda_default_strict_backward_at_qk_norm_shapes(seed):
-    """The strict dW by default at QK-norm's shapes (tokens x heads rows of head_dim 128; fold_stream, 8 columns a
-    CTA): bitwise equal to the reference's strict backward, gemma offset, 65536 rows, odd row counts, 1000 columns,
-    (H, D) weights. Each case is checked to have run fold_stream (bf16 rows of N % 8 != 0 are not 16-byte aligned
-    and take fold_simple instead)."""
+    """The strict dW by default at QK-norm's shapes (tokens x heads rows of head_dim 128; fold_chain from 32768 rows,
+    fold_stream below and for (H, D) weights): bitwise equal to the reference's strict backward, gemma offset, odd row
+    counts, 1000 columns. Each case is checked to have run the kernel the planner names (bf16 rows of N % 8 != 0 are
+    not 16-byte aligned and take fold_simple instead)."""
     from strictnorm.contract import make_spec
 
     cb, tr = get_backend("cuda"), get_backend("torch")
     g = torch.Generator(device=DEV).manual_seed(seed)
     spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
-    for m, n, heads in ((65536, 128, 0), (40961, 64, 0), (12289, 1000, 0), (8 * 4099, 128, 8)):
+    for m, n, heads, kernel in ((65536, 128, 0, "fold_chain"), (40961, 64, 0, "fold_chain"),
+                                (12289, 1000, 0, "fold_stream"), (16383, 128, 0, "fold_stream"),
+                                (8 * 4099, 128, 8, "fold_stream")):
         shape, w_shape = ((m // heads, heads, n), (heads, n)) if heads else ((m, n), (n,))
         z, dy = (torch.randn(shape, device=DEV, generator=g).bfloat16() for _ in range(2))
         w = (torch.randn(w_shape, device=DEV, generator=g) * 0.1).bfloat16()
@@ -443,7 +445,7 @@ def test_cuda_default_strict_backward_at_qk_norm_shapes(seed):
         got_dx, got_dw = cb.rms_norm_bwd(dy, z, w, rstd, None, spec, "strict", True, None)
         assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw), f"{m}x{n}"
         kernels = [p.strict.kernel_name for p in cb._bwd_plans.values()]
-        assert kernels == ["fold_stream"], f"{m}x{n}: {kernels}"
+        assert kernels == [kernel], f"{m}x{n}: {kernels}"
 
 
 def test_cuda_fold_adversarial_rows():

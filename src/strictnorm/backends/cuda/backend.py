@@ -89,8 +89,21 @@ class FoldTuning:
     convert_warps: int = 0
     buffers: int = 0
     # fold_stream's addend buffers padded by 8 floats after each group of 8 columns (GROUP_PAD): the converters'
-    # stores free of bank conflicts (opt-in, not yet run on a GPU)
+    # stores free of bank conflicts (H200, session 22: level with unpadded at 4096 columns; opt-in)
     pad_groups: bool = False
+    # fold_stream's consumer warps alone on their SM sub-partitions (ISOLATE; up to 64 columns): the converters
+    # on the others, the warps between idle (opt-in)
+    isolate: bool = False
+
+
+def _stream_threads(cols: int, warps: int, isolate: bool) -> int:
+    """fold_stream's block: its consumer warps, then the converters (with isolate, only on the sub-partitions
+    w % 4 >= consumers: fold.cu's converter_warp)."""
+    consumers = max(1, cols // 32)
+    if not isolate:
+        return (consumers + warps) * 32
+    free = 4 - consumers
+    return (4 * ((warps - 1) // free) + consumers + (warps - 1) % free + 1) * 32
 
 
 def _chain_shmem(cols: int, chain_rows: int) -> int:
@@ -134,7 +147,9 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
                          f"whole warps of 8-column segments, got {cols} x {rows}")
     warps = tuning.convert_warps or 8
     buffers = tuning.buffers or 2 * warps
-    threads = (max(1, cols // 32) + warps) * 32
+    if tuning.isolate and cols >= 128:
+        raise ValueError(f"fold_stream's isolate takes at most 64 columns (a sub-partition left), got {cols}")
+    threads = _stream_threads(cols, warps, tuning.isolate)
     if threads > 1024 or buffers % warps:
         raise ValueError(f"fold_stream: {threads} threads a CTA (at most 1024) and {buffers} buffers (a multiple of "
                          f"{warps} converting warps)")
@@ -150,12 +165,13 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
                          f"of shared memory, more than {smem_optin or _SMEM_LIMIT}")
     if pad:
         defines = dict(defines, GROUP_PAD=pad)
+    if tuning.isolate:
+        defines = dict(defines, ISOLATE=1)
     return FoldLaunch("fold_stream", dict(defines, COLS=cols, STREAM_ROWS=rows, CSTAGES=buffers,
                                           CONVERT_WARPS=warps, THREADS=threads), -(-n // cols), threads, shmem)
 
 
-# fold_chain (by default since session 22 only where fold_stream's buffers do not fit the device's shared memory)
-# where the ring leaves most SMs idle and the chain of adds is long: few columns (the
+# fold_chain by default where the ring leaves most SMs idle and the chain of adds is long: few columns (the
 # ring gives each group of 8-16 columns one SM: 8-16 of 132 busy at 128 columns) and many rows. H200 sweeps
 # of 2026-11-30 (bench/results/2026-11-30-h200-run7, calls d, e, g; every configuration bitwise): the dW fold
 # (contributions converted by a whole CTA, where the ring's single consumer warp also converts) wins from
@@ -163,17 +179,16 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
 # -> 130.3 with 2048-row items; 262144 x 128: 1418.7 -> 642.8), the plain fold only from 32768 rows up to 512
 # columns (262144 x 128: 825.5 -> 634.8; the ring wins at 16384 x 512 and 32768 x 1024). Items shrink to fit
 # the device's shared memory (4096 rows x 8 columns need 131 KB).
+# Session 22 (sweep A): the plain fold from 16384 rows at up to 128 columns too (16384 x 128: the ring 54.9 us,
+# fold_chain 45.6), the dW fold only from 32768 rows (fold_stream's below: see default_stream).
 
 
 def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1) -> FoldTuning | None:
     """The fold_chain tuning the fold uses without a FoldTuning (what: 0 plain fold, else the dW fold), or
     None for the ring."""
-    if groups != 1:
+    if groups != 1 or rows < 16384 or n > (1024 if what else 512):
         return None
-    if what == 0:
-        if rows < 32768 or n > 512:
-            return None
-    elif rows < 8192 or n > 1024:
+    if rows < 32768 and (what or n > 128):
         return None
     for chain_rows in (2048, 1024) if n > 512 else (4096, 2048, 1024):
         if _chain_shmem(_CHAIN_COLS, chain_rows) <= smem_optin:
@@ -186,25 +201,24 @@ def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1
 # with 32 columns and 4 converting warps, 2048 x 18432 66.4 -> 62.5 with 16 and 4; the whole strict backward queued:
 # 32768 x 4096 513.2 -> 403.1, 2048 x 4096 45.3 -> 38.9). 8 converting warps where the CTAs are one an SM, else 4.
 # The plain fold from 4096 columns keeps the ring (4096 x 4096 fp32: 25.5 us against 27.8).
-# Below 4096 columns, both folds: fold_stream in place of fold_chain and the ring (session 22). With a converting
-# warp's loads in registers, one SM reads a stripe of 8 columns far faster than the chain of adds consumes it (262144
-# rows x 8 fp32 columns: 8 MB in the chain's 530 us), which is what fold_chain spread over every SM for; long stages at
-# 8 columns keep the consumer's wait per stage small beside its adds: 256 rows for the plain fold, 128 for the dW fold
-# (whose converting lanes hold x as well as dy: 128 registers at 128 rows, spills at 256; NVRTC 13, sm_90).
-_STREAM_NARROW_ROWS = (256, 128)  # rows a stage where a CTA takes 8 columns: the plain fold's, the dW fold's
+# Below 4096 columns the dW fold too, where fold_chain does not take it (fewer than 32768 rows, or per-head groups):
+# 8 columns a CTA in stages of 256 rows, 4 converting warps (H200, session 22, sweep A, every configuration bitwise,
+# against the earlier defaults: 4096 x 128 21.0 -> 15.8 us, 16384 x 128 58.2 -> 50.7, 8192 x 1024 46.2 -> 31.5; at
+# 262144 x 128 fold_chain stays ahead, 643.5 against 749.2). The plain fold keeps the ring and fold_chain: fold_stream
+# lost to them at every plain shape of that sweep (4096 x 128 16.3 against the ring's 15.0, 262144 x 128 725 against
+# fold_chain's 636, 4096 x 4096 26.7 against 25.2).
+_STREAM_NARROW = (256, 4)  # rows a stage and converting warps where a CTA takes 8 columns
 
 
 def default_stream(n: int, groups: int, num_sms: int, what: int) -> FoldTuning | None:
-    """The fold_stream tuning the fold uses without a FoldTuning (what: 0 plain fold, else the dW fold), or None
-    for the ring (the plain fold from 4096 columns)."""
-    if n >= 4096:
-        if what == 0:
-            return None
-        cols = 32 if n <= 8192 else 16
-    else:
-        cols = _stream_cols(n, groups, num_sms)
-    return FoldTuning(stream=True, cols=cols, rows_per_stage=_STREAM_NARROW_ROWS[what != 0] if cols == 8 else 0,
-                      convert_warps=8 if -(-n // cols) * groups <= num_sms else 4)
+    """The fold_stream tuning the fold uses without a FoldTuning where default_chain does not apply (what: 0 plain
+    fold, else the dW fold), or None for the ring."""
+    if what == 0:
+        return None
+    cols = (32 if n <= 8192 else 16) if n >= 4096 else _stream_cols(n, groups, num_sms)
+    if cols == 8:
+        return FoldTuning(stream=True, cols=8, rows_per_stage=_STREAM_NARROW[0], convert_warps=_STREAM_NARROW[1])
+    return FoldTuning(stream=True, cols=cols, convert_warps=8 if -(-n // cols) * groups <= num_sms else 4)
 
 
 def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
@@ -237,8 +251,8 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
                 ) -> FoldLaunch:
     """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel (any layout);
     else the ring, fold_chain where the tuning asks for it and there is one group of `rows` rows, or fold_stream
-    where it asks for that (without a tuning: default_stream where its buffers fit the device's opt-in shared memory
-    per block, else default_chain, else the ring).
+    where it asks for that (without a tuning: default_chain, given the device's opt-in shared memory per block,
+    else default_stream where its buffers fit that memory, else the ring).
     out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
     defines = {"A_CODE": DTYPE_CODES[a_dtype], "B_CODE": DTYPE_CODES[b_dtype], "WHAT": what,
                "SIMPLE_ROWS": int(simple_rows)}
@@ -247,13 +261,13 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
     if not ring:
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     if tuning is None:
-        stream = default_stream(n, groups, num_sms, what)
+        tuning = default_chain(n, rows, groups, smem_optin, what)
+        stream = default_stream(n, groups, num_sms, what) if tuning is None else None
         if stream is not None:
             try:
                 return _stream_launch(n, num_sms, groups, smem_optin, stream, defines)
-            except ValueError:  # its buffers do not fit this device's shared memory (or none is known)
+            except ValueError:  # its buffers do not fit this device's shared memory (or none is known): the ring
                 pass
-        tuning = default_chain(n, rows, groups, smem_optin, what)
     if tuning is not None and tuning.chain_rows and groups == 1:
         return _chain_launch(n, rows, num_sms, tuning, defines)
     if tuning is not None and tuning.stream:

@@ -329,7 +329,18 @@ constexpr int S_CONSUMER_WARPS = COLS >= 32 ? COLS / 32 : 1;
 constexpr int S_VEC = 8;  // columns a converter lane takes at once: 16 bytes of a 16-bit dtype
 constexpr int S_GROUPS = COLS / S_VEC;
 constexpr int S_ITEMS = STREAM_ROWS * S_GROUPS / 32;  // a converter lane's row segments a stage
-static_assert(THREADS == (S_CONSUMER_WARPS + CONVERT_WARPS) * 32, "THREADS: the consumer's and converters' warps");
+// ISOLATE: the consumer warps alone on their SM sub-partitions (warp w issues from sub-partition w % 4), so that no
+// converter takes the issue slot a dependent add is ready for; the warps between, on the consumers' sub-partitions,
+// only take part in the block's first barrier.
+#ifndef ISOLATE
+#define ISOLATE 0
+#endif
+constexpr int S_FREE = S_CONSUMER_WARPS < 4 ? 4 - S_CONSUMER_WARPS : 1;  // the converters' sub-partitions (ISOLATE)
+static_assert(!ISOLATE || S_CONSUMER_WARPS < 4, "ISOLATE leaves the converters a sub-partition at least");
+// the last converter's warp: converter k is warp 4 (k / S_FREE) + S_CONSUMER_WARPS + k % S_FREE with ISOLATE
+constexpr int S_LAST_WARP = ISOLATE ? 4 * ((CONVERT_WARPS - 1) / S_FREE) + S_CONSUMER_WARPS + (CONVERT_WARPS - 1) % S_FREE
+                                    : S_CONSUMER_WARPS + CONVERT_WARPS - 1;
+static_assert(THREADS == (S_LAST_WARP + 1) * 32, "THREADS: the consumer's and converters' warps");
 static_assert(COLS % S_VEC == 0 && (COLS <= 32 || COLS % 32 == 0), "COLS: 8, 16, 32, 64 or 128");
 static_assert(32 % S_GROUPS == 0 || S_GROUPS % 32 == 0, "a row's segments on consecutive lanes");
 static_assert(STREAM_ROWS % 4 == 0 && (STREAM_ROWS * S_GROUPS) % 32 == 0, "whole warps of segments a stage");
@@ -408,10 +419,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
         if (c < COLS && col0 + c < n) out[static_cast<long long>(h) * n + col0 + c] = Elem<OUT_CODE>::narrow(acc);
         return;
     }
+#if ISOLATE
+    if (warp % 4 < S_CONSUMER_WARPS) return;  // on a consumer's sub-partition: no work
+    const int converter = warp / 4 * S_FREE + warp % 4 - S_CONSUMER_WARPS;
+#else
+    const int converter = warp - S_CONSUMER_WARPS;
+#endif
     const int lane = threadIdx.x % 32;
     const Layout la{as0, as1, asg, r1, g};
     const Layout lb{bs0, bs1, bsg, r1, g};
-    for (long long s = warp - S_CONSUMER_WARPS; s < stages; s += CONVERT_WARPS) {
+    for (long long s = converter; s < stages; s += CONVERT_WARPS) {
         const int cs = static_cast<int>(s % CSTAGES), rows = stage_rows(s);
         float v[S_ITEMS][S_VEC];
         if (rows == STREAM_ROWS && col0 + COLS <= n)
