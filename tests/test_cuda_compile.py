@@ -340,10 +340,10 @@ def test_fold_stream_compiles_and_plans(arch, tmp_path, monkeypatch):
 
 def test_default_folds_below_4096_columns():
     """Without a FoldTuning, below 4096 columns: fold_chain for one group of many rows (the dW fold from 32768 rows up
-    to 1024 columns, the plain fold from 16384 rows up to 128 columns and from 32768 up to 512) with items as long as
-    the device's shared memory allows; else the dW fold takes fold_stream (8 columns a CTA in stages of 256 rows with
-    4 converting warps where the columns are few, wider stripes where they still give most SMs a CTA) where its
-    buffers fit, and the plain fold the ring (H200, session 22)."""
+    to 1024 columns, the plain fold up to 512) with items as long as the device's shared memory allows; else the dW
+    fold takes fold_stream (8 columns a CTA in stages of 256 rows with 4 converting warps and the consumer isolated
+    where the columns are few, wider stripes where they still give most SMs a CTA) where its buffers fit, and the
+    plain fold the ring (H200, session 22)."""
     from strictnorm.backends.cuda.backend import default_chain
 
     h200, bf16, f32 = 227 * 1024, torch.bfloat16, torch.float32
@@ -354,13 +354,14 @@ def test_default_folds_below_4096_columns():
         fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=rows, groups=groups, smem_optin=h200)
         assert fl.kernel == "fold_stream" and fl.grid_x == -(-n // cols) and fl.shmem <= h200, (n, rows, groups)
         assert (fl.defines["COLS"], fl.defines["STREAM_ROWS"], fl.defines["CONVERT_WARPS"]) == (cols, stage, warps)
+        assert fl.defines.get("ISOLATE", 0) == (cols == 8) and fl.block == (6 * 32 if cols == 8 else fl.block)
     for n, rows, what, chain_rows in ((128, 32768, 1, 4096), (128, 262144, 1, 4096), (1024, 32768, 1, 2048),
-                                      (128, 16384, 0, 4096), (512, 32768, 0, 4096)):
+                                      (128, 32768, 0, 4096), (512, 32768, 0, 4096)):
         dt = bf16 if what else f32
         fl = fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=rows, smem_optin=h200)
         assert fl.kernel == "fold_chain" and fl.defines["CHAIN_ROWS"] == chain_rows and fl.defines["COLS"] == 8
         assert fl.shmem <= h200 and default_chain(n, rows, 1, h200, what).chain_rows == chain_rows
-    for n, rows in ((128, 16383), (256, 16384), (512, 32767), (513, 262144), (2048, 1024)):
+    for n, rows in ((128, 32767), (512, 32767), (513, 262144), (2048, 1024)):
         assert default_chain(n, rows, 1, h200, 0) is None
         assert fold_launch(n, f32, f32, 0, True, True, num_sms=132, rows=rows, smem_optin=h200).kernel == "fold_ring"
     for n, rows, groups in ((1025, 262144, 1), (128, 32767, 1), (128, 262144, 8)):

@@ -92,7 +92,7 @@ class FoldTuning:
     # stores free of bank conflicts (H200, session 22: level with unpadded at 4096 columns; opt-in)
     pad_groups: bool = False
     # fold_stream's consumer warps alone on their SM sub-partitions (ISOLATE; up to 64 columns): the converters
-    # on the others, the warps between idle (opt-in)
+    # on the others, the warps between idle (the default at 8 columns: see default_stream)
     isolate: bool = False
 
 
@@ -179,16 +179,14 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
 # -> 130.3 with 2048-row items; 262144 x 128: 1418.7 -> 642.8), the plain fold only from 32768 rows up to 512
 # columns (262144 x 128: 825.5 -> 634.8; the ring wins at 16384 x 512 and 32768 x 1024). Items shrink to fit
 # the device's shared memory (4096 rows x 8 columns need 131 KB).
-# Session 22 (sweep A): the plain fold from 16384 rows at up to 128 columns too (16384 x 128: the ring 54.9 us,
-# fold_chain 45.6), the dW fold only from 32768 rows (fold_stream's below: see default_stream).
+# Since session 22 the dW fold too only from 32768 rows (fold_stream's below: see default_stream). The plain fold at
+# 16384 x 128 in fold_chain: 45.6 us against the ring's 54.9 in run 21 call a, 54.1 against 54.7 in call c: level.
 
 
 def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1) -> FoldTuning | None:
     """The fold_chain tuning the fold uses without a FoldTuning (what: 0 plain fold, else the dW fold), or
     None for the ring."""
-    if groups != 1 or rows < 16384 or n > (1024 if what else 512):
-        return None
-    if rows < 32768 and (what or n > 128):
+    if groups != 1 or rows < 32768 or n > (1024 if what else 512):
         return None
     for chain_rows in (2048, 1024) if n > 512 else (4096, 2048, 1024):
         if _chain_shmem(_CHAIN_COLS, chain_rows) <= smem_optin:
@@ -202,12 +200,13 @@ def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1
 # 32768 x 4096 513.2 -> 403.1, 2048 x 4096 45.3 -> 38.9). 8 converting warps where the CTAs are one an SM, else 4.
 # The plain fold from 4096 columns keeps the ring (4096 x 4096 fp32: 25.5 us against 27.8).
 # Below 4096 columns the dW fold too, where fold_chain does not take it (fewer than 32768 rows, or per-head groups):
-# 8 columns a CTA in stages of 256 rows, 4 converting warps (H200, session 22, sweep A, every configuration bitwise,
-# against the earlier defaults: 4096 x 128 21.0 -> 15.8 us, 16384 x 128 58.2 -> 50.7, 8192 x 1024 46.2 -> 31.5; at
-# 262144 x 128 fold_chain stays ahead, 643.5 against 749.2). The plain fold keeps the ring and fold_chain: fold_stream
-# lost to them at every plain shape of that sweep (4096 x 128 16.3 against the ring's 15.0, 262144 x 128 725 against
-# fold_chain's 636, 4096 x 4096 26.7 against 25.2).
-_STREAM_NARROW = (256, 4)  # rows a stage and converting warps where a CTA takes 8 columns
+# 8 columns a CTA in stages of 256 rows, 4 converting warps, the consumer warp alone on its SM sub-partition (H200,
+# run 21 calls a and c, every configuration bitwise, against the earlier defaults: 4096 x 128 21.0 -> 14.5 us, 16384 x
+# 128 58.2 -> 47.3, 8192 x 1024 46.2 -> 30.4; isolated against not: 15.8, 50.9, 31.2; at 65536 x 128 level with
+# fold_chain, 177.1 against 175.9, and behind it at 262144 x 128, 697.2 against 643.3). The plain fold keeps the ring
+# and fold_chain: fold_stream lost to them at every plain shape of those sweeps (4096 x 128 15.9 at best against the
+# ring's 14.9, 262144 x 128 713 against fold_chain's 634, 4096 x 4096 26.7 against 25.2).
+_STREAM_NARROW = (256, 4)  # rows a stage and converting warps where a CTA takes 8 columns (isolated)
 
 
 def default_stream(n: int, groups: int, num_sms: int, what: int) -> FoldTuning | None:
@@ -217,7 +216,8 @@ def default_stream(n: int, groups: int, num_sms: int, what: int) -> FoldTuning |
         return None
     cols = (32 if n <= 8192 else 16) if n >= 4096 else _stream_cols(n, groups, num_sms)
     if cols == 8:
-        return FoldTuning(stream=True, cols=8, rows_per_stage=_STREAM_NARROW[0], convert_warps=_STREAM_NARROW[1])
+        return FoldTuning(stream=True, cols=8, rows_per_stage=_STREAM_NARROW[0], convert_warps=_STREAM_NARROW[1],
+                          isolate=True)
     return FoldTuning(stream=True, cols=cols, convert_warps=8 if -(-n // cols) * groups <= num_sms else 4)
 
 
