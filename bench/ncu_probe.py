@@ -4,9 +4,9 @@ Cases: cuda-fwd, cuda-bwd (the tables' block shapes); cuda-fwd-uneven / cuda-bwd
 the per-lane paths compiled: EVEN off);
 cuda-fwd-hold<V> / cuda-fwd-stream<T> / cuda-bwd-hold<V> / cuda-bwd-stream<T> (a fixed block shape);
 triton-fwd, triton-bwd, liger-fwd, liger-bwd, quack-fwd, quack-bwd; fold-plain (the strict left fold of x's
-rows) and fold-dw (the strict dW fold: contributions recomputed from dy, x and rstd, the kernel behind
-dw="strict", as the backend picks it: fold_stream), fold-dw<C> (the ring with C columns a CTA, 128
-rows a stage, whole stages converted);
+rows; fold-plain32: of x's rows in fp32, as in the bench's fold table) and fold-dw (the strict dW fold:
+contributions recomputed from dy, x and rstd, the kernel behind dw="strict", as the backend picks it), fold-dw<C>
+(the ring with C columns a CTA, 128 rows a stage, whole stages converted);
 onepass-strict (the one-pass strict backward, kernels/onepass.cu, default knobs). bf16 x, dy and weight,
 llama mode, fast dW but where named strict.
 Warm-up calls (compiles) run outside the range; each case's range holds one call.
@@ -34,8 +34,9 @@ def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd:
         from strictnorm.backends.layout import row_layout
 
         cb = get_backend("cuda")
-        if op == "plain":
-            return lambda: cb.left_fold(x)
+        if op in ("plain", "plain32"):  # plain32: x's rows widened to fp32 first (the fold table's rows)
+            rows = x.float() if op == "plain32" else x
+            return lambda: cb.left_fold(rows)
         cols = op[2:]  # dw32: a 32-column ring
         cb.fold_tuning = FoldTuning(cols=int(cols), rows_per_stage=128, full_stage=True) if cols else None
         return lambda: cb.strict_dw(*row_layout(dy), *row_layout(x), rstd, "llama", w)
