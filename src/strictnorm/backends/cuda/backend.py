@@ -98,7 +98,7 @@ class FoldTuning:
 
 def _stream_threads(cols: int, warps: int, isolate: bool) -> int:
     """fold_stream's block: its consumer warps, then the converters (with isolate, only on the sub-partitions
-    w % 4 >= consumers: fold.cu's converter_warp)."""
+    w % 4 >= consumers: fold.cu's S_LAST_WARP, whose static_assert checks THREADS against it)."""
     consumers = max(1, cols // 32)
     if not isolate:
         return (consumers + warps) * 32

@@ -8,7 +8,7 @@
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), OUT_CODE (the
 // result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), for fold_chain: CHAIN_ROWS, COLS, THREADS (below), and for
-// fold_stream: COLS, STREAM_ROWS, CSTAGES, CONVERT_WARPS, THREADS, GROUP_PAD (below), and for
+// fold_stream: COLS, STREAM_ROWS, CSTAGES, CONVERT_WARPS, THREADS, GROUP_PAD, ISOLATE (below), and for
 // fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
 // CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), COLUMN_MAJOR
 // (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
