@@ -7,7 +7,8 @@ SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_K
 ring, wide, base, or several: base,stream) limits the configurations to fold_chain's, fold_stream's, the rings past
 48 KB / column-major, the 48 KB rings, the rings of 32 columns past 48 KB, or the default ring (FoldTuning()); the
 default (no FoldTuning) is always timed, and every other configuration checked against it.
-SWEEP_FOLD_PLAIN / SWEEP_FOLD_DW=MxN,... replace the shapes.
+SWEEP_FOLD_PLAIN / SWEEP_FOLD_DW=MxN,... replace the shapes; SWEEP_FOLD_RING, SWEEP_FOLD_CHAIN and SWEEP_FOLD_STREAM
+the configurations (below).
 
 Any configuration must give the same bits (the order is the rows' order): each is checked against the
 default configuration, and the plain folds up to 16384 rows against the Python loop. Kernel-only time as
@@ -59,6 +60,12 @@ if os.environ.get("SWEEP_FOLD_STREAM"):
                                             "isolate"),
                                            map(int, v.split(":")), strict=False)))
         for v in os.environ["SWEEP_FOLD_STREAM"].split(",")]
+# SWEEP_FOLD_RING=cols:rows_per_stage:kb,... replaces the ring configurations other than FoldTuning() (kb: the ring's
+# shared memory in KB; past 48 opted into; knobs "ring" and "smem" select them as their sizes say)
+if os.environ.get("SWEEP_FOLD_RING"):
+    TUNINGS = [t for t in TUNINGS if t is None or t == FoldTuning() or t.chain_rows or t.stream] + [
+        FoldTuning(cols=int(c), rows_per_stage=int(r), smem_bytes=int(kb) * 1024)
+        for c, r, kb in (v.split(":") for v in os.environ["SWEEP_FOLD_RING"].split(","))]
 # SWEEP_FOLD_CHAIN=cols:chain_rows,... replaces the fold_chain configurations
 if os.environ.get("SWEEP_FOLD_CHAIN"):
     TUNINGS = [t for t in TUNINGS if t is None or not t.chain_rows] + [
