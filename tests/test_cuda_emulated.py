@@ -172,6 +172,8 @@ def _emulate_fold(defines: dict, shmem: int, dy: torch.Tensor, x: torch.Tensor, 
     return torch.from_file(str(tmp / "out.bin"), size=n, dtype=torch.int32).view(torch.float32)
 
 
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
 # fold ring shapes: the default dW ring, rings past 48 KB (more stages; converted stages of 256 and 512
 # rows), the contributions column-major, a warp-wide stripe of 32 columns (the fold beside a dx pass that
 # shares the SMs out) converted in stages of 32 rows (row- or column-major), or of 64 in 100 KB
@@ -200,6 +202,40 @@ def test_emulated_strict_dw_fold_bitwise(tuning, seed, tmp_path):
     fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, tuning=tuning)
     assert fl.defines["CONVERT"] == 1 and fl.defines.get("COLUMN_MAJOR", 0) == int(tuning.column_major)
     want = left_fold_rows(dw_contributions(dy, x, rstd, make_spec(bf16, 1e-6, 0.0, "llama", bf16)))
+    assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
+
+
+# the ring's consumer with its loads a block of 32 rows ahead (PIPELINED) against the whole-stage unroll: plain folds
+# of fp32 rows (16 columns a CTA; 20 columns, so a partial column group) and bf16 rows (32 columns); the dW fold's
+# converted, row-major contributions, and a dW ring of 256-row stages that does not convert (its consumer widens and
+# multiplies as it adds), of bf16 dy and fp32 x (contributions with full fp32 mantissas)
+RING_CASES = [(FP32, FP32, 0, 20, FoldTuning(pipelined=True)), (FP32, FP32, 0, 20, FoldTuning()),
+              (BF16, BF16, 0, 40, FoldTuning(cols=32, rows_per_stage=64, pipelined=True)),
+              (BF16, FP32, 1, 24, FoldTuning(pipelined=True)),
+              (BF16, FP32, 1, 24, FoldTuning(cols=8, rows_per_stage=256, pipelined=True))]
+
+
+@pytest.mark.parametrize("dy_dtype, x_dtype, what, n, tuning", RING_CASES)
+def test_emulated_ring_consumer_bitwise(dy_dtype, x_dtype, what, n, tuning, seed, tmp_path):
+    """fold_ring's consumer loops (pipelined or unrolled by stage) equal the reference's ascending left fold of the
+    rows (plain) or of the dW contributions: a partial last stage whose rows are no multiple of 32 (the pipelined
+    loop's tail), special values, rows scaled by powers of two from 2^-12 to 2^11 (so that bf16 rows' sums round and
+    the order shows: swapping two rows of each stage's last block fails every case but the unrolled one's)."""
+    from strictnorm.reference import dw_contributions, left_fold_rows
+
+    g = torch.Generator().manual_seed(seed)
+    rows = 1300 + seed % 97
+    scale = torch.exp2(torch.randint(-12, 12, (rows, 1), generator=g).float())
+    dy = (torch.randn(rows, n, generator=g) * scale).to(dy_dtype)
+    x = torch.randn(rows, n, generator=g).to(x_dtype)
+    x[3::7] = sprinkle_specials(x[3::7], g, "zeros subnormals")
+    dy[5, 0], x[9, 1] = float("inf"), float("nan")
+    rstd = torch.rand(rows, generator=g) + 0.5
+    fl = fold_launch(n, dy_dtype, x_dtype, what, True, True, num_sms=132, tuning=tuning)
+    assert fl.kernel == "fold_ring" and fl.defines.get("PIPELINED", 0) == int(tuning.pipelined)
+    assert fl.defines["CONVERT"] == int(what == 1 and tuning.rows_per_stage != 256)
+    spec = make_spec(x_dtype, 1e-6, 0.0, "llama", x_dtype)
+    want = left_fold_rows(dw_contributions(dy, x, rstd, spec) if what else dy)
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
 
 
@@ -259,7 +295,6 @@ def test_emulated_fold_chain_bitwise(chain_rows, cols, n, items, what, seed, tmp
 # stage) or more, a partial last column group (of whole 16-byte chunks, or fp32 rows of 20 columns: element loads),
 # fp16 and fp32 rows (two 16-byte loads a segment), the plain fold (what 0) of bf16 and fp32 rows; rows 16-byte aligned
 # (the backend takes fold_simple otherwise)
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 STREAM_CASES = [(8, 32, 2, 2, BF16, BF16, 1, 24, False, False), (16, 32, 4, 8, BF16, BF16, 1, 40, False, False),
                 (32, 64, 0, 0, FP16, FP16, 1, 40, False, False), (64, 32, 2, 4, BF16, FP32, 1, 72, False, False),
                 (32, 32, 3, 3, BF16, BF16, 0, 40, False, False), (8, 32, 1, 1, FP32, FP32, 0, 20, False, False),

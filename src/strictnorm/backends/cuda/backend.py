@@ -73,6 +73,9 @@ class FoldTuning:
     cols: int = 0
     rows_per_stage: int = 0
     full_stage: bool = True
+    # the consumer's loop in blocks of 32 rows, each block's shared-memory loads issued before the previous block's
+    # adds (PIPELINED; full_stage then does not apply): the row-major tiles of the plain ring
+    pipelined: bool = False
     # the ring's shared memory: up to 48 KB needs no opt-in; more (Hopper: up to 227 KB) is opted into at
     # load time and lets the dW fold convert stages of 256 rows (its contribution buffers need 4+ stages)
     smem_bytes: int = _SMEM_LIMIT
@@ -275,7 +278,9 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
     cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
     defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
     tuning = tuning or FoldTuning()
-    if tuning.full_stage:
+    if tuning.pipelined:
+        defines["PIPELINED"] = 1
+    elif tuning.full_stage:
         defines["FULL_STAGE"] = 1
     if convert and tuning.column_major:
         defines["COLUMN_MAJOR"] = 1
