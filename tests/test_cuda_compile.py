@@ -380,6 +380,34 @@ def test_default_folds_below_4096_columns():
     assert fl.kernel == "fold_ring"
 
 
+def test_default_plain_ring(tmp_path, monkeypatch):
+    """The plain fold's ring without a FoldTuning (backend.default_ring, H200 run 22): 32 columns x 128 rows a stage
+    in 96 KB where 32-column CTAs fill 90% of the SMs but not all, below 16384 rows; 16 columns x 512 rows in 96 KB
+    from 4096 rows where 16-column CTAs are at most one an SM; else, and on devices of less than 96 KB a block, for
+    per-head groups and for the dW fold, the 48 KB ring of _ring_shape. The new shapes compile."""
+    from strictnorm.backends.cuda.backend import default_ring
+
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    h200, f32 = 227 * 1024, torch.float32
+    for n, rows, shape in ((4096, 1024, (32, 128, 6)), (4096, 16383, (32, 128, 6)), (3800, 4096, (32, 128, 6)),
+                           (4096, 16384, (16, 256, 3)), (2048, 4096, (16, 512, 3)), (128, 4096, (16, 512, 3)),
+                           (128, 32767, (16, 512, 3)), (128, 4095, (16, 256, 3)), (2113, 4096, (16, 256, 3)),
+                           (8192, 4096, (32, 64, 6)), (1024, 1024, (16, 256, 3))):
+        fl = fold_launch(n, f32, f32, 0, True, True, num_sms=132, rows=rows, smem_optin=h200)
+        assert fl.kernel == "fold_ring", (n, rows)
+        assert (fl.defines["COLS"], fl.defines["ROWS_PER_STAGE"], fl.defines["STAGES"]) == shape, (n, rows)
+        assert fl.shmem == shape[0] * shape[1] * shape[2] * 4 and fl.defines["FULL_STAGE"] == 1
+        if shape[2] * shape[0] * shape[1] * 4 > 48 * 1024:
+            assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"
+    # fewer SMs: the same rule by the device's count (4096 columns on 140 SMs: 128 CTAs are 91%)
+    assert default_ring(4096, 4096, 1, 140, h200, 0).cols == 32 and default_ring(4096, 4096, 1, 150, h200, 0) is None
+    for n, rows, groups, optin, what in ((4096, 4096, 1, 64 * 1024, 0), (4096, 4096, 1, 0, 0), (128, 8192, 4, h200, 0),
+                                         (4096, 4096, 1, h200, 1), (128, 8192, 1, h200, 1)):
+        assert default_ring(n, rows, groups, 132, optin, what) is None, (n, rows, groups, optin, what)
+    fl = fold_launch(4096, f32, f32, 0, True, True, num_sms=132, rows=4096, smem_optin=64 * 1024)
+    assert (fl.defines["COLS"], fl.defines["ROWS_PER_STAGE"], fl.shmem) == (16, 256, 48 * 1024)
+
+
 def test_default_dw_fold_is_the_stream_from_4096_columns():
     """Without a FoldTuning the dW fold from 4096 columns (where fold_chain does not apply) is fold_stream, 32 columns
     a CTA up to 8192 columns and 16 beyond, 8 converting warps where the CTAs are one an SM, else 4 (H200, run 20);

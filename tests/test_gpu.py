@@ -322,8 +322,10 @@ def _loop(rows):
     return acc
 
 
+# (16384, 128), (5000, 33), (4097, 2000): the plain ring of 16 columns x 512 rows in 96 KB; (4096, 4096), (6000, 3900):
+# 32 x 128 in 96 KB (backend.default_ring, on an H200); partial last stages and column stripes
 @pytest.mark.parametrize("shape", [(1, 128), (100, 128), (16384, 128), (4096, 4096), (1024, 8192), (3, 5),
-                                   (5000, 33), (777, 1000)])
+                                   (5000, 33), (777, 1000), (6000, 3900), (4097, 2000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fold_equals_python_loop(shape, dtype, seed):
     assert status("cuda", torch.device(DEV)).available, status("cuda", torch.device(DEV)).reason

@@ -224,6 +224,33 @@ def default_stream(n: int, groups: int, num_sms: int, what: int) -> FoldTuning |
     return FoldTuning(stream=True, cols=cols, convert_warps=8 if -(-n // cols) * groups <= num_sms else 4)
 
 
+# The plain fold's ring where its CTAs are at most one an SM: more shared memory (96 KB, opted into) for more rows in
+# flight (H200, run 22 calls a-c, every configuration bitwise; the 48 KB ring of 16 columns x 256 rows before):
+# - 32 columns x 128 rows a stage where 32-column CTAs fill at least 90% of the SMs (4096 columns: 128 CTAs on
+#   132 SMs, where the narrow ring's 256 CTAs are two an SM): 1024 x 4096 8.4 -> 7.4 us, 4096 x 4096 25.3 -> 22.2
+#   (22.3 in call a); at 16384 x 4096 behind (79.7 against 76.8), so below 16384 rows only;
+# - 16 columns x 512 rows a stage from 4096 rows where 16-column CTAs are at most one an SM: 4096 x 2048 18.3 ->
+#   16.2, 16384 x 128 54.8 -> 51.7, 4096 x 128 15.0 -> 14.8; at 1024 rows behind (1024 x 128 5.6 against 5.1), and
+#   at 16384 x 4096 (two CTAs an SM) 83.3 against 76.8.
+# The consumer's 32-row pipelined loop (FoldTuning.pipelined) gained nothing consistent there (16384 x 128 with
+# 16 x 512: 50.8 against 51.7, 16384 x 4096 with 32 x 256 x 200 KB: 72.8 against 77.5; 8 x 512 x 200 KB: 59.1
+# against 50.1), so the whole-stage unroll stays.
+_RING_ROOMY = 96 * 1024
+
+
+def default_ring(n: int, rows: int, groups: int, num_sms: int, smem_optin: int, what: int) -> FoldTuning | None:
+    """The ring tuning of the plain fold (what == 0) without a FoldTuning, where default_chain does not apply, or
+    None for _ring_shape's defaults (the dW fold's ring, per-head groups, devices of less opt-in shared memory)."""
+    if what or groups != 1 or smem_optin < _RING_ROOMY:
+        return None
+    wide_ctas = -(-n // 32)
+    if wide_ctas < num_sms and 10 * wide_ctas >= 9 * num_sms and rows < 16384:
+        return FoldTuning(cols=32, rows_per_stage=128, smem_bytes=_RING_ROOMY)
+    if -(-n // 16) <= num_sms and rows >= 4096:
+        return FoldTuning(cols=16, rows_per_stage=512, smem_bytes=_RING_ROOMY)
+    return None
+
+
 def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tuning: FoldTuning | None = None
                 ) -> tuple[int, int, int, bool, int]:
     """(COLS, ROWS_PER_STAGE, STAGES, CONVERT, shared bytes). Few columns per CTA when columns are few
@@ -255,7 +282,7 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
     """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel (any layout);
     else the ring, fold_chain where the tuning asks for it and there is one group of `rows` rows, or fold_stream
     where it asks for that (without a tuning: default_chain, given the device's opt-in shared memory per block,
-    else default_stream where its buffers fit that memory, else the ring).
+    else default_stream where its buffers fit that memory, else the ring, shaped by default_ring where it applies).
     out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
     defines = {"A_CODE": DTYPE_CODES[a_dtype], "B_CODE": DTYPE_CODES[b_dtype], "WHAT": what,
                "SIMPLE_ROWS": int(simple_rows)}
@@ -271,6 +298,8 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
                 return _stream_launch(n, num_sms, groups, smem_optin, stream, defines)
             except ValueError:  # its buffers do not fit this device's shared memory (or none is known): the ring
                 pass
+        if tuning is None:
+            tuning = default_ring(n, rows, groups, num_sms, smem_optin, what)
     if tuning is not None and tuning.chain_rows and groups == 1:
         return _chain_launch(n, rows, num_sms, tuning, defines)
     if tuning is not None and tuning.stream:
