@@ -60,14 +60,12 @@ if os.environ.get("SWEEP_FOLD_STREAM"):
                                             "isolate"),
                                            map(int, v.split(":")), strict=False)))
         for v in os.environ["SWEEP_FOLD_STREAM"].split(",")]
-# SWEEP_FOLD_RING=cols:rows_per_stage:kb[:pipelined],... replaces the ring configurations other than FoldTuning() (kb:
-# the ring's shared memory in KB, past 48 opted into; pipelined 1: the consumer's loads a block ahead; knobs "ring"
-# and "smem" select them as their sizes say)
+# SWEEP_FOLD_RING=cols:rows_per_stage:kb,... replaces the ring configurations other than FoldTuning() (kb: the ring's
+# shared memory in KB; past 48 opted into; knobs "ring" and "smem" select them as their sizes say)
 if os.environ.get("SWEEP_FOLD_RING"):
     TUNINGS = [t for t in TUNINGS if t is None or t == FoldTuning() or t.chain_rows or t.stream] + [
-        FoldTuning(cols=int(v[0]), rows_per_stage=int(v[1]), smem_bytes=int(v[2]) * 1024,
-                   pipelined=len(v) > 3 and v[3] == "1")
-        for v in (spec.split(":") for spec in os.environ["SWEEP_FOLD_RING"].split(","))]
+        FoldTuning(cols=int(c), rows_per_stage=int(r), smem_bytes=int(kb) * 1024)
+        for c, r, kb in (v.split(":") for v in os.environ["SWEEP_FOLD_RING"].split(","))]
 # SWEEP_FOLD_CHAIN=cols:chain_rows,... replaces the fold_chain configurations
 if os.environ.get("SWEEP_FOLD_CHAIN"):
     TUNINGS = [t for t in TUNINGS if t is None or not t.chain_rows] + [
@@ -189,8 +187,8 @@ def main() -> None:
         default = next(r for r in timed if r.get("default")) if any(r.get("default") for r in timed) else None
         best = min(timed, key=lambda r: r["us"]) if timed else None
         if best:
-            knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "pipelined", "smem_bytes",
-                                          "column_major", "chain_rows", "stream", "convert_warps", "buffers",
+            knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes", "column_major",
+                                          "chain_rows", "stream", "convert_warps", "buffers",
                                           "pad_groups", "isolate") if k in best}
             print(f"{name:>24}: default {default['us'] if default else float('nan'):8.1f} us, best {best['us']:8.1f}"
                   f" us ({best['x_chain_floor']:.2f}x chain floor) {knobs or 'default'}")

@@ -250,18 +250,16 @@ def test_row_bounded_entries_apply_within_their_bound():
 @pytest.mark.parametrize("what, dtype", [(0, torch.float32), (1, torch.bfloat16)])
 def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
     """fold.cu's sweep knobs (bench/sweep_fold.py): the default ring unrolls whole stages (FULL_STAGE);
-    other ring shapes, the 16-row unroll and the 32-row pipelined consumer (PIPELINED) compile; a ring whose two
-    stages exceed the shared memory limit is refused with a clear error instead of failing at launch."""
+    other ring shapes and the 16-row unroll compile; a ring whose two stages exceed the shared memory
+    limit is refused with a clear error instead of failing at launch."""
     from strictnorm.backends.cuda.backend import FoldTuning
 
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     ring = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=FoldTuning())
     assert ring.kernel == "fold_ring" and ring.defines["FULL_STAGE"] == 1
-    for tuning in (FoldTuning(full_stage=False), FoldTuning(cols=16, rows_per_stage=64, full_stage=False),
-                   FoldTuning(pipelined=True)):
+    for tuning in (FoldTuning(full_stage=False), FoldTuning(cols=16, rows_per_stage=64, full_stage=False)):
         fl = fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=tuning)
         assert "FULL_STAGE" not in fl.defines and fl.shmem <= 48 * 1024
-        assert fl.defines.get("PIPELINED", 0) == int(tuning.pipelined)
         assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"
     with pytest.raises(ValueError, match="shared memory"):
         fold_launch(128, dtype, dtype, what, True, True, num_sms=132, tuning=FoldTuning(cols=32, rows_per_stage=512))

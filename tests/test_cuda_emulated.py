@@ -205,22 +205,21 @@ def test_emulated_strict_dw_fold_bitwise(tuning, seed, tmp_path):
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))
 
 
-# the ring's consumer with its loads a block of 32 rows ahead (PIPELINED) against the whole-stage unroll: plain folds
-# of fp32 rows (16 columns a CTA; 20 columns, so a partial column group) and bf16 rows (32 columns); the dW fold's
-# converted, row-major contributions, and a dW ring of 256-row stages that does not convert (its consumer widens and
-# multiplies as it adds), of bf16 dy and fp32 x (contributions with full fp32 mantissas)
-RING_CASES = [(FP32, FP32, 0, 20, FoldTuning(pipelined=True)), (FP32, FP32, 0, 20, FoldTuning()),
-              (BF16, BF16, 0, 40, FoldTuning(cols=32, rows_per_stage=64, pipelined=True)),
-              (BF16, FP32, 1, 24, FoldTuning(pipelined=True)),
-              (BF16, FP32, 1, 24, FoldTuning(cols=8, rows_per_stage=256, pipelined=True))]
+# the ring's consumer, its whole stages unrolled (FULL_STAGE) or by 16: plain folds of fp32 rows (16 columns a CTA; 20
+# columns, so a partial column group) and bf16 rows (32 columns); the dW fold's converted, row-major contributions, and
+# a dW ring of 256-row stages that does not convert (its consumer widens and multiplies as it adds), of bf16 dy and fp32
+# x (contributions with full fp32 mantissas)
+RING_CASES = [(FP32, FP32, 0, 20, FoldTuning()), (FP32, FP32, 0, 20, FoldTuning(full_stage=False)),
+              (BF16, BF16, 0, 40, FoldTuning(cols=32, rows_per_stage=64)),
+              (BF16, FP32, 1, 24, FoldTuning()),
+              (BF16, FP32, 1, 24, FoldTuning(cols=8, rows_per_stage=256))]
 
 
 @pytest.mark.parametrize("dy_dtype, x_dtype, what, n, tuning", RING_CASES)
 def test_emulated_ring_consumer_bitwise(dy_dtype, x_dtype, what, n, tuning, seed, tmp_path):
-    """fold_ring's consumer loops (pipelined or unrolled by stage) equal the reference's ascending left fold of the
-    rows (plain) or of the dW contributions: a partial last stage whose rows are no multiple of 32 (the pipelined
-    loop's tail), special values, rows scaled by powers of two from 2^-12 to 2^11 (so that bf16 rows' sums round and
-    the order shows: swapping two rows of each stage's last block fails every case but the unrolled one's)."""
+    """fold_ring's consumer loops equal the reference's ascending left fold of the rows (plain) or of the dW
+    contributions: a partial last stage, special values, rows scaled by powers of two from 2^-12 to 2^11 (so that
+    bf16 rows' sums round and the order shows)."""
     from strictnorm.reference import dw_contributions, left_fold_rows
 
     g = torch.Generator().manual_seed(seed)
@@ -232,7 +231,7 @@ def test_emulated_ring_consumer_bitwise(dy_dtype, x_dtype, what, n, tuning, seed
     dy[5, 0], x[9, 1] = float("inf"), float("nan")
     rstd = torch.rand(rows, generator=g) + 0.5
     fl = fold_launch(n, dy_dtype, x_dtype, what, True, True, num_sms=132, tuning=tuning)
-    assert fl.kernel == "fold_ring" and fl.defines.get("PIPELINED", 0) == int(tuning.pipelined)
+    assert fl.kernel == "fold_ring" and fl.defines.get("FULL_STAGE", 0) == int(tuning.full_stage)
     assert fl.defines["CONVERT"] == int(what == 1 and tuning.rows_per_stage != 256)
     spec = make_spec(x_dtype, 1e-6, 0.0, "llama", x_dtype)
     want = left_fold_rows(dw_contributions(dy, x, rstd, spec) if what else dy)

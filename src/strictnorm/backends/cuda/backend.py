@@ -73,9 +73,6 @@ class FoldTuning:
     cols: int = 0
     rows_per_stage: int = 0
     full_stage: bool = True
-    # the consumer's loop in blocks of 32 rows, each block's shared-memory loads issued before the previous block's
-    # adds (PIPELINED; full_stage then does not apply): the row-major tiles of the plain ring
-    pipelined: bool = False
     # the ring's shared memory: up to 48 KB needs no opt-in; more (Hopper: up to 227 KB) is opted into at
     # load time and lets the dW fold convert stages of 256 rows (its contribution buffers need 4+ stages)
     smem_bytes: int = _SMEM_LIMIT
@@ -232,9 +229,9 @@ def default_stream(n: int, groups: int, num_sms: int, what: int) -> FoldTuning |
 # - 16 columns x 512 rows a stage from 4096 rows where 16-column CTAs are at most one an SM: 4096 x 2048 18.3 ->
 #   16.2, 16384 x 128 54.8 -> 51.7, 4096 x 128 15.0 -> 14.8; at 1024 rows behind (1024 x 128 5.6 against 5.1), and
 #   at 16384 x 4096 (two CTAs an SM) 83.3 against 76.8.
-# The consumer's 32-row pipelined loop (FoldTuning.pipelined) gained nothing consistent there (16384 x 128 with
-# 16 x 512: 50.8 against 51.7, 16384 x 4096 with 32 x 256 x 200 KB: 72.8 against 77.5; 8 x 512 x 200 KB: 59.1
-# against 50.1), so the whole-stage unroll stays.
+# A consumer loop in blocks of 32 rows, each block's loads issued before the previous block's adds, gained nothing
+# consistent there (16384 x 128 with 16 x 512: 50.8 against 51.7, 16384 x 4096 with 32 x 256 x 200 KB: 72.8 against
+# 77.5; 8 x 512 x 200 KB: 59.1 against 50.1; run 22 calls b-c, commit a9fb652), so it was removed.
 _RING_ROOMY = 96 * 1024
 
 
@@ -307,9 +304,7 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
     cols, rps, stages, convert, shmem = _ring_shape(n, a_dtype.itemsize, b_dtype.itemsize, what, num_sms, tuning)
     defines.update(COLS=cols, ROWS_PER_STAGE=rps, STAGES=stages, THREADS=_THREADS, CONVERT=int(convert))
     tuning = tuning or FoldTuning()
-    if tuning.pipelined:
-        defines["PIPELINED"] = 1
-    elif tuning.full_stage:
+    if tuning.full_stage:
         defines["FULL_STAGE"] = 1
     if convert and tuning.column_major:
         defines["COLUMN_MAJOR"] = 1

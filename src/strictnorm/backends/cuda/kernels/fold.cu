@@ -14,8 +14,7 @@
 // (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
 // rows with one 16-byte load instead of one), FULL_STAGE
 // (the consumer's loop over a whole stage fully unrolled, so that its shared-memory loads run ahead of
-// the chain of adds; default 0: unrolled by 16, each block's first load latency exposed), PIPELINED (instead:
-// blocks of 32 rows, each block's loads issued before the previous block's adds).
+// the chain of adds; default 0: unrolled by 16, each block's first load latency exposed).
 //
 // Rows are addressed through the layout of ../layout.py: for logical row r,
 //   g = r % G; t = r / G; offset = (t / R1) * s0 + (t % R1) * s1 + g * sg.
@@ -50,46 +49,17 @@ __device__ __forceinline__ long long fold_row_offset(long long r, const Layout& 
 #endif
 }
 
-// Folds `rows` rows into acc in order, PER rows an item (add(acc, load(k)) adds item k: one row's value, or a float4
-// of four rows; the rows past the last whole item one at a time, single(i) being row i's value), in blocks of BLOCK
-// items, each block's loads issued before the previous block's adds, so that the load latency (shared memory) hides
-// behind the chain of adds instead of stalling it once a block (run 7: fold_chain's 4096-row items took ~3.5 ns a
-// row with the loads at the top of each block of 16 rows, against the chain's 2.0).
-__device__ __forceinline__ float add1(float acc, float v) { return __fadd_rn(acc, v); }
-template <int BLOCK, int PER, typename Load, typename Add, typename Single>
-__device__ __forceinline__ float fold_pipelined(float acc, int rows, Load load, Add add, Single single) {
-    using V = decltype(load(0));
-    const int blocks = rows / (PER * BLOCK);
-    if (blocks > 0) {
-        V cur[BLOCK];
-#pragma unroll
-        for (int j = 0; j < BLOCK; ++j) cur[j] = load(j);
-        for (int blk = 1; blk < blocks; ++blk) {
-            V next[BLOCK];
-#pragma unroll
-            for (int j = 0; j < BLOCK; ++j) next[j] = load(blk * BLOCK + j);
-#pragma unroll
-            for (int j = 0; j < BLOCK; ++j) {
-                acc = add(acc, cur[j]);
-                cur[j] = next[j];
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < BLOCK; ++j) acc = add(acc, cur[j]);
-    }
-    int i = blocks * PER * BLOCK;
-    for (; i + PER <= rows; i += PER) acc = add(acc, load(i / PER));
-    for (; i < rows; ++i) acc = add1(acc, single(i));
-    return acc;
-}
-
+// Folds `rows` consecutive fp32 values of one column (16-byte aligned) into acc, four rows per load; the
+// adds stay one at a time, in row order. FULL > 0: a count of exactly FULL rows is unrolled completely.
+// Else blocks of FOLD_BLOCK loads (4 * FOLD_BLOCK rows), each block's loads issued before the previous
+// block's adds: the shared-memory latency hides behind the chain of adds instead of stalling it once a block
+// (run 7: fold_chain's 4096-row items took ~3.5 ns a row with the loads at the top of each block of 16 rows,
+// against the chain's 2.0).
 __device__ __forceinline__ float add4(float acc, float4 v) {
     return __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, v.x), v.y), v.z), v.w);
 }
-constexpr int FOLD_BLOCK = 8;  // float4 loads a block: 32 rows
+constexpr int FOLD_BLOCK = 8;
 
-// Folds `rows` consecutive fp32 values of one column (16-byte aligned) into acc, four rows per load; the
-// adds stay one at a time, in row order. FULL > 0: a count of exactly FULL rows is unrolled completely.
 template <int FULL>
 __device__ __forceinline__ float fold_column(float acc, int rows, const float* col) {
     const float4* c4 = reinterpret_cast<const float4*>(col);
@@ -98,7 +68,28 @@ __device__ __forceinline__ float fold_column(float acc, int rows, const float* c
         for (int j = 0; j < FULL / 4; ++j) acc = add4(acc, c4[j]);
         return acc;
     }
-    return fold_pipelined<FOLD_BLOCK, 4>(acc, rows, [&](int j) { return c4[j]; }, add4, [&](int i) { return col[i]; });
+    const int blocks = rows / (4 * FOLD_BLOCK);
+    if (blocks > 0) {
+        float4 cur[FOLD_BLOCK];
+#pragma unroll
+        for (int j = 0; j < FOLD_BLOCK; ++j) cur[j] = c4[j];
+        for (int blk = 1; blk < blocks; ++blk) {
+            float4 next[FOLD_BLOCK];
+#pragma unroll
+            for (int j = 0; j < FOLD_BLOCK; ++j) next[j] = c4[blk * FOLD_BLOCK + j];
+#pragma unroll
+            for (int j = 0; j < FOLD_BLOCK; ++j) {
+                acc = add4(acc, cur[j]);
+                cur[j] = next[j];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);
+    }
+    int i = blocks * 4 * FOLD_BLOCK;
+    for (; i + 4 <= rows; i += 4) acc = add4(acc, c4[i / 4]);
+    for (; i < rows; ++i) acc = __fadd_rn(acc, col[i]);
+    return acc;
 }
 
 // COUNT consecutive values of one row widened to fp32, those at or past `left` as +0.0: 16-byte loads where the
@@ -149,18 +140,11 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
 #ifndef FULL_STAGE
 #define FULL_STAGE 0
 #endif
-#ifndef PIPELINED
-#define PIPELINED 0
-#endif
 
-// Folds `rows` rows of a stage into acc: value(i) is row i's fp32 addend. PIPELINED: in blocks of 32 rows, each
-// block's loads before the previous block's adds; else whole stages unrolled completely with FULL_STAGE, the last,
-// partial stage (and every stage without it) by 16.
+// Folds `rows` rows of a stage into acc: value(i) is row i's fp32 addend. Whole stages are unrolled
+// completely with FULL_STAGE; the last, partial stage (and every stage without it) by 16.
 template <typename Value>
 __device__ __forceinline__ float fold_stage(float acc, int rows, Value value) {
-#if PIPELINED
-    return fold_pipelined<32, 1>(acc, rows, value, add1, value);
-#else
     if (FULL_STAGE && rows == ROWS_PER_STAGE) {
 #pragma unroll
         for (int i = 0; i < ROWS_PER_STAGE; ++i) acc = __fadd_rn(acc, value(i));
@@ -169,7 +153,6 @@ __device__ __forceinline__ float fold_stage(float acc, int rows, Value value) {
 #pragma unroll 16
     for (int i = 0; i < rows; ++i) acc = __fadd_rn(acc, value(i));
     return acc;
-#endif
 }
 
 #ifndef COLUMN_MAJOR
