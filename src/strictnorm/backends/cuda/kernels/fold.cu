@@ -391,6 +391,58 @@ __device__ __forceinline__ void stage_addends(float (&v)[S_ITEMS][S_VEC], const 
 #endif
 }
 
+// SEAMLESS: the consumer folds the whole stages (all but a partial last one) as one stream of blocks of FOLD_BLOCK
+// 16-byte loads, each block's loads issued before the previous block's adds across stage boundaries too: the next
+// stage's first block is loaded (once its buffer is marked full) before this stage's last block is added, so a stage
+// boundary exposes neither the shared-memory latency nor the loop's restart on the chain of adds. Lanes past COLS
+// (COLS < 32) load a column of their own stage too (lane % COLS) and drop the sums: no branch around the loads.
+#ifndef SEAMLESS
+#define SEAMLESS 0
+#endif
+// (it waits for stage s + 1 while it holds stage s's buffer: two buffers at least)
+static_assert(!SEAMLESS || (STREAM_ROWS % (4 * FOLD_BLOCK) == 0 && CSTAGES >= 2), "SEAMLESS: whole blocks, 2+ buffers");
+constexpr int S_BLOCKS = STREAM_ROWS / (4 * FOLD_BLOCK);
+
+__device__ __forceinline__ void load_block(float4 (&v)[FOLD_BLOCK], const float* col, int blk) {
+    const float4* c4 = reinterpret_cast<const float4*>(col) + blk * FOLD_BLOCK;
+#pragma unroll
+    for (int j = 0; j < FOLD_BLOCK; ++j) v[j] = c4[j];
+}
+
+// Folds the first `whole` stages (each STREAM_ROWS rows) of this lane's column, `col` its place in buffer 0.
+__device__ __forceinline__ float fold_whole_stages(float acc, long long whole, const float* col,
+                                                   unsigned long long* cfull, unsigned long long* cempty) {
+    if (whole == 0) return acc;
+    float4 cur[FOLD_BLOCK];
+    mbar_wait(cfull, 0);
+    load_block(cur, col, 0);
+    for (long long s = 0; s < whole; ++s) {
+        const int cs = static_cast<int>(s % CSTAGES);
+        const float* here = col + cs * S_CTILE;
+#pragma unroll
+        for (int blk = 0; blk < S_BLOCKS; ++blk) {
+            float4 next[FOLD_BLOCK];
+            if (blk + 1 < S_BLOCKS) {
+                load_block(next, here, blk + 1);
+            } else if (s + 1 < whole) {  // the next stage's first block, before this stage's last adds
+                const int ns = static_cast<int>((s + 1) % CSTAGES);
+                mbar_wait(cfull + ns, mbar_use_parity(s + 1, CSTAGES));
+                load_block(next, col + ns * S_CTILE, 0);
+            } else {
+#pragma unroll
+                for (int j = 0; j < FOLD_BLOCK; ++j) next[j] = cur[j];  // not added: the fold ends here
+            }
+#pragma unroll
+            for (int j = 0; j < FOLD_BLOCK; ++j) {
+                acc = add4(acc, cur[j]);
+                cur[j] = next[j];
+            }
+        }
+        mbar_arrive(cempty + cs);  // its last block is added: the buffer is free
+    }
+    return acc;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
     extern __shared__ __align__(16) unsigned char stream_smem[];
     float* addends = reinterpret_cast<float*>(stream_smem);
@@ -410,7 +462,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
     if (warp < S_CONSUMER_WARPS) {  // the fold: lane c of the consumer warps adds column col0 + c
         const int c = threadIdx.x;
         float acc = 0.0f;
-        for (long long s = 0; s < stages; ++s) {
+        long long s = 0;
+#if SEAMLESS
+        s = rows_per_group / STREAM_ROWS;
+        const float folded = fold_whole_stages(0.0f, s, addends + column_at(c < COLS ? c : c % COLS), cfull, cempty);
+        if (c < COLS) acc = folded;
+#endif
+        for (; s < stages; ++s) {  // every stage, or with SEAMLESS the partial last one
             const int cs = static_cast<int>(s % CSTAGES);
             mbar_wait(cfull + cs, mbar_use_parity(s, CSTAGES));
             if (c < COLS) acc = fold_column<STREAM_ROWS>(acc, stage_rows(s), addends + cs * S_CTILE + column_at(c));
