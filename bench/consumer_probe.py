@@ -8,6 +8,8 @@ SM's cycle counter around the loop, so that what a consumer loop costs beyond th
   stages256    the same cut into stages of 256 rows, each fully unrolled (fold_stream's consumer before SEAMLESS)
   stages256mb  the same with an mbarrier arrive and a wait on a completed phase a stage (fold_stream's handshakes)
   rowmajor     a row-major stage, one 4-byte load a row, unrolled by 16 (fold_ring's plain consumer)
+  column+sts   column, while six warps on the other three SM sub-partitions store to shared memory without pause
+  column+ldg   column, while those warps stream 16-byte global loads into shared memory (as fold_stream's converters)
 Run on the GPU machine: python3 bench/consumer_probe.py [out.json]
 """
 
@@ -19,18 +21,50 @@ import sys
 import numpy as np
 
 ROWS, PASSES, THREADS = 1024, 64, 256
-VARIANTS = ("chain", "column", "stages256", "stages256mb", "rowmajor")
+VARIANTS = ("chain", "column", "stages256", "stages256mb", "rowmajor", "column+sts", "column+ldg")
 
 _PROBE = r"""
 #include "fold.cu"
 constexpr int PROBE_STRIDE = PROBE_ROWS + 4;
-extern "C" __global__ void probe(float* out, unsigned long long* cycles, int passes) {
+extern "C" __global__ void probe(float* out, unsigned long long* cycles, int passes, const float4* src,
+                                 long long src_mask) {
     extern __shared__ __align__(16) float buf[];  // 8 columns x PROBE_STRIDE (rowmajor: PROBE_ROWS x 8)
     __shared__ unsigned long long bar;
+    __shared__ float scratch[6][32 * 33];  // the busy warps' stores
+    __shared__ volatile int done;
     for (int i = threadIdx.x; i < 8 * PROBE_STRIDE; i += blockDim.x)
         buf[i] = __uint_as_float(0x3f800000u | ((i * 2654435761u) >> 9));  // in [1, 2), never zero
-    if (threadIdx.x == 0) mbar_init(&bar, 32);
+    if (threadIdx.x == 0) mbar_init(&bar, 32), done = 0;
     __syncthreads();
+    const int warp = threadIdx.x / 32;
+#if VARIANT >= 5
+    if (warp > 0 && warp % 4 != 0) {  // busy on sub-partitions 1-3 until the consumer is done
+        const int b = warp - 1 - warp / 4, l = threadIdx.x % 32;
+        float* mine = scratch[b];
+        long long at = (static_cast<long long>(b) * 32 + l) * 8;
+        float v = l;
+        while (!done) {
+#if VARIANT == 6
+            float4 q[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) q[k] = src[(at + k * 6 * 32 * 8) & src_mask];
+            at = (at + 8 * 6 * 32 * 8) & src_mask;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                mine[(4 * k) * 33 + l] = q[k].x, mine[(4 * k + 1) * 33 + l] = q[k].y;
+                mine[(4 * k + 2) * 33 + l] = q[k].z, mine[(4 * k + 3) * 33 + l] = q[k].w;
+            }
+#else
+#pragma unroll
+            for (int k = 0; k < 32; ++k) mine[k * 33 + l] = v + k;
+            v = v + 1.0f;
+#endif
+        }
+        __syncwarp();
+        out[32 + b] = mine[l * 33 + (l + 1) % 32];  // the stores are read: none is dropped as dead
+        return;
+    }
+#endif
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x, c = lane % 8;
     const float* col = buf + c * PROBE_STRIDE;
@@ -45,7 +79,7 @@ extern "C" __global__ void probe(float* out, unsigned long long* cycles, int pas
         for (int r = 0; r < PROBE_ROWS; r += 32)
 #pragma unroll
             for (int j = 0; j < 32; ++j) acc = __fadd_rn(acc, reg[j]);
-#elif VARIANT == 1
+#elif VARIANT == 1 || VARIANT >= 5
         acc = fold_column<0>(acc, PROBE_ROWS, col);
 #elif VARIANT == 2 || VARIANT == 3
         for (int s = 0; s < PROBE_ROWS / 256; ++s) {
@@ -64,6 +98,7 @@ extern "C" __global__ void probe(float* out, unsigned long long* cycles, int pas
 #endif
     }
     const unsigned long long t1 = clock64();
+    done = 1;
     out[lane] = acc;
     if (lane == 0) cycles[0] = t1 - t0;
 }
@@ -82,8 +117,9 @@ def main() -> None:
     major, minor = dev.compute_capability
     clock_khz = torch.cuda.get_device_properties(0).clock_rate if hasattr(torch.cuda.get_device_properties(0),
                                                                           "clock_rate") else 0
-    out = torch.empty(32, device="cuda")
+    out = torch.empty(64, device="cuda")
     cycles = torch.zeros(1, dtype=torch.int64, device="cuda")
+    src = torch.randn(64 << 20, device="cuda")  # 256 MB (a power of two: 16-byte loads masked) past L2
     shmem = 8 * (ROWS + 4) * 4
     results = []
     for v, name in enumerate(VARIANTS):
@@ -94,7 +130,8 @@ def main() -> None:
         config = LaunchConfig(grid=1, block=THREADS, shmem_size=shmem)
         per_row = []
         for _ in range(5):
-            launch(stream, config, kernel, out.data_ptr(), cycles.data_ptr(), np.int32(PASSES))
+            launch(stream, config, kernel, out.data_ptr(), cycles.data_ptr(), np.int32(PASSES), src.data_ptr(),
+                   np.int64(src.numel() // 4 - 1))
             stream.sync()
             per_row.append(int(cycles.item()) / (ROWS * PASSES))
         results.append({"variant": name, "cycles_per_row": min(per_row), "runs": per_row})

@@ -326,17 +326,6 @@ def test_fold_stream_compiles_and_plans(arch, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="isolate"):
         fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, smem_optin=h200,
                     tuning=FoldTuning(stream=True, cols=128, isolate=True))
-    # the seamless consumer: SEAMLESS compiled for the narrow default's shape and 64 columns (two consumer warps);
-    # stages of whole 32-row blocks and two buffers at least, else refused
-    for cols, rows, what in ((8, 256, 1), (64, 32, 0)):
-        fl = fold_launch(4096, bf16, bf16, what, True, True, num_sms=132, smem_optin=h200,
-                         tuning=FoldTuning(stream=True, cols=cols, rows_per_stage=rows, seamless=True))
-        assert fl.defines["SEAMLESS"] == 1
-        assert nvrtc.compile_cubin("fold.cu", arch, fl.defines, use_cache=False)[:4] == b"\x7fELF"
-    for bad in (FoldTuning(stream=True, cols=64, rows_per_stage=16, seamless=True),
-                FoldTuning(stream=True, convert_warps=1, buffers=1, seamless=True)):
-        with pytest.raises(ValueError, match="seamless"):
-            fold_launch(4096, bf16, bf16, 1, True, True, num_sms=132, smem_optin=h200, tuning=bad)
     for bad in (FoldTuning(stream=True, cols=24), FoldTuning(stream=True, cols=48), FoldTuning(stream=True, cols=256),
                 FoldTuning(stream=True, rows_per_stage=30), FoldTuning(stream=True, cols=8, rows_per_stage=16)):
         with pytest.raises(ValueError, match="fold_stream takes"):

@@ -293,25 +293,23 @@ def test_emulated_fold_chain_bitwise(chain_rows, cols, n, items, what, seed, tmp
 # consumer lane a column up to two consumer warps, one buffer a converting warp (each waits for the consumer every
 # stage) or more, a partial last column group (of whole 16-byte chunks, or fp32 rows of 20 columns: element loads),
 # fp16 and fp32 rows (two 16-byte loads a segment), the plain fold (what 0) of bf16 and fp32 rows; rows 16-byte aligned
-# (the backend takes fold_simple otherwise)
+# (the backend takes fold_simple otherwise). Stages of whole 32-row blocks with two buffers or more take the seamless
+# consumer (the next stage's first loads before this stage's last adds); one buffer (8, 32, 1, 1) or 16-row stages
+# (64, 16) the consumer's loop a stage
 STREAM_CASES = [(8, 32, 2, 2, BF16, BF16, 1, 24, False, False), (16, 32, 4, 8, BF16, BF16, 1, 40, False, False),
                 (32, 64, 0, 0, FP16, FP16, 1, 40, False, False), (64, 32, 2, 4, BF16, FP32, 1, 72, False, False),
                 (32, 32, 3, 3, BF16, BF16, 0, 40, False, False), (8, 32, 1, 1, FP32, FP32, 0, 20, False, False),
                 (32, 32, 2, 4, BF16, BF16, 1, 40, True, False), (64, 32, 1, 2, BF16, BF16, 0, 72, True, False),
                 (8, 256, 2, 0, BF16, BF16, 1, 24, False, False), (8, 256, 1, 0, FP32, FP32, 0, 16, False, False),
-                (8, 256, 4, 0, BF16, BF16, 1, 24, False, True), (64, 32, 3, 0, FP32, FP32, 0, 72, False, True)]
-# the seamless consumer (the next stage's first loads before this stage's last adds): two buffers (each converter
-# waits for the consumer every stage), the default's shape, the plain fold of fp32 rows of a partial column group,
-# two consumer warps
-SEAMLESS_CASES = [(8, 32, 2, 2, BF16, BF16, 1, 24, False, False), (8, 256, 4, 0, BF16, BF16, 1, 24, False, True),
-                  (8, 32, 1, 2, FP32, FP32, 0, 20, False, False), (16, 64, 4, 8, FP32, FP32, 0, 40, False, True),
-                  (64, 32, 2, 4, BF16, FP32, 1, 72, False, False)]
+                (8, 256, 4, 0, BF16, BF16, 1, 24, False, True), (64, 32, 3, 0, FP32, FP32, 0, 72, False, True),
+                (8, 32, 1, 2, FP32, FP32, 0, 20, False, False), (16, 64, 4, 8, FP32, FP32, 0, 40, False, True),
+                (64, 16, 2, 4, BF16, BF16, 1, 72, False, False)]
 
 
-@pytest.mark.parametrize("cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad, isolate, seamless",
-                         [(*c, False) for c in STREAM_CASES] + [(*c, True) for c in SEAMLESS_CASES])
+@pytest.mark.parametrize("cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad, isolate",
+                         STREAM_CASES)
 def test_emulated_fold_stream_bitwise(cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad, isolate,
-                                      seamless, seed, tmp_path):
+                                      seed, tmp_path):
     """fold.cu's fold_stream (converter warps loading rows into registers and handing fp32 addends to the consumer
     warps through mbarrier-guarded buffers) equals the reference's ascending left fold of the dW contributions (in
     x's casting) or of the rows themselves; rows with special values, a partial last stage. The emulation runs
@@ -326,9 +324,8 @@ def test_emulated_fold_stream_bitwise(cols, rows_per_stage, warps, buffers, dy_d
     dy[5, 0], x[9, 1] = float("inf"), float("nan")  # two columns decided whatever the order
     rstd = torch.rand(rows, generator=g) + 0.5
     tuning = FoldTuning(stream=True, cols=cols, rows_per_stage=rows_per_stage, convert_warps=warps, buffers=buffers,
-                        pad_groups=pad, isolate=isolate, seamless=seamless)
+                        pad_groups=pad, isolate=isolate)
     fl = fold_launch(n, dy_dtype, x_dtype, what, True, True, num_sms=132, tuning=tuning, smem_optin=227 * 1024)
-    assert fl.defines.get("SEAMLESS", 0) == seamless
     assert fl.kernel == "fold_stream" and fl.defines["COLS"] == cols and fl.grid_x == -(-n // cols)
     assert fl.defines["CSTAGES"] == (buffers or 2 * (warps or 8)) and fl.defines.get("GROUP_PAD", 0) == 8 * pad
     assert fl.defines.get("ISOLATE", 0) == isolate

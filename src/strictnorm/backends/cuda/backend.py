@@ -94,9 +94,6 @@ class FoldTuning:
     # fold_stream's consumer warps alone on their SM sub-partitions (ISOLATE; up to 64 columns): the converters
     # on the others, the warps between idle (the default at 8 columns: see default_stream)
     isolate: bool = False
-    # fold_stream's consumer without a pause at stage boundaries (SEAMLESS): the next stage's first loads issued
-    # before this stage's last adds (stages of a multiple of 32 rows)
-    seamless: bool = False
 
 
 def _stream_threads(cols: int, warps: int, isolate: bool) -> int:
@@ -150,8 +147,6 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
                          f"whole warps of 8-column segments, got {cols} x {rows}")
     warps = tuning.convert_warps or 8
     buffers = tuning.buffers or 2 * warps
-    if tuning.seamless and rows % 32:
-        raise ValueError(f"fold_stream's seamless consumer takes stages of a multiple of 32 rows, got {rows}")
     if tuning.isolate and cols >= 128:
         raise ValueError(f"fold_stream's isolate takes at most 64 columns (a sub-partition left), got {cols}")
     threads = _stream_threads(cols, warps, tuning.isolate)
@@ -165,8 +160,6 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
     if not tuning.buffers and buffers * per_buffer > budget:  # fewer where the CTAs an SM holds would not fit
         buffers = max(warps, budget // per_buffer // warps * warps)
     shmem = buffers * per_buffer
-    if tuning.seamless and buffers < 2:
-        raise ValueError("fold_stream's seamless consumer holds a buffer while it waits for the next: two at least")
     if shmem > (smem_optin or _SMEM_LIMIT):
         raise ValueError(f"fold_stream of {cols} columns x {rows} rows a stage: {buffers} buffers need {shmem} bytes "
                          f"of shared memory, more than {smem_optin or _SMEM_LIMIT}")
@@ -174,8 +167,6 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
         defines = dict(defines, GROUP_PAD=pad)
     if tuning.isolate:
         defines = dict(defines, ISOLATE=1)
-    if tuning.seamless:
-        defines = dict(defines, SEAMLESS=1)
     return FoldLaunch("fold_stream", dict(defines, COLS=cols, STREAM_ROWS=rows, CSTAGES=buffers,
                                           CONVERT_WARPS=warps, THREADS=threads), -(-n // cols), threads, shmem)
 
