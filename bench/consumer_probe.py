@@ -30,7 +30,7 @@ extern "C" __global__ void probe(float* out, unsigned long long* cycles, int pas
                                  long long src_mask) {
     extern __shared__ __align__(16) float buf[];  // 8 columns x PROBE_STRIDE (rowmajor: PROBE_ROWS x 8)
     __shared__ unsigned long long bar;
-    __shared__ float scratch[6][32 * 33];  // the busy warps' stores
+    __shared__ float scratch[6][16 * 33];  // the busy warps' stores (static + dynamic: under 48 KB)
     __shared__ volatile int done;
     for (int i = threadIdx.x; i < 8 * PROBE_STRIDE; i += blockDim.x)
         buf[i] = __uint_as_float(0x3f800000u | ((i * 2654435761u) >> 9));  // in [1, 2), never zero
@@ -45,23 +45,23 @@ extern "C" __global__ void probe(float* out, unsigned long long* cycles, int pas
         float v = l;
         while (!done) {
 #if VARIANT == 6
-            float4 q[8];
+            float4 q[4];
 #pragma unroll
-            for (int k = 0; k < 8; ++k) q[k] = src[(at + k * 6 * 32 * 8) & src_mask];
-            at = (at + 8 * 6 * 32 * 8) & src_mask;
+            for (int k = 0; k < 4; ++k) q[k] = src[(at + k * 6 * 32 * 8) & src_mask];
+            at = (at + 4 * 6 * 32 * 8) & src_mask;
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
+            for (int k = 0; k < 4; ++k) {
                 mine[(4 * k) * 33 + l] = q[k].x, mine[(4 * k + 1) * 33 + l] = q[k].y;
                 mine[(4 * k + 2) * 33 + l] = q[k].z, mine[(4 * k + 3) * 33 + l] = q[k].w;
             }
 #else
 #pragma unroll
-            for (int k = 0; k < 32; ++k) mine[k * 33 + l] = v + k;
+            for (int k = 0; k < 16; ++k) mine[k * 33 + l] = v + k;
             v = v + 1.0f;
 #endif
         }
         __syncwarp();
-        out[32 + b] = mine[l * 33 + (l + 1) % 32];  // the stores are read: none is dropped as dead
+        out[32 + b] = mine[(l % 16) * 33 + (l + 1) % 32];  // the stores are read: none is dropped as dead
         return;
     }
 #endif
