@@ -523,11 +523,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
 constexpr unsigned long long HANDED = 1ull << 32;  // the ready mark above a hand-over word's sum
 
 constexpr int CHAIN_STRIDE = CHAIN_ROWS + 4;  // padded: the producers' stores fall in different banks
-// rows whose loads a thread issues before it stores any: an item's rows arrive in one or two memory round trips
-// (at 8 columns and 256 threads a 4096-row item is 16 rows a thread), as many as ~128 fp32 registers hold (run 21's
-// four rows a thread took ~4 round trips before the first item's chain could start)
-constexpr int CHAIN_LOADS_MAX = 128 / (COLS * (WHAT != 0 ? 2 : 1));
-constexpr int CHAIN_LOADS = CHAIN_LOADS_MAX < 1 ? 1 : (CHAIN_LOADS_MAX > 16 ? 16 : CHAIN_LOADS_MAX);
 static_assert(CHAIN_ROWS % 4 == 0 && COLS <= 32, "four rows a load; one consumer lane per column");
 
 extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, int* __restrict__ state,
@@ -552,36 +547,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, in
         const int col0 = static_cast<int>(i % groups_n) * COLS;
         const long long t0 = k * CHAIN_ROWS;
         const int rows = static_cast<int>(rows_per_group - t0 < CHAIN_ROWS ? rows_per_group - t0 : CHAIN_ROWS);
-        // this item's contributions, column-major: CHAIN_LOADS rows a thread loaded before any is stored
-        for (int r0 = threadIdx.x; r0 < rows; r0 += THREADS * CHAIN_LOADS) {
-            float va[CHAIN_LOADS][COLS];
+#pragma unroll 4  // several rows' loads in flight per thread
+        for (int r = threadIdx.x; r < rows; r += THREADS) {  // this item's contributions, column-major
+            const long long t = t0 + r;
+            float va[COLS];
+            load_upto<a_t, A_CODE, COLS>(va, a + fold_row_offset(t, la) + col0, n - col0, aligned);
 #if WHAT != 0
-            float vb[CHAIN_LOADS][COLS];
-            float rs[CHAIN_LOADS];
+            float vb[COLS];
+            load_upto<b_t, B_CODE, COLS>(vb, b + fold_row_offset(t, lb) + col0, n - col0, aligned);
+            const float rs = rstd[t];
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) va[c] = contribution(va[c], vb[c], rs);
 #endif
 #pragma unroll
-            for (int k = 0; k < CHAIN_LOADS; ++k) {
-                const int r = r0 + k * THREADS;
-                if (r >= rows) continue;
-                const long long t = t0 + r;
-                load_upto<a_t, A_CODE, COLS>(va[k], a + fold_row_offset(t, la) + col0, n - col0, aligned);
-#if WHAT != 0
-                load_upto<b_t, B_CODE, COLS>(vb[k], b + fold_row_offset(t, lb) + col0, n - col0, aligned);
-                rs[k] = rstd[t];
-#endif
-            }
-#pragma unroll
-            for (int k = 0; k < CHAIN_LOADS; ++k) {
-                const int r = r0 + k * THREADS;
-                if (r >= rows) continue;
-#pragma unroll
-                for (int c = 0; c < COLS; ++c)
-#if WHAT != 0
-                    contrib[c * CHAIN_STRIDE + r] = contribution(va[k][c], vb[k][c], rs[k]);
-#else
-                    contrib[c * CHAIN_STRIDE + r] = va[k][c];
-#endif
-            }
+            for (int c = 0; c < COLS; ++c) contrib[c * CHAIN_STRIDE + r] = va[c];
         }
         __syncthreads();
         if (lane < COLS) {
