@@ -339,23 +339,33 @@ def test_fold_stream_compiles_and_plans(arch, tmp_path, monkeypatch):
 
 
 def test_default_folds_below_4096_columns():
-    """Without a FoldTuning, below 4096 columns: fold_chain for one group of many rows (the dW fold from 32768 rows up
-    to 1024 columns, the plain fold up to 512) with items as long as the device's shared memory allows; else the dW
-    fold takes fold_stream (8 columns a CTA in stages of 256 rows with 4 converting warps and the consumer isolated
-    where the columns are few, wider stripes where they still give most SMs a CTA) where its buffers fit, and the
-    plain fold the ring (H200, session 22)."""
-    from strictnorm.backends.cuda.backend import default_chain
+    """Without a FoldTuning, below 4096 columns: fold_chain for one group of many rows (the dW fold from 65536 rows up
+    to 256 columns, the plain fold from 32768 rows up to 512) with items as long as the device's shared memory allows;
+    else the dW fold takes fold_stream (8 columns a CTA in stages of 256 rows with 4 converting warps and the consumer
+    isolated where the columns are few, wider stripes where they still give most SMs a CTA) where its buffers fit, the
+    plain fold too from 4096 rows up to 512 columns (in stages of 128 rows below 16384 rows, of 512 from there), and
+    the ring elsewhere (H200, session 22; run 23)."""
+    from strictnorm.backends.cuda.backend import default_chain, default_stream
 
     h200, bf16, f32 = 227 * 1024, torch.bfloat16, torch.float32
-    for n, rows, groups, cols, stage, warps in ((128, 4096, 1, 8, 256, 4), (128, 32767, 1, 8, 256, 4),
+    for n, rows, groups, cols, stage, warps in ((128, 4096, 1, 8, 256, 4), (128, 65535, 1, 8, 256, 4),
                                                 (1000, 8192, 1, 8, 256, 4), (2048, 8192, 1, 16, 64, 8),
                                                 (128, 4099, 8, 8, 256, 4), (128, 262144, 32, 32, 64, 8),
-                                                (1000, 4099, 16, 64, 32, 4)):
+                                                (1000, 4099, 16, 64, 32, 4), (257, 262144, 1, 8, 256, 4),
+                                                (1024, 32768, 1, 8, 256, 4)):
         fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=rows, groups=groups, smem_optin=h200)
         assert fl.kernel == "fold_stream" and fl.grid_x == -(-n // cols) and fl.shmem <= h200, (n, rows, groups)
         assert (fl.defines["COLS"], fl.defines["STREAM_ROWS"], fl.defines["CONVERT_WARPS"]) == (cols, stage, warps)
         assert fl.defines.get("ISOLATE", 0) == (cols == 8) and fl.block == (6 * 32 if cols == 8 else fl.block)
-    for n, rows, what, chain_rows in ((128, 32768, 1, 4096), (128, 262144, 1, 4096), (1024, 32768, 1, 2048),
+    # the plain fold's fold_stream: 8 isolated columns, 4 converting warps, 128- or 512-row stages
+    for n, rows, stage in ((128, 4096, 128), (512, 16383, 128), (128, 16384, 512), (300, 32767, 512)):
+        fl = fold_launch(n, f32, f32, 0, True, True, num_sms=132, rows=rows, smem_optin=h200)
+        assert fl.kernel == "fold_stream" and fl.grid_x == -(-n // 8) and fl.shmem <= h200, (n, rows)
+        assert (fl.defines["COLS"], fl.defines["STREAM_ROWS"], fl.defines["CONVERT_WARPS"]) == (8, stage, 4)
+        assert fl.defines["ISOLATE"] == 1
+    for n, rows, groups in ((128, 4095, 1), (513, 8192, 1), (128, 32768, 1), (128, 8192, 2)):
+        assert default_stream(n, groups, 132, 0, rows) is None, (n, rows, groups)
+    for n, rows, what, chain_rows in ((128, 65536, 1, 4096), (128, 262144, 1, 4096), (256, 65536, 1, 4096),
                                       (128, 32768, 0, 4096), (512, 32768, 0, 4096)):
         dt = bf16 if what else f32
         fl = fold_launch(n, dt, dt, what, True, True, num_sms=132, rows=rows, smem_optin=h200)
@@ -363,8 +373,9 @@ def test_default_folds_below_4096_columns():
         assert fl.shmem <= h200 and default_chain(n, rows, 1, h200, what).chain_rows == chain_rows
     for n, rows in ((128, 32767), (512, 32767), (513, 262144), (2048, 1024)):
         assert default_chain(n, rows, 1, h200, 0) is None
+    for n, rows in ((128, 4095), (513, 262144), (2048, 1024)):
         assert fold_launch(n, f32, f32, 0, True, True, num_sms=132, rows=rows, smem_optin=h200).kernel == "fold_ring"
-    for n, rows, groups in ((1025, 262144, 1), (128, 32767, 1), (128, 262144, 8)):
+    for n, rows, groups in ((257, 262144, 1), (128, 65535, 1), (128, 262144, 8)):
         assert default_chain(n, rows, groups, h200) is None
     assert default_chain(128, 262144, 1, 99 * 1024).chain_rows == 2048  # e.g. sm_89: 99 KB a block
     assert default_chain(128, 262144, 1, 48 * 1024).chain_rows == 1024
@@ -381,15 +392,16 @@ def test_default_folds_below_4096_columns():
 def test_default_plain_ring(tmp_path, monkeypatch):
     """The plain fold's ring without a FoldTuning (backend.default_ring, H200 run 22): 32 columns x 128 rows a stage
     in 96 KB where 32-column CTAs fill 90% of the SMs but not all, below 16384 rows; 16 columns x 512 rows in 96 KB
-    from 4096 rows where 16-column CTAs are at most one an SM; else, and on devices of less than 96 KB a block, for
-    per-head groups and for the dW fold, the 48 KB ring of _ring_shape. The new shapes compile."""
+    from 4096 rows where 16-column CTAs are at most one an SM (and fold_stream does not take the fold: up to 512
+    columns, since run 23); else, and on devices of less than 96 KB a block, for per-head groups and for the dW fold,
+    the 48 KB ring of _ring_shape. The new shapes compile."""
     from strictnorm.backends.cuda.backend import default_ring
 
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     h200, f32 = 227 * 1024, torch.float32
     for n, rows, shape in ((4096, 1024, (32, 128, 6)), (4096, 16383, (32, 128, 6)), (3800, 4096, (32, 128, 6)),
-                           (4096, 16384, (16, 256, 3)), (2048, 4096, (16, 512, 3)), (128, 4096, (16, 512, 3)),
-                           (128, 32767, (16, 512, 3)), (128, 4095, (16, 256, 3)), (2113, 4096, (16, 256, 3)),
+                           (4096, 16384, (16, 256, 3)), (2048, 4096, (16, 512, 3)), (1024, 4096, (16, 512, 3)),
+                           (513, 32767, (16, 512, 3)), (128, 4095, (16, 256, 3)), (2113, 4096, (16, 256, 3)),
                            (8192, 4096, (32, 64, 6)), (1024, 1024, (16, 256, 3))):
         fl = fold_launch(n, f32, f32, 0, True, True, num_sms=132, rows=rows, smem_optin=h200)
         assert fl.kernel == "fold_ring", (n, rows)

@@ -322,10 +322,12 @@ def _loop(rows):
     return acc
 
 
-# (16384, 128), (5000, 33), (4097, 2000): the plain ring of 16 columns x 512 rows in 96 KB; (4096, 4096), (6000, 3900):
-# 32 x 128 in 96 KB (backend.default_ring, on an H200); partial last stages and column stripes
+# (4097, 2000): the plain ring of 16 columns x 512 rows in 96 KB; (4096, 4096), (6000, 3900): 32 x 128 in 96 KB
+# (backend.default_ring, on an H200); (16384, 128), (20000, 136), (4100, 264): fold_stream's 8 isolated columns in
+# stages of 512 or 128 rows (backend.default_stream, since run 23); (5000, 33): rows not 16-byte aligned, fold_simple;
+# partial last stages and column stripes
 @pytest.mark.parametrize("shape", [(1, 128), (100, 128), (16384, 128), (4096, 4096), (1024, 8192), (3, 5),
-                                   (5000, 33), (777, 1000), (6000, 3900), (4097, 2000)])
+                                   (5000, 33), (777, 1000), (6000, 3900), (4097, 2000), (20000, 136), (4100, 264)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fold_equals_python_loop(shape, dtype, seed):
     assert status("cuda", torch.device(DEV)).available, status("cuda", torch.device(DEV)).reason
@@ -428,16 +430,17 @@ def test_cuda_fold_stream_bitwise(cols, rows_per_stage, pad, isolate, seed):
 
 
 def test_cuda_default_strict_backward_at_qk_norm_shapes(seed):
-    """The strict dW by default at QK-norm's shapes (tokens x heads rows of head_dim 128; fold_chain from 32768 rows,
-    fold_stream below and for (H, D) weights): bitwise equal to the reference's strict backward, gemma offset, odd row
-    counts, 1000 columns. Each case is checked to have run the kernel the planner names (bf16 rows of N % 8 != 0 are
-    not 16-byte aligned and take fold_simple instead)."""
+    """The strict dW by default at QK-norm's shapes (tokens x heads rows of head_dim 128; fold_chain from 65536 rows up
+    to 256 columns, fold_stream below and for (H, D) weights): bitwise equal to the reference's strict backward, gemma
+    offset, odd row counts, 520 and 1000 columns. Each case is checked to have run the kernel the planner names (bf16
+    rows of N % 8 != 0 are not 16-byte aligned and take fold_simple instead)."""
     from strictnorm.contract import make_spec
 
     cb, tr = get_backend("cuda"), get_backend("torch")
     g = torch.Generator(device=DEV).manual_seed(seed)
     spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
-    for m, n, heads, kernel in ((65536, 128, 0, "fold_chain"), (40961, 64, 0, "fold_chain"),
+    for m, n, heads, kernel in ((65536, 128, 0, "fold_chain"), (40961, 64, 0, "fold_stream"),
+                                (65537, 256, 0, "fold_chain"), (32769, 520, 0, "fold_stream"),
                                 (12289, 1000, 0, "fold_stream"), (16383, 128, 0, "fold_stream"),
                                 (8 * 4099, 128, 8, "fold_stream")):
         shape, w_shape = ((m // heads, heads, n), (heads, n)) if heads else ((m, n), (n,))

@@ -181,12 +181,16 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
 # the device's shared memory (4096 rows x 8 columns need 131 KB).
 # Since session 22 the dW fold too only from 32768 rows (fold_stream's below: see default_stream). The plain fold at
 # 16384 x 128 in fold_chain: 45.6 us against the ring's 54.9 in run 21 call a, 54.1 against 54.7 in call c: level.
+# Since run 23 the dW fold only from 65536 rows and up to 256 columns: at 32768 rows fold_stream's isolated 8-column
+# CTAs (with the seamless consumer) won at 256-1024 columns (call e, bitwise: 32768 x 256 100.0 -> 89.9 us, x 512
+# 102.4 -> 90.2, x 1024 128.1 -> 96.3; 65536 x 512 184.3 -> 176.3), fold_chain at 131072 x 128 (331.5 against 347.7)
+# and 262144 x 128 (call d: 641-649 against 679).
 
 
 def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1) -> FoldTuning | None:
     """The fold_chain tuning the fold uses without a FoldTuning (what: 0 plain fold, else the dW fold), or
     None for the ring."""
-    if groups != 1 or rows < 32768 or n > (1024 if what else 512):
+    if groups != 1 or rows < (65536 if what else 32768) or n > (256 if what else 512):
         return None
     for chain_rows in (2048, 1024) if n > 512 else (4096, 2048, 1024):
         if _chain_shmem(_CHAIN_COLS, chain_rows) <= smem_optin:
@@ -199,21 +203,33 @@ def default_chain(n: int, rows: int, groups: int, smem_optin: int, what: int = 1
 # with 32 columns and 4 converting warps, 2048 x 18432 66.4 -> 62.5 with 16 and 4; the whole strict backward queued:
 # 32768 x 4096 513.2 -> 403.1, 2048 x 4096 45.3 -> 38.9). 8 converting warps where the CTAs are one an SM, else 4.
 # The plain fold from 4096 columns keeps the ring (4096 x 4096 fp32: 25.5 us against 27.8).
-# Below 4096 columns the dW fold too, where fold_chain does not take it (fewer than 32768 rows, or per-head groups):
+# Below 4096 columns the dW fold too, where fold_chain does not take it (fewer than 65536 rows since run 23, more than
+# 256 columns, or per-head groups):
 # 8 columns a CTA in stages of 256 rows, 4 converting warps, the consumer warp alone on its SM sub-partition (H200,
 # run 21 calls a and c, every configuration bitwise, against the earlier defaults: 4096 x 128 21.0 -> 14.5 us, 16384 x
 # 128 58.2 -> 47.3, 8192 x 1024 46.2 -> 30.4; isolated against not: 15.8, 50.9, 31.2; at 65536 x 128 level with
-# fold_chain, 177.1 against 175.9, and behind it at 262144 x 128, 697.2 against 643.3). The plain fold keeps the ring
-# and fold_chain: fold_stream lost to them at every plain shape of those sweeps (4096 x 128 15.9 at best against the
-# ring's 14.9, 262144 x 128 713 against fold_chain's 634, 4096 x 4096 26.7 against 25.2).
+# fold_chain, 177.1 against 175.9, and behind it at 262144 x 128, 697.2 against 643.3). The plain fold kept the ring
+# and fold_chain then: fold_stream lost to them at every plain shape of those sweeps (4096 x 128 15.9 at best against
+# the ring's 14.9, 262144 x 128 713 against fold_chain's 634, 4096 x 4096 26.7 against 25.2), until its consumer
+# became seamless:
+# The plain fold since run 23 too, with one group of 4096 to 32767 rows of up to 512 columns (fold_chain's from 32768):
+# 8 columns a CTA, 4 converting warps, the consumer isolated and seamless, stages of 128 rows below 16384 rows and of
+# 512 from there (calls a, d, e, every configuration bitwise, against the ring: 4096 x 128 14.8 -> 14.4-14.5 us,
+# 4096 x 256 14.8 -> 14.5, 8192 x 128 27.2 -> 26.3, 8192 x 512 27.2 -> 26.6, 16384 x 128 51.7 -> 49.3-49.4, 16384 x 256
+# 51.7 -> 49.7, 16384 x 512 51.7 -> 50.3, 24576 x 128 76.4 -> 72.0; level at 4096 x 1024, 15.1).
 _STREAM_NARROW = (256, 4)  # rows a stage and converting warps where a CTA takes 8 columns (isolated)
+_STREAM_PLAIN_ROWS = (4096, 16384, 32768)  # the plain fold's fold_stream: from, 512-row stages from, up to
 
 
-def default_stream(n: int, groups: int, num_sms: int, what: int) -> FoldTuning | None:
+def default_stream(n: int, groups: int, num_sms: int, what: int, rows: int = 0) -> FoldTuning | None:
     """The fold_stream tuning the fold uses without a FoldTuning where default_chain does not apply (what: 0 plain
     fold, else the dW fold), or None for the ring."""
     if what == 0:
-        return None
+        first, long_stages, last = _STREAM_PLAIN_ROWS
+        if groups != 1 or n > 512 or not first <= rows < last:
+            return None
+        return FoldTuning(stream=True, cols=8, rows_per_stage=512 if rows >= long_stages else 128,
+                          convert_warps=_STREAM_NARROW[1], isolate=True)
     cols = (32 if n <= 8192 else 16) if n >= 4096 else _stream_cols(n, groups, num_sms)
     if cols == 8:
         return FoldTuning(stream=True, cols=8, rows_per_stage=_STREAM_NARROW[0], convert_warps=_STREAM_NARROW[1],
@@ -289,7 +305,7 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     if tuning is None:
         tuning = default_chain(n, rows, groups, smem_optin, what)
-        stream = default_stream(n, groups, num_sms, what) if tuning is None else None
+        stream = default_stream(n, groups, num_sms, what, rows) if tuning is None else None
         if stream is not None:
             try:
                 return _stream_launch(n, num_sms, groups, smem_optin, stream, defines)
