@@ -20,6 +20,7 @@
 #   bench         `strictnorm bench` ($BENCH_ARGS)
 #   host          bench/host_breakdown.py
 #   consumer-probe bench/consumer_probe.py (the fold consumer loops' cycles a row, one warp alone)
+#   supply-probe  bench/supply_probe.py (a default fold without its adds or without its loads; SUPPLY_SHAPES)
 #   strict-parts  bench/strict_parts.py (the CUDA strict backward's parts alone and together)
 #   ncu           Nsight Compute over bench/ncu_probe.py $NCU_PROBE ("M N case...": one call of each case), the
 #                 sections $NCU_SECTIONS (default: speed of light, occupancy, launch, warp states, scheduler, memory)
@@ -79,6 +80,7 @@ job_command() {
                 "--markdown '$W/bench.md' ${BENCH_ARGS:-} > '$log' 2>&1" ;;
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
     consumer-probe) echo "timeout 120 python3 bench/consumer_probe.py '$W/consumer-probe.json' > '$log' 2>&1" ;;
+    supply-probe) echo "timeout 300 python3 bench/supply_probe.py '$W/supply-probe.json' > '$log' 2>&1" ;;
     strict-parts) echo "timeout ${SWEEP_TIMEOUT:-400} python3 bench/strict_parts.py '$W/strict-parts.json' > '$log' 2>&1" ;;
     memcheck) echo "PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_TIMEOUT:-240}" \
                    "\$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer) --tool memcheck" \

@@ -1,0 +1,119 @@
+"""Where a default fold's time goes: the same launch with its consumer's adds or its converters' loads taken out.
+
+The fold (as the backend plans it, no FoldTuning) runs four ways, each a kernel compiled from fold.cu with a text
+edit and launched with the plan's grid, block and arguments:
+  as built     the source as it is
+  no adds      the consumer keeps one lane of each 16-byte load instead of adding it (no chain of adds): the
+               converters' supply of rows alone sets the pace
+  no loads     the converters write constants instead of loading rows (no global loads): the consumer's chain and
+               the buffers' handshakes alone
+  neither      both edits: the handshakes alone
+Kernel-only µs (L2 flushed) and ns a row. The edits' results are not the fold's (only "as built" is checked against
+the Python loop). Run on the GPU machine: python3 bench/supply_probe.py [out.json]; SUPPLY_SHAPES=MxN[:dw],... picks
+the cases (default 4096x128,16384x128,32768x1024:dw,32768x4096:dw; :dw the strict dW fold of bf16 dy and x).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+from strictnorm.backends.cuda import nvrtc
+from strictnorm.backends.cuda.backend import fold_launch
+from strictnorm.backends.layout import row_layout
+from strictnorm.backends.registry import get_backend
+from strictnorm.bench import CHAIN_NS_PER_ROW, Timer
+
+# (what the edit replaces, with what): each must occur in fold.cu, else the probe stops (the source has moved on)
+_NO_ADDS = [("acc = add4(acc, cur[j]);", "acc = cur[j].x;")]
+_NO_LOADS = [
+    ("load_upto<a_t, A_CODE, S_VEC>(v[k], a + fold_row_offset(r, la) + c, WHOLE ? S_VEC : n - c, true);",
+     "for (int j = 0; j < S_VEC; ++j) v[k][j] = static_cast<float>(row + j); (void)r;"),
+    ("load_upto<b_t, B_CODE, S_VEC>(vb[k], b + fold_row_offset(r, lb) + c, WHOLE ? S_VEC : n - c, true);",
+     "for (int j = 0; j < S_VEC; ++j) vb[k][j] = 1.0f;"),
+    ("rs[k] = rstd[r];", "rs[k] = 1.0f;"),
+]
+VARIANTS = {"as built": [], "no adds": _NO_ADDS, "no loads": _NO_LOADS, "neither": _NO_ADDS + _NO_LOADS}
+
+
+def _edited(edits: list[tuple[str, str]]) -> str:
+    src = nvrtc.source("fold.cu")
+    for old, new in edits:
+        if old not in src:
+            raise SystemExit(f"supply_probe: fold.cu no longer has {old!r}")
+        src = src.replace(old, new)
+    return src
+
+
+def _kernel(src: str, name: str, defines: dict[str, int], shmem: int) -> nvrtc.LoadedKernel:
+    from cuda.core import Device, ObjectCode, Program, ProgramOptions
+
+    dev = Device(torch.cuda.current_device())
+    dev.set_current()
+    major, minor = dev.compute_capability
+    options = ProgramOptions(arch=f"sm_{major}{minor}", define_macro=[(k, str(v)) for k, v in sorted(defines.items())],
+                             include_path=[str(nvrtc._kernel_dir())], **nvrtc._BASE_OPTIONS)
+    cubin = bytes(Program(src, code_type="c++", options=options).compile("cubin").code)
+    module = ObjectCode.from_cubin(cubin, name="fold.cu")
+    kernel = nvrtc.LoadedKernel(module, module.get_kernel(name))
+    if shmem > 48 * 1024:
+        kernel.allow_dynamic_shared(shmem)
+    return kernel
+
+
+def _cases(dev: torch.device):
+    g = torch.Generator(device=dev).manual_seed(0)
+    text = os.environ.get("SUPPLY_SHAPES", "4096x128,16384x128,32768x1024:dw,32768x4096:dw")
+    for item in text.split(","):
+        shape, _, kind = item.partition(":")
+        m, n = (int(v) for v in shape.split("x"))
+        if kind == "dw":
+            dy, x = (torch.randn(m, n, device=dev, generator=g).bfloat16() for _ in range(2))
+            rstd = torch.rand(m, device=dev, generator=g) + 0.5
+            yield f"strict dW {m}x{n}", m, dy, x, rstd, 1
+        else:
+            rows = torch.randn(m, n, device=dev, generator=g)
+            yield f"fold {m}x{n}", m, rows, rows, rows, 0  # as left_fold passes them
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    timer = Timer(dev, iters=9)
+    cb = get_backend("cuda")
+    results = []
+    for name, m, a, b, rstd, what in _cases(dev):
+        (ak, alay), (bk, blay) = row_layout(a), row_layout(b)
+        want = cb.fold(ak, alay, bk, blay, rstd, what, 1)
+        plan = next(p for k, p in cb._fold_plans.items() if k[1] == alay and k[4] == blay and k[7] == what)
+        if what == 0:
+            loop = torch.zeros(a.shape[1], device=dev)
+            for r in a:
+                loop = loop + r
+            assert torch.equal(want.view(torch.int32), loop.view(torch.int32)), name
+        props = torch.cuda.get_device_properties(dev)  # the plan's macros, as _fold_plan made them
+        fl = fold_launch(alay.n, a.dtype, b.dtype, what, True, True, props.multi_processor_count, None, torch.float32,
+                         alay.rows, 1, props.shared_memory_per_block_optin)
+        for variant, edits in VARIANTS.items():
+            edited = dataclasses.replace(plan, kernel=_kernel(_edited(edits), fl.kernel, fl.defines, fl.shmem))
+            run = lambda p=edited, a=ak, b=bk, r=rstd: cb._run_fold(p, a, b, r)  # noqa: E731
+            got = run()
+            us = timer.kernel_us(run)
+            row = {"case": name, "kernel": fl.kernel, "defines": fl.defines, "variant": variant, "us": us,
+                   "ns_per_row": us * 1e3 / m, "x_chain": us * 1e3 / (m * CHAIN_NS_PER_ROW),
+                   "bitwise_vs_backend": bool(torch.equal(got.view(torch.int32), want.view(torch.int32)))}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'case':>22} {'variant':>9} {'us':>8} {'ns/row':>7}")
+    for r in results:
+        print(f"{r['case']:>22} {r['variant']:>9} {r['us']:8.1f} {r['ns_per_row']:7.2f}")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
