@@ -105,11 +105,21 @@ extern "C" __global__ void probe(float* out, unsigned long long* cycles, int pas
 """
 
 
-def main() -> None:
-    import torch
-    from cuda.core import Device, LaunchConfig, Program, ProgramOptions, launch
+def compile_variant(variant: int, arch: str):
+    """The probe kernel of VARIANTS[variant], compiled by NVRTC for arch (e.g. "sm_90"; no GPU needed)."""
+    from cuda.core import Program, ProgramOptions
 
     from strictnorm.backends.cuda.nvrtc import _BASE_OPTIONS, _kernel_dir
+
+    defines = {"A_CODE": 0, "B_CODE": 0, "WHAT": 0, "SIMPLE_ROWS": 1, "VARIANT": variant, "PROBE_ROWS": ROWS}
+    options = ProgramOptions(arch=arch, define_macro=[(k, str(x)) for k, x in defines.items()],
+                             include_path=[str(_kernel_dir())], **_BASE_OPTIONS)
+    return Program(_PROBE, code_type="c++", options=options).compile("cubin")
+
+
+def main() -> None:
+    import torch
+    from cuda.core import Device, LaunchConfig, launch
 
     dev = Device(0)
     dev.set_current()
@@ -123,10 +133,7 @@ def main() -> None:
     shmem = 8 * (ROWS + 4) * 4
     results = []
     for v, name in enumerate(VARIANTS):
-        defines = {"A_CODE": 0, "B_CODE": 0, "WHAT": 0, "SIMPLE_ROWS": 1, "VARIANT": v, "PROBE_ROWS": ROWS}
-        options = ProgramOptions(arch=f"sm_{major}{minor}", define_macro=[(k, str(x)) for k, x in defines.items()],
-                                 include_path=[str(_kernel_dir())], **_BASE_OPTIONS)
-        kernel = Program(_PROBE, code_type="c++", options=options).compile("cubin").get_kernel("probe")
+        kernel = compile_variant(v, f"sm_{major}{minor}").get_kernel("probe")
         config = LaunchConfig(grid=1, block=THREADS, shmem_size=shmem)
         per_row = []
         for _ in range(5):

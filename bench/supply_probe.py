@@ -44,21 +44,27 @@ def _edited(edits: list[tuple[str, str]]) -> str:
     src = nvrtc.source("fold.cu")
     for old, new in edits:
         if old not in src:
-            raise SystemExit(f"supply_probe: fold.cu no longer has {old!r}")
+            raise RuntimeError(f"supply_probe: fold.cu no longer has {old!r}")
         src = src.replace(old, new)
     return src
 
 
-def _kernel(src: str, name: str, defines: dict[str, int], shmem: int) -> nvrtc.LoadedKernel:
-    from cuda.core import Device, ObjectCode, Program, ProgramOptions
+def compile_edited(variant: str, defines: dict[str, int], arch: str) -> bytes:
+    """fold.cu with VARIANTS[variant]'s edits, compiled by NVRTC with the plan's macros (no GPU needed)."""
+    from cuda.core import Program, ProgramOptions
+
+    options = ProgramOptions(arch=arch, define_macro=[(k, str(v)) for k, v in sorted(defines.items())],
+                             include_path=[str(nvrtc._kernel_dir())], **nvrtc._BASE_OPTIONS)
+    return bytes(Program(_edited(VARIANTS[variant]), code_type="c++", options=options).compile("cubin").code)
+
+
+def _kernel(variant: str, name: str, defines: dict[str, int], shmem: int) -> nvrtc.LoadedKernel:
+    from cuda.core import Device, ObjectCode
 
     dev = Device(torch.cuda.current_device())
     dev.set_current()
     major, minor = dev.compute_capability
-    options = ProgramOptions(arch=f"sm_{major}{minor}", define_macro=[(k, str(v)) for k, v in sorted(defines.items())],
-                             include_path=[str(nvrtc._kernel_dir())], **nvrtc._BASE_OPTIONS)
-    cubin = bytes(Program(src, code_type="c++", options=options).compile("cubin").code)
-    module = ObjectCode.from_cubin(cubin, name="fold.cu")
+    module = ObjectCode.from_cubin(compile_edited(variant, defines, f"sm_{major}{minor}"), name="fold.cu")
     kernel = nvrtc.LoadedKernel(module, module.get_kernel(name))
     if shmem > 48 * 1024:
         kernel.allow_dynamic_shared(shmem)
@@ -97,8 +103,8 @@ def main() -> None:
         props = torch.cuda.get_device_properties(dev)  # the plan's macros, as _fold_plan made them
         fl = fold_launch(alay.n, a.dtype, b.dtype, what, True, True, props.multi_processor_count, None, torch.float32,
                          alay.rows, 1, props.shared_memory_per_block_optin)
-        for variant, edits in VARIANTS.items():
-            edited = dataclasses.replace(plan, kernel=_kernel(_edited(edits), fl.kernel, fl.defines, fl.shmem))
+        for variant in VARIANTS:
+            edited = dataclasses.replace(plan, kernel=_kernel(variant, fl.kernel, fl.defines, fl.shmem))
             run = lambda p=edited, a=ak, b=bk, r=rstd: cb._run_fold(p, a, b, r)  # noqa: E731
             got = run()
             us = timer.kernel_us(run)

@@ -294,3 +294,21 @@ def test_compile_probe_compiles_every_kernel_for_sm90():
     lines = run.stdout.splitlines()
     assert [line.split()[2] for line in lines if line.startswith("N=")] == ["fwd", "bwd"]
     assert lines[-1].startswith("fold")
+
+
+def test_fold_probes_compile_for_sm90(monkeypatch):
+    """bench/consumer_probe.py's kernels and bench/supply_probe.py's edited fold.cu (each edit must still find its text)
+    compile through NVRTC for sm_90 without a GPU, for the plain fold's and the dW fold's default fold_stream."""
+    pytest.importorskip("cuda.core")
+    from strictnorm.backends.cuda.backend import fold_launch
+
+    _bench_scripts(monkeypatch)
+    import consumer_probe as consumer
+    import supply_probe as supply
+    for v in range(len(consumer.VARIANTS)):
+        assert bytes(consumer.compile_variant(v, "sm_90").code)[:4] == b"\x7fELF"
+    for m, n, dtype, what in ((16384, 128, torch.float32, 0), (32768, 1024, torch.bfloat16, 1)):
+        fl = fold_launch(n, dtype, dtype, what, True, True, 132, None, torch.float32, m, 1, 227 * 1024)
+        assert fl.kernel == "fold_stream"
+        for variant in supply.VARIANTS:
+            assert supply.compile_edited(variant, fl.defines, "sm_90")[:4] == b"\x7fELF"
