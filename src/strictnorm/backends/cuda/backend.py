@@ -221,7 +221,7 @@ _STREAM_NARROW = (256, 4)  # rows a stage and converting warps where a CTA takes
 _STREAM_PLAIN_ROWS = (4096, 16384, 32768)  # the plain fold's fold_stream: from, 512-row stages from, up to
 
 
-def default_stream(n: int, groups: int, num_sms: int, what: int, rows: int = 0) -> FoldTuning | None:
+def default_stream(n: int, groups: int, num_sms: int, what: int, rows: int) -> FoldTuning | None:
     """The fold_stream tuning the fold uses without a FoldTuning where default_chain does not apply (what: 0 plain
     fold, else the dW fold), or None for the ring."""
     if what == 0:

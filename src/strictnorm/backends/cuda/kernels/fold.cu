@@ -60,6 +60,13 @@ __device__ __forceinline__ float add4(float acc, float4 v) {
 }
 constexpr int FOLD_BLOCK = 8;
 
+// Block blk of a column's rows: FOLD_BLOCK 16-byte loads (4 * FOLD_BLOCK rows).
+__device__ __forceinline__ void load_block(float4 (&v)[FOLD_BLOCK], const float* col, int blk) {
+    const float4* c4 = reinterpret_cast<const float4*>(col) + blk * FOLD_BLOCK;
+#pragma unroll
+    for (int j = 0; j < FOLD_BLOCK; ++j) v[j] = c4[j];
+}
+
 template <int FULL>
 __device__ __forceinline__ float fold_column(float acc, int rows, const float* col) {
     const float4* c4 = reinterpret_cast<const float4*>(col);
@@ -71,12 +78,10 @@ __device__ __forceinline__ float fold_column(float acc, int rows, const float* c
     const int blocks = rows / (4 * FOLD_BLOCK);
     if (blocks > 0) {
         float4 cur[FOLD_BLOCK];
-#pragma unroll
-        for (int j = 0; j < FOLD_BLOCK; ++j) cur[j] = c4[j];
+        load_block(cur, col, 0);
         for (int blk = 1; blk < blocks; ++blk) {
             float4 next[FOLD_BLOCK];
-#pragma unroll
-            for (int j = 0; j < FOLD_BLOCK; ++j) next[j] = c4[blk * FOLD_BLOCK + j];
+            load_block(next, col, blk);
 #pragma unroll
             for (int j = 0; j < FOLD_BLOCK; ++j) {
                 acc = add4(acc, cur[j]);
@@ -402,15 +407,11 @@ __device__ __forceinline__ void stage_addends(float (&v)[S_ITEMS][S_VEC], const 
 constexpr bool S_SEAMLESS = STREAM_ROWS % (4 * FOLD_BLOCK) == 0 && CSTAGES >= 2;
 constexpr int S_BLOCKS = STREAM_ROWS / (4 * FOLD_BLOCK);
 
-__device__ __forceinline__ void load_block(float4 (&v)[FOLD_BLOCK], const float* col, int blk) {
-    const float4* c4 = reinterpret_cast<const float4*>(col) + blk * FOLD_BLOCK;
-#pragma unroll
-    for (int j = 0; j < FOLD_BLOCK; ++j) v[j] = c4[j];
-}
-
-// Folds the first `whole` stages (each STREAM_ROWS rows) of this lane's column, `col` its place in buffer 0.
-__device__ __forceinline__ float fold_whole_stages(float acc, long long whole, const float* col,
-                                                   unsigned long long* cfull, unsigned long long* cempty) {
+// The fold from +0.0 of the first `whole` stages (each STREAM_ROWS rows) of this lane's column, `col` its place in
+// buffer 0.
+__device__ __forceinline__ float fold_whole_stages(long long whole, const float* col, unsigned long long* cfull,
+                                                   unsigned long long* cempty) {
+    float acc = 0.0f;
     if (whole == 0) return acc;
     float4 cur[FOLD_BLOCK];
     mbar_wait(cfull, 0);
@@ -464,9 +465,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
         long long s = 0;
         if constexpr (S_SEAMLESS) {
             s = rows_per_group / STREAM_ROWS;
-            const float folded = fold_whole_stages(0.0f, s, addends + column_at(c < COLS ? c : c % COLS), cfull,
-                                                   cempty);
-            if (c < COLS) acc = folded;
+            const float folded = fold_whole_stages(s, addends + column_at(c < COLS ? c : c % COLS), cfull, cempty);
+            if (c < COLS) acc = folded;  // lanes past COLS folded a column of their own
         }
         for (; s < stages; ++s) {  // every stage, or the partial last one after the seamless whole stages
             const int cs = static_cast<int>(s % CSTAGES);
