@@ -105,21 +105,17 @@ extern "C" __global__ void probe(float* out, unsigned long long* cycles, int pas
 """
 
 
-def compile_variant(variant: int, arch: str):
+def compile_variant(variant: int, arch: str) -> bytes:
     """The probe kernel of VARIANTS[variant], compiled by NVRTC for arch (e.g. "sm_90"; no GPU needed)."""
-    from cuda.core import Program, ProgramOptions
-
-    from strictnorm.backends.cuda.nvrtc import _BASE_OPTIONS, _kernel_dir
+    from strictnorm.backends.cuda.nvrtc import compile_source
 
     defines = {"A_CODE": 0, "B_CODE": 0, "WHAT": 0, "SIMPLE_ROWS": 1, "VARIANT": variant, "PROBE_ROWS": ROWS}
-    options = ProgramOptions(arch=arch, define_macro=[(k, str(x)) for k, x in defines.items()],
-                             include_path=[str(_kernel_dir())], **_BASE_OPTIONS)
-    return Program(_PROBE, code_type="c++", options=options).compile("cubin")
+    return compile_source(_PROBE, "consumer_probe", arch, defines)
 
 
 def main() -> None:
     import torch
-    from cuda.core import Device, LaunchConfig, launch
+    from cuda.core import Device, LaunchConfig, ObjectCode, launch
 
     dev = Device(0)
     dev.set_current()
@@ -133,7 +129,7 @@ def main() -> None:
     shmem = 8 * (ROWS + 4) * 4
     results = []
     for v, name in enumerate(VARIANTS):
-        kernel = compile_variant(v, f"sm_{major}{minor}").get_kernel("probe")
+        kernel = ObjectCode.from_cubin(compile_variant(v, f"sm_{major}{minor}")).get_kernel("probe")
         config = LaunchConfig(grid=1, block=THREADS, shmem_size=shmem)
         per_row = []
         for _ in range(5):

@@ -51,11 +51,7 @@ def _edited(edits: list[tuple[str, str]]) -> str:
 
 def compile_edited(variant: str, defines: dict[str, int], arch: str) -> bytes:
     """fold.cu with VARIANTS[variant]'s edits, compiled by NVRTC with the plan's macros (no GPU needed)."""
-    from cuda.core import Program, ProgramOptions
-
-    options = ProgramOptions(arch=arch, define_macro=[(k, str(v)) for k, v in sorted(defines.items())],
-                             include_path=[str(nvrtc._kernel_dir())], **nvrtc._BASE_OPTIONS)
-    return bytes(Program(_edited(VARIANTS[variant]), code_type="c++", options=options).compile("cubin").code)
+    return nvrtc.compile_source(_edited(VARIANTS[variant]), f"fold.cu ({variant})", arch, defines)
 
 
 def _kernel(variant: str, name: str, defines: dict[str, int], shmem: int) -> nvrtc.LoadedKernel:

@@ -63,19 +63,11 @@ def _key(src: str, arch: str, defines: dict[str, int]) -> str:
 
 def compile_cubin(name: str, arch: str, defines: dict[str, int], use_cache: bool = True) -> bytes:
     """Compile kernels/<name> for arch (e.g. "sm_90") with the given macros; returns the cubin."""
-    from cuda.core import Program, ProgramOptions
-
     src = source(name)
     path = cache_dir() / f"{Path(name).stem}-{arch}-{_key(src, arch, defines)}.cubin"
     if use_cache and path.exists():
         return path.read_bytes()
-    options = ProgramOptions(arch=arch, name=name, define_macro=[(k, str(v)) for k, v in sorted(defines.items())],
-                             include_path=[str(_kernel_dir())], **_BASE_OPTIONS)
-    log = _Log()
-    try:
-        code = bytes(Program(src, code_type="c++", options=options).compile("cubin", logs=log).code)
-    except Exception as e:  # NVRTC reports errors as exceptions; keep its log in the message
-        raise CudaCompileError(f"NVRTC failed on {name} for {arch} with {defines}: {e}\n{log.text}") from e
+    code = compile_source(src, name, arch, defines)
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +77,20 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], use_cache: bool
         except OSError:
             pass  # a read-only home still works, just without the disk cache
     return code
+
+
+def compile_source(src: str, name: str, arch: str, defines: dict[str, int]) -> bytes:
+    """Compile CUDA C++ text (which may include the kernels' headers and sources) for arch; returns the cubin.
+    name: the source's name in messages. No disk cache (compile_cubin keeps one for the packaged sources)."""
+    from cuda.core import Program, ProgramOptions
+
+    options = ProgramOptions(arch=arch, name=name, define_macro=[(k, str(v)) for k, v in sorted(defines.items())],
+                             include_path=[str(_kernel_dir())], **_BASE_OPTIONS)
+    log = _Log()
+    try:
+        return bytes(Program(src, code_type="c++", options=options).compile("cubin", logs=log).code)
+    except Exception as e:  # NVRTC reports errors as exceptions; keep its log in the message
+        raise CudaCompileError(f"NVRTC failed on {name} for {arch} with {defines}: {e}\n{log.text}") from e
 
 
 class _Log:
