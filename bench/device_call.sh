@@ -80,7 +80,7 @@ job_command() {
                 "--markdown '$W/bench.md' ${BENCH_ARGS:-} > '$log' 2>&1" ;;
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
     consumer-probe) echo "timeout 120 python3 bench/consumer_probe.py '$W/consumer-probe.json' > '$log' 2>&1" ;;
-    supply-probe) echo "timeout 300 python3 bench/supply_probe.py '$W/supply-probe.json' > '$log' 2>&1" ;;
+    supply-probe) echo "timeout ${SUPPLY_TIMEOUT:-300} python3 bench/supply_probe.py '$W/supply-probe.json' > '$log' 2>&1" ;;
     strict-parts) echo "timeout ${SWEEP_TIMEOUT:-400} python3 bench/strict_parts.py '$W/strict-parts.json' > '$log' 2>&1" ;;
     memcheck) echo "PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_TIMEOUT:-240}" \
                    "\$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer) --tool memcheck" \

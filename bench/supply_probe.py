@@ -95,7 +95,7 @@ def main() -> None:
             loop = torch.zeros(a.shape[1], device=dev)
             for r in a:
                 loop = loop + r
-            assert torch.equal(want.view(torch.int32), loop.view(torch.int32)), name
+            assert torch.equal(want[0].view(torch.int32), loop.view(torch.int32)), name  # want: (groups, N)
         props = torch.cuda.get_device_properties(dev)  # the plan's macros, as _fold_plan made them
         fl = fold_launch(alay.n, a.dtype, b.dtype, what, True, True, props.multi_processor_count, None, torch.float32,
                          alay.rows, 1, props.shared_memory_per_block_optin)
