@@ -304,12 +304,18 @@ STREAM_CASES = [(8, 32, 2, 2, BF16, BF16, 1, 24, False, False), (16, 32, 4, 8, B
                 (8, 256, 4, 0, BF16, BF16, 1, 24, False, True), (64, 32, 3, 0, FP32, FP32, 0, 72, False, True),
                 (8, 32, 1, 2, FP32, FP32, 0, 20, False, False), (16, 64, 4, 8, FP32, FP32, 0, 40, False, True),
                 (64, 16, 2, 4, BF16, BF16, 1, 72, False, False)]
+# PREFETCH (the converters' next whole stage loaded before the current one is stored): partial column groups and
+# last stages through the loads without it, one buffer a converting warp, fp32 x, the plain fold of fp32 rows
+STREAM_CASES = [case + (False,) for case in STREAM_CASES] + [
+    (32, 64, 8, 0, BF16, BF16, 1, 72, False, False, True), (8, 256, 4, 0, BF16, BF16, 1, 24, False, True, True),
+    (8, 128, 4, 0, FP32, FP32, 0, 16, False, True, True), (16, 32, 2, 2, BF16, FP32, 1, 40, False, False, True),
+    (32, 32, 3, 3, FP16, FP16, 1, 40, True, False, True)]
 
 
-@pytest.mark.parametrize("cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad, isolate",
+@pytest.mark.parametrize("cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad, isolate, prefetch",
                          STREAM_CASES)
 def test_emulated_fold_stream_bitwise(cols, rows_per_stage, warps, buffers, dy_dtype, x_dtype, what, n, pad, isolate,
-                                      seed, tmp_path):
+                                      prefetch, seed, tmp_path):
     """fold.cu's fold_stream (converter warps loading rows into registers and handing fp32 addends to the consumer
     warps through mbarrier-guarded buffers) equals the reference's ascending left fold of the dW contributions (in
     x's casting) or of the rows themselves; rows with special values, a partial last stage. The emulation runs
@@ -324,11 +330,11 @@ def test_emulated_fold_stream_bitwise(cols, rows_per_stage, warps, buffers, dy_d
     dy[5, 0], x[9, 1] = float("inf"), float("nan")  # two columns decided whatever the order
     rstd = torch.rand(rows, generator=g) + 0.5
     tuning = FoldTuning(stream=True, cols=cols, rows_per_stage=rows_per_stage, convert_warps=warps, buffers=buffers,
-                        pad_groups=pad, isolate=isolate)
+                        pad_groups=pad, isolate=isolate, prefetch=prefetch)
     fl = fold_launch(n, dy_dtype, x_dtype, what, True, True, num_sms=132, tuning=tuning, smem_optin=227 * 1024)
     assert fl.kernel == "fold_stream" and fl.defines["COLS"] == cols and fl.grid_x == -(-n // cols)
     assert fl.defines["CSTAGES"] == (buffers or 2 * (warps or 8)) and fl.defines.get("GROUP_PAD", 0) == 8 * pad
-    assert fl.defines.get("ISOLATE", 0) == isolate
+    assert fl.defines.get("ISOLATE", 0) == isolate and fl.defines.get("PREFETCH", 0) == prefetch
     spec = make_spec(x_dtype, 1e-6, 0.0, "llama", x_dtype)
     want = left_fold_rows(dw_contributions(dy, x, rstd, spec) if what else dy)
     assert bits_equal(want, _emulate_fold(fl.defines, fl.shmem, dy, x, rstd, tmp_path))

@@ -94,6 +94,9 @@ class FoldTuning:
     # fold_stream's consumer warps alone on their SM sub-partitions (ISOLATE; up to 64 columns): the converters
     # on the others, the warps between idle (the default at 8 columns: see default_stream)
     isolate: bool = False
+    # fold_stream's converters issue their next whole stage's loads before converting and storing the current one
+    # (PREFETCH: two stages' raw rows in registers; opt-in until measured)
+    prefetch: bool = False
 
 
 def _stream_threads(cols: int, warps: int, isolate: bool) -> int:
@@ -167,6 +170,8 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
         defines = dict(defines, GROUP_PAD=pad)
     if tuning.isolate:
         defines = dict(defines, ISOLATE=1)
+    if tuning.prefetch:
+        defines = dict(defines, PREFETCH=1)
     return FoldLaunch("fold_stream", dict(defines, COLS=cols, STREAM_ROWS=rows, CSTAGES=buffers,
                                           CONVERT_WARPS=warps, THREADS=threads), -(-n // cols), threads, shmem)
 

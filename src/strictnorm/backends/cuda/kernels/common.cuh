@@ -58,6 +58,23 @@ __device__ __forceinline__ float pair_tree(float* v) {
     }
 }
 
+// One 16-byte chunk u of elements of dtype T (code CODE) widened to fp32 into v[0 .. 16 / sizeof(T)).
+template <typename T, int CODE>
+__device__ __forceinline__ void widen_chunk(float* v, const uint4& u) {
+    if constexpr (CODE == 1) {  // bf16 pairs widened in their 32-bit words: one shift or mask each
+        const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[2 * j] = __uint_as_float(w[j] << 16);
+            v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        }
+    } else {
+        const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+        for (int j = 0; j < static_cast<int>(16 / sizeof(T)); ++j) v[j] = Elem<CODE>::widen(e[j]);
+    }
+}
+
 // COUNT consecutive elements at p (16-byte aligned; COUNT * sizeof(T) a multiple of 16) widened to fp32,
 // through 16-byte loads (global or shared memory).
 template <typename T, int CODE, int COUNT>
@@ -66,19 +83,8 @@ __device__ __forceinline__ void load_widened(float* v, const T* p) {
     static_assert(COUNT % PER == 0, "whole 16-byte chunks");
 #pragma unroll
     for (int q = 0; q < COUNT / PER; ++q) {
-        const uint4 u = reinterpret_cast<const uint4*>(p)[q];
-        if constexpr (CODE == 1) {  // bf16 pairs widened in their 32-bit words: one shift or mask each
-            const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                v[q * PER + 2 * j] = __uint_as_float(w[j] << 16);
-                v[q * PER + 2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-            }
-        } else {
-            const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-            for (int j = 0; j < PER; ++j) v[q * PER + j] = Elem<CODE>::widen(e[j]);
-        }
+        const uint4 u = reinterpret_cast<const uint4*>(p)[q];  // one 16-byte load (a reference would read elements)
+        widen_chunk<T, CODE>(v + q * PER, u);
     }
 }
 

@@ -8,7 +8,7 @@
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), OUT_CODE (the
 // result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), for fold_chain: CHAIN_ROWS, COLS, THREADS (below), and for
-// fold_stream: COLS, STREAM_ROWS, CSTAGES, CONVERT_WARPS, THREADS, GROUP_PAD, ISOLATE (below), and for
+// fold_stream: COLS, STREAM_ROWS, CSTAGES, CONVERT_WARPS, THREADS, GROUP_PAD, ISOLATE, PREFETCH (below), and for
 // fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
 // CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), COLUMN_MAJOR
 // (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
@@ -396,6 +396,68 @@ __device__ __forceinline__ void stage_addends(float (&v)[S_ITEMS][S_VEC], const 
 #endif
 }
 
+// PREFETCH: a converter issues the 16-byte loads of its next whole stage (dy, x and rstd as raw chunks: StageLoads)
+// before it converts and stores the current one, so a stage's loads stay in flight while the previous stage is
+// converted, waits for its buffer and is stored (without it a converter's loads and its conversion alternate). It
+// holds two stages' raw chunks in registers. Partial stages (the last one, a partial column group) load as before.
+#ifndef PREFETCH
+#define PREFETCH 0
+#endif
+#if PREFETCH
+template <typename T> constexpr int S_CHUNKS = S_VEC * static_cast<int>(sizeof(T)) / 16;  // 16-byte loads a segment
+struct StageLoads {
+    uint4 a[S_ITEMS][S_CHUNKS<a_t>];
+#if WHAT != 0
+    uint4 b[S_ITEMS][S_CHUNKS<b_t>];
+    float rs[S_ITEMS];
+#endif
+};
+
+// A whole stage's loads (every row and column of it exists), issued and not waited for.
+__device__ __forceinline__ void issue_stage_loads(StageLoads& ld, const a_t* a, const b_t* b, const float* rstd,
+                                                  const Layout& la, const Layout& lb, int lane, long long t0,
+                                                  long long group_step, int h, int col0) {
+#pragma unroll
+    for (int k = 0; k < S_ITEMS; ++k) {
+        const int i = lane + 32 * k, row = i / S_GROUPS, c = col0 + (i % S_GROUPS) * S_VEC;
+        const long long r = (t0 + row) * group_step + h;
+        const uint4* pa = reinterpret_cast<const uint4*>(a + fold_row_offset(r, la) + c);
+#pragma unroll
+        for (int q = 0; q < S_CHUNKS<a_t>; ++q) ld.a[k][q] = pa[q];
+#if WHAT != 0
+        const uint4* pb = reinterpret_cast<const uint4*>(b + fold_row_offset(r, lb) + c);
+#pragma unroll
+        for (int q = 0; q < S_CHUNKS<b_t>; ++q) ld.b[k][q] = pb[q];
+        ld.rs[k] = rstd[r];
+#else
+        (void)b, (void)lb, (void)rstd;
+#endif
+    }
+}
+
+// The stage's addends from its loads, stored in its buffer dst (as the converter loop below stores them).
+__device__ __forceinline__ void store_stage_loads(const StageLoads& ld, float* dst, int lane) {
+    constexpr int PA = 16 / sizeof(a_t);
+#pragma unroll
+    for (int k = 0; k < S_ITEMS; ++k) {
+        const int i = lane + 32 * k, row = i / S_GROUPS, c = (i % S_GROUPS) * S_VEC;
+        float v[S_VEC];
+#pragma unroll
+        for (int q = 0; q < S_CHUNKS<a_t>; ++q) widen_chunk<a_t, A_CODE>(v + q * PA, ld.a[k][q]);
+#if WHAT != 0
+        constexpr int PB = 16 / sizeof(b_t);
+        float vb[S_VEC];
+#pragma unroll
+        for (int q = 0; q < S_CHUNKS<b_t>; ++q) widen_chunk<b_t, B_CODE>(vb + q * PB, ld.b[k][q]);
+#pragma unroll
+        for (int j = 0; j < S_VEC; ++j) v[j] = contribution(v[j], vb[j], ld.rs[k]);
+#endif
+#pragma unroll
+        for (int j = 0; j < S_VEC; ++j) dst[column_at(c + j) + row] = v[j];
+    }
+}
+#endif  // PREFETCH
+
 // The consumer folds the whole stages (all but a partial last one) as one stream of blocks of FOLD_BLOCK 16-byte loads,
 // each block's loads issued before the previous block's adds across stage boundaries too: the next stage's first
 // block is loaded (once its buffer is marked full) before this stage's last block is added, so a stage boundary
@@ -486,7 +548,27 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
     const int lane = threadIdx.x % 32;
     const Layout la{as0, as1, asg, r1, g};
     const Layout lb{bs0, bs1, bsg, r1, g};
-    for (long long s = converter; s < stages; s += CONVERT_WARPS) {
+    long long s = converter;
+#if PREFETCH
+    if (col0 + COLS <= n && s < stages && stage_rows(s) == STREAM_ROWS) {
+        StageLoads cur;
+        issue_stage_loads(cur, a, b, rstd, la, lb, lane, s * STREAM_ROWS, group_step, h, col0);
+        for (;; s += CONVERT_WARPS) {  // s: a whole stage whose loads are in cur
+            const long long s2 = s + CONVERT_WARPS;
+            const bool more = s2 < stages && stage_rows(s2) == STREAM_ROWS;
+            StageLoads next;
+            if (more) issue_stage_loads(next, a, b, rstd, la, lb, lane, s2 * STREAM_ROWS, group_step, h, col0);
+            const int cs = static_cast<int>(s % CSTAGES);
+            if (s >= CSTAGES) mbar_wait(cempty + cs, mbar_use_parity(s - CSTAGES, CSTAGES));
+            store_stage_loads(cur, addends + cs * S_CTILE, lane);
+            mbar_arrive(cfull + cs);
+            if (!more) break;
+            cur = next;
+        }
+        s += CONVERT_WARPS;  // a partial last stage, if any, below
+    }
+#endif
+    for (; s < stages; s += CONVERT_WARPS) {
         const int cs = static_cast<int>(s % CSTAGES), rows = stage_rows(s);
         float v[S_ITEMS][S_VEC];
         if (rows == STREAM_ROWS && col0 + COLS <= n)
