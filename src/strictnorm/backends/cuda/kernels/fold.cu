@@ -551,19 +551,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
     long long s = converter;
 #if PREFETCH
     if (col0 + COLS <= n && s < stages && stage_rows(s) == STREAM_ROWS) {
-        StageLoads cur;
-        issue_stage_loads(cur, a, b, rstd, la, lb, lane, s * STREAM_ROWS, group_step, h, col0);
-        for (;; s += CONVERT_WARPS) {  // s: a whole stage whose loads are in cur
+        // Stage s (its loads in `cur`) stored after stage s + CONVERT_WARPS's loads are issued into `next`; false
+        // where no whole stage follows. Called with the two buffers in turn (no copy from one to the other, which
+        // would wait for the loads just issued).
+        auto step = [&](StageLoads& cur, StageLoads& next) {
             const long long s2 = s + CONVERT_WARPS;
             const bool more = s2 < stages && stage_rows(s2) == STREAM_ROWS;
-            StageLoads next;
             if (more) issue_stage_loads(next, a, b, rstd, la, lb, lane, s2 * STREAM_ROWS, group_step, h, col0);
             const int cs = static_cast<int>(s % CSTAGES);
             if (s >= CSTAGES) mbar_wait(cempty + cs, mbar_use_parity(s - CSTAGES, CSTAGES));
             store_stage_loads(cur, addends + cs * S_CTILE, lane);
             mbar_arrive(cfull + cs);
-            if (!more) break;
-            cur = next;
+            return more;
+        };
+        StageLoads even, odd;
+        issue_stage_loads(even, a, b, rstd, la, lb, lane, s * STREAM_ROWS, group_step, h, col0);
+        for (;;) {
+            if (!step(even, odd)) break;
+            s += CONVERT_WARPS;
+            if (!step(odd, even)) break;
+            s += CONVERT_WARPS;
         }
         s += CONVERT_WARPS;  // a partial last stage, if any, below
     }
