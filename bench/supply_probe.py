@@ -1,6 +1,6 @@
 """Where a default fold's time goes: the same launch with its consumer's adds or its converters' loads taken out.
 
-The fold (as the backend plans it, no FoldTuning) runs four ways, each a kernel compiled from fold.cu with a text
+The fold (as the backend plans it, no FoldTuning) runs five ways, each a kernel compiled from fold.cu with a text
 edit and launched with the plan's grid, block and arguments:
   as built     the source as it is
   no adds      the consumer keeps one lane of each 16-byte load instead of adding it (no chain of adds): the
@@ -8,6 +8,8 @@ edit and launched with the plan's grid, block and arguments:
   no loads     the converters write constants instead of loading rows (no global loads): the consumer's chain and
                the buffers' handshakes alone
   neither      both edits: the handshakes alone
+  clocked      as built, with the first consumer lane's span in SM cycles and in ns written over out[0:2]: the SM
+               clock the fold ran at, and the consumer's cycles a row in place (bench/consumer_probe.py: alone)
 Kernel-only µs (L2 flushed) and ns a row. The edits' results are not the fold's (only "as built" is checked against
 the Python loop). Run on the GPU machine: python3 bench/supply_probe.py [out.json]; SUPPLY_SHAPES=MxN[:dw],... picks
 the cases (default 4096x128,16384x128,32768x1024:dw,32768x4096:dw; :dw the strict dW fold of bf16 dy and x).
@@ -37,7 +39,21 @@ _NO_LOADS = [
      "for (int j = 0; j < S_VEC; ++j) vb[k][j] = 1.0f;"),
     ("rs[k] = rstd[r];", "rs[k] = 1.0f;"),
 ]
-VARIANTS = {"as built": [], "no adds": _NO_ADDS, "no loads": _NO_LOADS, "neither": _NO_ADDS + _NO_LOADS}
+# the consumer's span in SM cycles and in ns (lane 0 of CTA 0's first consumer warp, from its start to its result),
+# written over out[0] and out[1]: the SM clock while the fold runs is their ratio
+_CLOCKED = [
+    ("// the fold: lane c of the consumer warps adds column col0 + c\n",
+     "\n        const long long clk0 = clock64();\n        const unsigned long long ns0 = global_ns();\n"),
+    ("= Elem<OUT_CODE>::narrow(acc);\n        return;\n",
+     "= Elem<OUT_CODE>::narrow(acc);\n"
+     "        if (blockIdx.x == 0 && h == 0 && c == 0) {\n"
+     "            unsigned* o = reinterpret_cast<unsigned*>(out);\n"
+     "            o[0] = static_cast<unsigned>(clock64() - clk0);\n"
+     "            o[1] = static_cast<unsigned>(global_ns() - ns0);\n"
+     "        }\n        return;\n"),
+]
+VARIANTS = {"as built": [], "no adds": _NO_ADDS, "no loads": _NO_LOADS, "neither": _NO_ADDS + _NO_LOADS,
+            "clocked": _CLOCKED}
 
 
 def _edited(edits: list[tuple[str, str]]) -> str:
@@ -104,14 +120,18 @@ def main() -> None:
             run = lambda p=edited, a=ak, b=bk, r=rstd: cb._run_fold(p, a, b, r)  # noqa: E731
             got = run()
             us = timer.kernel_us(run)
-            row = {"case": name, "kernel": fl.kernel, "defines": fl.defines, "variant": variant, "us": us,
+            row = {"case": name, "rows": m, "kernel": fl.kernel, "defines": fl.defines, "variant": variant, "us": us,
                    "ns_per_row": us * 1e3 / m, "x_chain": us * 1e3 / (m * CHAIN_NS_PER_ROW),
                    "bitwise_vs_backend": bool(torch.equal(got.view(torch.int32), want.view(torch.int32)))}
+            if variant == "clocked":  # after the timed calls: the clock they ran at
+                cycles, ns = (int(v) for v in run().view(torch.int32).flatten()[:2].tolist())
+                row.update(consumer_cycles=cycles, consumer_ns=ns, sm_ghz=cycles / ns)
             results.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'case':>22} {'variant':>9} {'us':>8} {'ns/row':>7}")
+    print(f"\n{'case':>22} {'variant':>9} {'us':>8} {'ns/row':>7} {'consumer: cycles/row':>21} {'GHz':>5}")
     for r in results:
-        print(f"{r['case']:>22} {r['variant']:>9} {r['us']:8.1f} {r['ns_per_row']:7.2f}")
+        clock = (f" {r['consumer_cycles'] / r['rows']:21.2f} {r['sm_ghz']:5.2f}" if "sm_ghz" in r else "")
+        print(f"{r['case']:>22} {r['variant']:>9} {r['us']:8.1f} {r['ns_per_row']:7.2f}{clock}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump({"results": results}, f, indent=1)
