@@ -1,6 +1,6 @@
 """Where a default fold's time goes: the same launch with its consumer's adds or its converters' loads taken out.
 
-The fold (as the backend plans it, no FoldTuning) runs five ways, each a kernel compiled from fold.cu with a text
+The fold (as the backend plans it, no FoldTuning) runs six ways, each a kernel compiled from fold.cu with a text
 edit and launched with the plan's grid, block and arguments:
   as built     the source as it is
   no adds      the consumer keeps one lane of each 16-byte load instead of adding it (no chain of adds): the
@@ -8,8 +8,10 @@ edit and launched with the plan's grid, block and arguments:
   no loads     the converters write constants instead of loading rows (no global loads): the consumer's chain and
                the buffers' handshakes alone
   neither      both edits: the handshakes alone
-  clocked      as built, with the first consumer lane's span in SM cycles and in ns written over out[0:2]: the SM
-               clock the fold ran at, and the consumer's cycles a row in place (bench/consumer_probe.py: alone)
+  clocked      as built, with the first consumer lane's span in SM cycles and in ns and its cycles waiting for full
+               buffers written over out[0:3]: the SM clock the fold ran at, the consumer's cycles a row in place
+               (bench/consumer_probe.py: alone) and how many of them it waits
+  spin         clocked, the consumer's waits polling mbarrier.test_wait (never suspended) instead of try_wait
 Kernel-only µs (L2 flushed) and ns a row. The edits' results are not the fold's (only "as built" is checked against
 the Python loop). Run on the GPU machine: python3 bench/supply_probe.py [out.json]; SUPPLY_SHAPES=MxN[:dw],... picks
 the cases (default 4096x128,16384x128,32768x1024:dw,32768x4096:dw; :dw the strict dW fold of bf16 dy and x).
@@ -39,21 +41,57 @@ _NO_LOADS = [
      "for (int j = 0; j < S_VEC; ++j) vb[k][j] = 1.0f;"),
     ("rs[k] = rstd[r];", "rs[k] = 1.0f;"),
 ]
-# the consumer's span in SM cycles and in ns (lane 0 of CTA 0's first consumer warp, from its start to its result),
-# written over out[0] and out[1]: the SM clock while the fold runs is their ratio
-_CLOCKED = [
-    ("// the fold: lane c of the consumer warps adds column col0 + c\n",
-     "\n        const long long clk0 = clock64();\n        const unsigned long long ns0 = global_ns();\n"),
-    ("= Elem<OUT_CODE>::narrow(acc);\n        return;\n",
-     "= Elem<OUT_CODE>::narrow(acc);\n"
-     "        if (blockIdx.x == 0 && h == 0 && c == 0) {\n"
-     "            unsigned* o = reinterpret_cast<unsigned*>(out);\n"
-     "            o[0] = static_cast<unsigned>(clock64() - clk0);\n"
-     "            o[1] = static_cast<unsigned>(global_ns() - ns0);\n"
-     "        }\n        return;\n"),
-]
+# The consumer's span in SM cycles and in ns (lane 0 of CTA 0's first consumer warp, from its start to its result)
+# and the cycles it spent in its waits for full buffers, written over out[0:3]: the SM clock while the fold runs is
+# the first two's ratio. With spin, those waits poll mbarrier.test_wait instead of mbar_wait's try_wait (which may
+# suspend the thread until the phase completes, and wake it some time later).
+_WAITS = """// the consumer's waits for full buffers, timed (supply_probe)
+__device__ __forceinline__ void consumer_wait(unsigned long long* bar, int parity, long long& waited) {
+    const long long t0 = clock64();
+#if PROBE_SPIN
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\\n.reg .pred p;\\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\\n"
+                     "selp.u32 %0, 1, 0, p;\\n}" : "=r"(done) : "r"(s), "r"(parity) : "memory");
+#else
+    mbar_wait(bar, parity);
+#endif
+    waited += clock64() - t0;
+}
+
+"""
+
+
+def _clocked(spin: bool) -> list[tuple[str, str]]:
+    return [
+        ("// The fold from +0.0 of the first `whole` stages",
+         f"#define PROBE_SPIN {int(spin)}\n" + _WAITS + "// The fold from +0.0 of the first `whole` stages"),
+        ("unsigned long long* cfull,\n                                                   unsigned long long* cempty) {",
+         "unsigned long long* cfull,\n                                                   unsigned long long* cempty,"
+         " long long& waited) {"),
+        ("mbar_wait(cfull + ns, mbar_use_parity(s + 1, CSTAGES));",
+         "consumer_wait(cfull + ns, mbar_use_parity(s + 1, CSTAGES), waited);"),
+        ("    mbar_wait(cfull, 0);", "    consumer_wait(cfull, 0, waited);"),
+        ("mbar_wait(cfull + cs, mbar_use_parity(s, CSTAGES));",
+         "consumer_wait(cfull + cs, mbar_use_parity(s, CSTAGES), waited);"),
+        ("c % COLS), cfull, cempty);", "c % COLS), cfull, cempty, waited);"),
+        ("// the fold: lane c of the consumer warps adds column col0 + c\n",
+         "\n        const long long clk0 = clock64();\n        const unsigned long long ns0 = global_ns();\n"
+         "        long long waited = 0;\n"),
+        ("= Elem<OUT_CODE>::narrow(acc);\n        return;\n",
+         "= Elem<OUT_CODE>::narrow(acc);\n"
+         "        if (blockIdx.x == 0 && h == 0 && c == 0) {\n"
+         "            unsigned* o = reinterpret_cast<unsigned*>(out);\n"
+         "            o[0] = static_cast<unsigned>(clock64() - clk0);\n"
+         "            o[1] = static_cast<unsigned>(global_ns() - ns0);\n"
+         "            o[2] = static_cast<unsigned>(waited);\n"
+         "        }\n        return;\n"),
+    ]
+
+
 VARIANTS = {"as built": [], "no adds": _NO_ADDS, "no loads": _NO_LOADS, "neither": _NO_ADDS + _NO_LOADS,
-            "clocked": _CLOCKED}
+            "clocked": _clocked(False), "spin": _clocked(True)}
 
 
 def _edited(edits: list[tuple[str, str]]) -> str:
@@ -123,14 +161,16 @@ def main() -> None:
             row = {"case": name, "rows": m, "kernel": fl.kernel, "defines": fl.defines, "variant": variant, "us": us,
                    "ns_per_row": us * 1e3 / m, "x_chain": us * 1e3 / (m * CHAIN_NS_PER_ROW),
                    "bitwise_vs_backend": bool(torch.equal(got.view(torch.int32), want.view(torch.int32)))}
-            if variant == "clocked":  # after the timed calls: the clock they ran at
-                cycles, ns = (int(v) for v in run().view(torch.int32).flatten()[:2].tolist())
-                row.update(consumer_cycles=cycles, consumer_ns=ns, sm_ghz=cycles / ns)
+            if variant in ("clocked", "spin"):  # after the timed calls: the clock they ran at
+                cycles, ns, waited = (int(v) for v in run().view(torch.int32).flatten()[:3].tolist())
+                row.update(consumer_cycles=cycles, consumer_ns=ns, sm_ghz=cycles / ns, consumer_wait_cycles=waited)
             results.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'case':>22} {'variant':>9} {'us':>8} {'ns/row':>7} {'consumer: cycles/row':>21} {'GHz':>5}")
+    print(f"\n{'case':>22} {'variant':>9} {'us':>8} {'ns/row':>7} {'consumer: cycles/row':>21} {'waiting':>8}"
+          f" {'GHz':>5}")
     for r in results:
-        clock = (f" {r['consumer_cycles'] / r['rows']:21.2f} {r['sm_ghz']:5.2f}" if "sm_ghz" in r else "")
+        clock = (f" {r['consumer_cycles'] / r['rows']:21.2f} {r['consumer_wait_cycles'] / r['rows']:8.2f}"
+                 f" {r['sm_ghz']:5.2f}" if "sm_ghz" in r else "")
         print(f"{r['case']:>22} {r['variant']:>9} {r['us']:8.1f} {r['ns_per_row']:7.2f}{clock}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
