@@ -169,7 +169,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tenso
         return rms_norm_fwd(x, weight, residual, eps, offset, mode, out_dtype, dw_mode, in_place, backend)
     norm_dtype = residual.dtype if residual is not None else x.dtype
     spec = validated_spec(norm_dtype, eps, offset, mode, out_dtype, dw_mode, weight is not None, in_place)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
+                                    or (residual is not None and residual.requires_grad)):
         return _EagerNorm.apply(x, weight, residual, spec, dw_mode, in_place, backend)
     return get_backend(backend).rms_norm_fwd(x, weight, residual, spec)  # inference: no autograd node
 

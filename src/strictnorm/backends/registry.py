@@ -85,13 +85,14 @@ def resolve(requested: str | None, device: torch.device, op: str) -> str:
     return automatic_choice(device, op)[0]
 
 
-def automatic_choice(device: torch.device, op: str) -> tuple[str, list[str]]:
+@cache  # each backend's availability on a device is cached (_reason): so is the choice it leads to
+def automatic_choice(device: torch.device, op: str) -> tuple[str, tuple[str, ...]]:
     """The automatic choice for op on device, and why each preferred backend before it was passed over.
 
     CPU tensors always get the reference: a Triton kernel on the CPU is the interpreter, a debugging tool.
     """
     if device.type == "cpu":
-        return "torch", ["on the CPU the reference backend serves"]
+        return "torch", ("on the CPU the reference backend serves",)
     skipped = []
     for name in PREFERENCE:
         backend = get_backend(name)
@@ -100,6 +101,6 @@ def automatic_choice(device: torch.device, op: str) -> tuple[str, list[str]]:
             continue
         reason = _reason(name, device)
         if reason is None:
-            return name, skipped
+            return name, tuple(skipped)
         skipped.append(f"{name}: {reason}")
     raise BackendUnavailable(f"no backend can run {op} on {device}")
