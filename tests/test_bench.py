@@ -312,3 +312,18 @@ def test_fold_probes_compile_for_sm90(monkeypatch):
         assert fl.kernel == "fold_stream"
         for variant in supply.VARIANTS:
             assert supply.compile_edited(variant, fl.defines, "sm_90")[:4] == b"\x7fELF"
+
+
+def test_api_overhead_script_runs_and_restores_the_backend_lookup(monkeypatch, capsys):
+    """bench/api_overhead.py's pieces and stubbed calls run (each once here), and the eager path's backend lookup is
+    the real one again afterwards."""
+    from strictnorm import ops
+
+    _bench_scripts(monkeypatch)
+    import api_overhead
+
+    real = ops.get_backend
+    monkeypatch.setattr(api_overhead, "per_call_us", lambda fn: (fn(), 0.0)[1])
+    api_overhead.main()
+    assert ops.get_backend is real
+    assert len(capsys.readouterr().out.splitlines()) == 7
