@@ -486,6 +486,39 @@ def test_cuda_fold_zero_rows_and_multidim():
     assert bits_equal(sn.reduce_rows_left_fold(r, backend="cuda"), _loop(r))
 
 
+# (2^19 + 64) rows of 4096: 2^31 + 262144 elements, row 2^19 starting exactly 2^31 elements in (64-bit offsets)
+_PAST_2_31 = ((1 << 31) // 4096 + 64, 4096)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_norm_rows_past_2_31_elements(backend, seed):
+    """A batch of 2^31 + 262144 bf16 elements: the rows on both sides of the 2^31-element mark (and the first rows)
+    give, inside the batch, the reference's bits for those rows alone (a row's y, rstd and dx do not depend on the
+    batch): every offset computed in 64 bits."""
+    m, n = _PAST_2_31
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, n, device=DEV, generator=g, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=DEV, generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(n, device=DEV, generator=g) * 0.1).bfloat16()
+    y, rstd, dx, _ = _fwd_bwd(backend, x, w, dy, "llama", "fast")
+    for lo, hi in ((m - 128, m), (0, 8)):  # rows 2^19 - 64 ... 2^19 + 63 cross the mark
+        want = _fwd_bwd("torch", x[lo:hi], w, dy[lo:hi], "llama", "fast")
+        for got, ref in zip((y, rstd, dx), want[:3], strict=True):
+            assert bits_equal(got[lo:hi], ref), f"rows {lo}:{hi}"
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_left_fold_of_rows_past_2_31_elements(backend, seed):
+    """The left fold over 2^31 + 262144 bf16 elements reads every row once, those past the 2^31-element mark
+    included: small integers, whose fp32 sums are exact in any order, against their int64 sum."""
+    m, n = _PAST_2_31
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ints = torch.randint(-4, 5, (m, n), device=DEV, generator=g, dtype=torch.int8)
+    want = ints.sum(0, dtype=torch.int64)  # |sum| <= 4 m < 2^24: exact in fp32
+    got = sn.reduce_rows_left_fold(ints.to(torch.bfloat16), backend=backend)
+    assert torch.equal(got, want.to(torch.float32))
+
+
 def test_qk_norm_per_head_large(seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     b, s, h, d = 4, 2048, 8, 128
