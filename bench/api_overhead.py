@@ -6,10 +6,9 @@ Median over 5 loops of 20000 calls, microseconds per call. Usage: python bench/a
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
+import host_breakdown
 import torch
 
 import strictnorm as sn
@@ -18,16 +17,8 @@ from strictnorm.backends.registry import resolve
 from strictnorm.contract import check_norm_input, check_weight, validated_spec
 
 
-def per_call_us(fn: Callable[[], object], calls: int = 20000, loops: int = 5) -> float:
-    for _ in range(200):
-        fn()
-    out = []
-    for _ in range(loops):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
+def per_call_us(fn: Callable[[], object]) -> float:
+    return host_breakdown.per_call_us(fn, calls=20000, gpu=False)
 
 
 class _Stub:

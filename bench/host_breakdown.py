@@ -29,17 +29,19 @@ extern "C" __global__ void noop(const float* a, long long s0, long long s1, floa
 """
 
 
-def per_call_us(fn: Callable[[], object], calls: int = 2000, loops: int = 5) -> float:
+def per_call_us(fn: Callable[[], object], calls: int = 2000, loops: int = 5, gpu: bool = True) -> float:
+    """Median host µs a call; gpu: synchronize the device between loops (so queued kernels never pile up)."""
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     for _ in range(100):
         fn()
-    torch.cuda.synchronize()
+    sync()
     out = []
     for _ in range(loops):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         out.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
+        sync()
     return statistics.median(out)
 
 
