@@ -363,8 +363,19 @@ __device__ __forceinline__ int column_at(int c) { return c * S_CSTRIDE + (c / S_
 // shared memory: the addend buffers, then their barriers; the loader's shmem is S_BARRIERS_AT + CSTAGES * 16
 constexpr int S_BARRIERS_AT = CSTAGES * S_CTILE * 4;
 
-// A stage's addends, segment k of this lane in v[k] (lane + 32 k: row (lane + 32 k) / S_GROUPS, columns
-// S_VEC * ((lane + 32 k) % S_GROUPS) on): WHOLE, every row and column of the stage exists (no checks); else
+// Segment k of a converter lane's stage (its k-th 16-byte load): row (lane + 32 k) / S_GROUPS, columns
+// S_VEC * ((lane + 32 k) % S_GROUPS) on, consecutive lanes the segments of a row.
+__device__ __forceinline__ int segment_row(int lane, int k) { return (lane + 32 * k) / S_GROUPS; }
+__device__ __forceinline__ int segment_col(int lane, int k) { return (lane + 32 * k) % S_GROUPS * S_VEC; }
+
+// Segment k's addends v stored in its stage buffer dst, a column's rows contiguous.
+__device__ __forceinline__ void store_segment(float* dst, const float* v, int lane, int k) {
+    const int row = segment_row(lane, k), c = segment_col(lane, k);
+#pragma unroll
+    for (int j = 0; j < S_VEC; ++j) dst[column_at(c + j) + row] = v[j];
+}
+
+// A stage's addends, segment k of this lane in v[k]: WHOLE, every row and column of the stage exists (no checks); else
 // rows at or past `rows` are skipped and columns at or past n read as +0.0. All loads are issued before any
 // conversion.
 template <bool WHOLE>
@@ -377,7 +388,7 @@ __device__ __forceinline__ void stage_addends(float (&v)[S_ITEMS][S_VEC], const 
 #endif
 #pragma unroll
     for (int k = 0; k < S_ITEMS; ++k) {
-        const int i = lane + 32 * k, row = i / S_GROUPS, c = col0 + (i % S_GROUPS) * S_VEC;
+        const int row = segment_row(lane, k), c = col0 + segment_col(lane, k);
         if (!WHOLE && row >= rows) continue;
         const long long r = (t0 + row) * group_step + h;
         load_upto<a_t, A_CODE, S_VEC>(v[k], a + fold_row_offset(r, la) + c, WHOLE ? S_VEC : n - c, true);
@@ -419,7 +430,7 @@ __device__ __forceinline__ void issue_stage_loads(StageLoads& ld, const a_t* a, 
                                                   long long group_step, int h, int col0) {
 #pragma unroll
     for (int k = 0; k < S_ITEMS; ++k) {
-        const int i = lane + 32 * k, row = i / S_GROUPS, c = col0 + (i % S_GROUPS) * S_VEC;
+        const int row = segment_row(lane, k), c = col0 + segment_col(lane, k);
         const long long r = (t0 + row) * group_step + h;
         const uint4* pa = reinterpret_cast<const uint4*>(a + fold_row_offset(r, la) + c);
 #pragma unroll
@@ -440,7 +451,6 @@ __device__ __forceinline__ void store_stage_loads(const StageLoads& ld, float* d
     constexpr int PA = 16 / sizeof(a_t);
 #pragma unroll
     for (int k = 0; k < S_ITEMS; ++k) {
-        const int i = lane + 32 * k, row = i / S_GROUPS, c = (i % S_GROUPS) * S_VEC;
         float v[S_VEC];
 #pragma unroll
         for (int q = 0; q < S_CHUNKS<a_t>; ++q) widen_chunk<a_t, A_CODE>(v + q * PA, ld.a[k][q]);
@@ -452,8 +462,7 @@ __device__ __forceinline__ void store_stage_loads(const StageLoads& ld, float* d
 #pragma unroll
         for (int j = 0; j < S_VEC; ++j) v[j] = contribution(v[j], vb[j], ld.rs[k]);
 #endif
-#pragma unroll
-        for (int j = 0; j < S_VEC; ++j) dst[column_at(c + j) + row] = v[j];
+        store_segment(dst, v, lane, k);
     }
 }
 #endif  // PREFETCH
@@ -585,12 +594,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
         if (s >= CSTAGES) mbar_wait(cempty + cs, mbar_use_parity(s - CSTAGES, CSTAGES));  // the consumer's done
         float* dst = addends + cs * S_CTILE;
 #pragma unroll
-        for (int k = 0; k < S_ITEMS; ++k) {
-            const int i = lane + 32 * k, row = i / S_GROUPS, c = (i % S_GROUPS) * S_VEC;
-            if (row < rows)
-#pragma unroll
-                for (int j = 0; j < S_VEC; ++j) dst[column_at(c + j) + row] = v[k][j];
-        }
+        for (int k = 0; k < S_ITEMS; ++k)
+            if (segment_row(lane, k) < rows) store_segment(dst, v[k], lane, k);
         mbar_arrive(cfull + cs);
     }
 }
