@@ -3,12 +3,12 @@ consumer's whole-stage unroll, the ring's shared memory (past 48 KB: opted into)
 the RMSNorm strict dW (bf16 dy and x), whose contributions may be stored column-major; fold_chain
 (chain_rows: items spread over every SM, the sums handed from item to item); and fold_stream (stream: converting
 warps load rows into registers and hand fp32 addends to the folding warps).
-SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_KNOBS=chain (or stream, bulk, smem,
+SWEEP_FOLD_CASES=text,... limits the cases to names containing one; SWEEP_FOLD_KNOBS=chain (or stream, smem,
 ring, wide, base, or several: base,stream) limits the configurations to fold_chain's, fold_stream's, the rings past
 48 KB / column-major, the 48 KB rings, the rings of 32 columns past 48 KB, or the default ring (FoldTuning()); the
 default (no FoldTuning) is always timed, and every other configuration checked against it.
-SWEEP_FOLD_PLAIN / SWEEP_FOLD_DW=MxN,... replace the shapes; SWEEP_FOLD_RING, SWEEP_FOLD_CHAIN, SWEEP_FOLD_STREAM and
-SWEEP_FOLD_BULK the configurations (below).
+SWEEP_FOLD_PLAIN / SWEEP_FOLD_DW=MxN,... replace the shapes; SWEEP_FOLD_RING, SWEEP_FOLD_CHAIN and SWEEP_FOLD_STREAM
+the configurations (below).
 
 Any configuration must give the same bits (the order is the rows' order): each is checked against the
 default configuration, and the plain folds up to 16384 rows against the Python loop. Kernel-only time as
@@ -72,13 +72,6 @@ if os.environ.get("SWEEP_FOLD_CHAIN"):
     TUNINGS = [t for t in TUNINGS if t is None or not t.chain_rows] + [
         FoldTuning(cols=int(c), chain_rows=int(r), smem_bytes=200 * 1024)
         for c, r in (v.split(":") for v in os.environ["SWEEP_FOLD_CHAIN"].split(","))]
-# fold_bulk (the plain fold fed by the tensor-memory accelerator: one copy a stage into a ring of stages)
-TUNINGS += [FoldTuning(bulk=True, cols=c, rows_per_stage=r) for c in (8, 16, 32) for r in (64, 128, 256)]
-# SWEEP_FOLD_BULK=cols:rows_per_stage[:stages],... replaces them (stages 0 or left out: as many as fit)
-if os.environ.get("SWEEP_FOLD_BULK"):
-    TUNINGS = [t for t in TUNINGS if t is None or not t.bulk] + [
-        FoldTuning(bulk=True, **dict(zip(("cols", "rows_per_stage", "buffers"), map(int, v.split(":")), strict=False)))
-        for v in os.environ["SWEEP_FOLD_BULK"].split(",")]
 PLAIN = [(16384, 128), (262144, 128), (4096, 4096), (1024, 8192)]
 STRICT_DW = [(262144, 128), (32768, 4096)]  # rows x N of bf16 dy and x; llama contributions
 
@@ -150,9 +143,8 @@ def main() -> None:
     rows = []
     only = [t for t in os.environ.get("SWEEP_FOLD_CASES", "").split(",") if t]
     knobs = os.environ.get("SWEEP_FOLD_KNOBS", "")
-    ring = lambda t: not t.chain_rows and not t.stream and not t.bulk  # noqa: E731
+    ring = lambda t: not t.chain_rows and not t.stream  # noqa: E731
     kinds = {"base": lambda t: t == FoldTuning(), "chain": lambda t: t.chain_rows > 0, "stream": lambda t: t.stream,
-             "bulk": lambda t: t.bulk,
              "smem": lambda t: ring(t) and (t.smem_bytes > 48 * 1024 or t.column_major),
              "ring": lambda t: ring(t) and t.smem_bytes <= 48 * 1024 and not t.column_major,
              "wide": lambda t: ring(t) and t.cols == 32 and t.smem_bytes > 48 * 1024}
@@ -198,7 +190,7 @@ def main() -> None:
         if best:
             knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes", "column_major",
                                           "chain_rows", "stream", "convert_warps", "buffers",
-                                          "pad_groups", "isolate", "prefetch", "bulk") if k in best}
+                                          "pad_groups", "isolate", "prefetch") if k in best}
             print(f"{name:>24}: default {default['us'] if default else float('nan'):8.1f} us, best {best['us']:8.1f}"
                   f" us ({best['x_chain_floor']:.2f}x chain floor) {knobs or 'default'}")
 

@@ -30,7 +30,7 @@ from ..layout import (
     signature,
 )
 from ..tuning import Bounded, for_rows, load_tuning_file
-from .nvrtc import current_stream, tensor_map_2d
+from .nvrtc import current_stream
 
 _SOURCE = "fold.cu"
 _THREADS = 256
@@ -97,10 +97,6 @@ class FoldTuning:
     # fold_stream's converters issue their next whole stage's loads before converting and storing the current one
     # (PREFETCH: two stages' raw rows in registers; opt-in: within 2% of the defaults on an H200, run 24)
     prefetch: bool = False
-    # fold_bulk instead of the ring (the plain fold only): a producer warp copies each row segment into a ring of
-    # `buffers` stages (0: as many as fit) with the bulk-copy engine, the consumer warp folds them (cols: 4 to 32
-    # fp32 or 8 to 32 16-bit columns; rows_per_stage a multiple of 16; N a whole number of 16-byte pieces)
-    bulk: bool = False
 
 
 def _stream_threads(cols: int, warps: int, isolate: bool) -> int:
@@ -178,27 +174,6 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
         defines = dict(defines, PREFETCH=1)
     return FoldLaunch("fold_stream", dict(defines, COLS=cols, STREAM_ROWS=rows, CSTAGES=buffers,
                                           CONVERT_WARPS=warps, THREADS=threads), -(-n // cols), threads, shmem)
-
-
-def _bulk_launch(n: int, a_size: int, num_sms: int, smem_optin: int, rows: int, tuning: FoldTuning,
-                 defines: dict[str, int]) -> FoldLaunch:
-    cols = tuning.cols or (32 if -(-n // 32) >= 0.9 * num_sms else max(8, 16 // a_size))
-    rows_per_stage = tuning.rows_per_stage or 128
-    stage_bytes = rows_per_stage * cols * a_size
-    if (cols * a_size) % 16 or cols > 32 or rows_per_stage % 16 or rows_per_stage > 256 or stage_bytes % 128:
-        raise ValueError(f"fold_bulk takes 16-byte multiples of at most 32 columns and stages of 16 to 256 rows (a "
-                         f"multiple of 16, 128-byte multiples), got {cols} columns of {a_size} bytes x "
-                         f"{rows_per_stage} rows")
-    stage = stage_bytes + 16  # a stage's rows and its two barriers
-    ctas = -(-n // cols)
-    per_sm = min(4, -(-ctas // num_sms))
-    budget = min(smem_optin or _SMEM_LIMIT, _SM_SHARED // per_sm - 1024)
-    stages = tuning.buffers or max(2, min(64, budget // stage, -(-max(rows, 1) // rows_per_stage)))
-    if stages * stage > (smem_optin or _SMEM_LIMIT):
-        raise ValueError(f"fold_bulk: {stages} stages of {rows_per_stage} rows x {cols} columns need {stages * stage} "
-                         f"bytes of shared memory, more than {smem_optin or _SMEM_LIMIT}")
-    return FoldLaunch("fold_bulk", dict(defines, COLS=cols, BULK_ROWS=rows_per_stage, BSTAGES=stages), -(-n // cols),
-                      64, stages * stage)
 
 
 # fold_chain by default where the ring leaves most SMs idle and the chain of adds is long: few columns (the
@@ -343,10 +318,6 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
                 pass
         if tuning is None:
             tuning = default_ring(n, rows, groups, num_sms, smem_optin, what)
-    if tuning is not None and tuning.bulk:
-        if what or groups != 1 or not simple_rows:
-            raise ValueError("fold_bulk folds plain rows of one stride, in one group")
-        return _bulk_launch(n, a_dtype.itemsize, num_sms, smem_optin, rows, tuning, defines)
     if tuning is not None and tuning.chain_rows and groups == 1:
         return _chain_launch(n, rows, num_sms, tuning, defines)
     if tuning is not None and tuning.stream:
@@ -690,8 +661,7 @@ class _FoldPlan:
     out_shape: tuple[int, int]
     out_dtype: torch.dtype
     state_ints: int = 0  # fold_chain's zeroed state, allocated per call
-    kernel_name: str = ""  # fold.cu's kernel: fold_simple, fold_ring, fold_chain, fold_stream or fold_bulk
-    box: tuple[int, int] = (0, 0)  # fold_bulk: its tensor map's box, columns x rows (a stage)
+    kernel_name: str = ""  # fold.cu's kernel: fold_simple, fold_ring, fold_chain or fold_stream
 
 
 @dataclass(frozen=True)
@@ -833,10 +803,9 @@ class CudaBackend:
         kernel = self._kernels().get(dev, _SOURCE, fl.kernel, fl.defines) if rows_per_group else None
         if kernel is not None and fl.shmem > _SMEM_LIMIT:
             kernel.allow_dynamic_shared(fl.shmem)
-        box = (fl.defines["COLS"], fl.defines["BULK_ROWS"]) if fl.kernel == "fold_bulk" else (0, 0)
         return _FoldPlan(kernel, (fl.grid_x, groups, 1), fl.block, fl.shmem, alay.args(), blay.args(), alay.r1,
                          alay.g, rows_per_group, np.int32(n), groups, (groups, n), out_dtype, fl.state_ints,
-                         fl.kernel, box)
+                         fl.kernel)
 
     def _side_stream(self, dev: int) -> torch.cuda.Stream:
         side = self._side_streams.get(dev)
@@ -862,8 +831,6 @@ class CudaBackend:
         if plan.state_ints:  # fold_chain: its item counter and hand-over words, zeroed; rows aligned
             state = torch.zeros(plan.state_ints, dtype=torch.int32, device=a.device)
             args = (*args, state.data_ptr(), np.int32(1))
-        if plan.kernel_name == "fold_bulk":  # its tensor map first (a by-value parameter of 128 bytes)
-            args = (tensor_map_2d(a, plan.rows_per_group, int(plan.n), plan.a_strides[0], plan.box), *args)
         dev = _device_index(a)
         if not beside:
             plan.kernel.launch(current_stream(dev), plan.grid, plan.block, plan.shmem, *args)

@@ -111,8 +111,6 @@ def _slot_format(value: object) -> str:
     64-bit ints for pointers and long long."""
     import numpy as np
 
-    if isinstance(value, bytes) and len(value) == 128:  # a CUtensorMap, by value
-        return "128s"
     if isinstance(value, np.int32):
         return "i4x"
     if isinstance(value, np.float32):
@@ -155,14 +153,12 @@ class LoadedKernel:
 
     def _build_block(self, args: tuple) -> None:
         formats = [_slot_format(a) for a in args]
-        sizes = [4 if f.endswith("4x") else 128 if f == "128s" else 8 for f in formats]
+        sizes = [4 if f.endswith("4x") else 8 for f in formats]
         if self._sizes is not None and sizes != self._sizes:
             raise CudaLaunchError(f"kernel parameters of {self._sizes} bytes, passed {sizes}")
-        slots = [max(8, size) for size in sizes]  # the driver copies each parameter from its own pointer
-        offsets = [sum(slots[:i]) for i in range(len(slots))]
-        self._block = ctypes.create_string_buffer(max(8, sum(slots)))
+        self._block = ctypes.create_string_buffer(8 * max(1, len(args)))
         base = ctypes.addressof(self._block)
-        self._ptrs = (ctypes.c_void_p * max(1, len(args)))(*[base + off for off in offsets])
+        self._ptrs = (ctypes.c_void_p * max(1, len(args)))(*[base + 8 * i for i in range(len(args))])
         self._params = ctypes.addressof(self._ptrs)
         self._struct = struct.Struct("<" + "".join(formats))
 
@@ -258,22 +254,3 @@ class KernelCache:
         cubin = compile_cubin(name, f"sm_{major}{minor}", defines)
         module = ObjectCode.from_cubin(cubin, name=name)
         return LoadedKernel(module, module.get_kernel(kernel))
-
-
-_TMA_DTYPES = {"float32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32", "bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
-               "float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
-
-
-def tensor_map_2d(t, rows: int, n: int, row_stride: int, box: tuple[int, int]) -> bytes:
-    """The 128-byte CUtensorMap of t's (rows, n) rows, row_stride elements apart (16-byte aligned), read in boxes
-    of box[0] columns x box[1] rows, filled with zeros past the end (fold.cu's fold_bulk)."""
-    from cuda.bindings import driver
-
-    d = driver
-    tmap = _checked(d.cuTensorMapEncodeTiled(
-        getattr(d.CUtensorMapDataType, _TMA_DTYPES[str(t.dtype).removeprefix("torch.")]), 2, t.data_ptr(),
-        [d.cuuint64_t(n), d.cuuint64_t(rows)], [d.cuuint64_t(row_stride * t.element_size())],
-        [d.cuuint32_t(v) for v in box], [d.cuuint32_t(1), d.cuuint32_t(1)], d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE, d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    return ctypes.string_at(tmap.getPtr(), 128)

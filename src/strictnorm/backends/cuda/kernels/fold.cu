@@ -136,7 +136,7 @@ extern "C" __global__ void fold_simple(FOLD_PARAMS) {
     out[static_cast<long long>(h) * n + col] = Elem<OUT_CODE>::narrow(acc);
 }
 
-#if defined(COLS) && !defined(CHAIN_ROWS) && !defined(STREAM_ROWS) && !defined(BULK_ROWS)
+#if defined(COLS) && !defined(CHAIN_ROWS) && !defined(STREAM_ROWS)
 // A shared-memory ring keeps (STAGES - 1) * ROWS_PER_STAGE rows in flight so that the dependent
 // chain of adds, not memory latency, sets the pace. Warp 0 folds (one lane per column); the other
 // warps are producers issuing 16-byte cp.async copies. Needs 16-byte aligned row segments: the
@@ -677,103 +677,3 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_chain(FOLD_PARAMS, in
     }
 }
 #endif  // CHAIN_ROWS
-
-
-#ifdef BULK_ROWS
-// fold_bulk: the plain fold (WHAT == 0) of one group of rows fed by the tensor-memory accelerator. A CTA takes COLS
-// columns (one consumer lane each); one producer thread copies each stage, BULK_ROWS rows x COLS columns, with one
-// cp.async.bulk.tensor into a ring of BSTAGES stages (no registers held: the bytes in flight are bounded by the ring
-// alone; completion counted in bytes on the stage's mbarrier), and the consumer warp folds the stages in order from
-// shared memory. The tensor map (the host's cuTensorMapEncodeTiled of the (rows, N) rows, a COLS x BULK_ROWS box)
-// fills rows and columns past the end with zeros, which are never added: the consumer stops at the last row and its
-// lanes past N are dropped. Row-major stages: lane c reads element c of a row.
-static_assert(WHAT == 0 && SIMPLE_ROWS, "fold_bulk folds plain rows of one stride");
-static_assert(COLS <= 32 && (COLS * sizeof(a_t)) % 16 == 0, "fold_bulk: one consumer lane a column, 16-byte rows");
-constexpr int B_STAGE = BULK_ROWS * COLS * static_cast<int>(sizeof(a_t));  // bytes of a stage
-constexpr int B_BLOCK = 16;  // rows a consumer block: its loads issued before the previous block's adds
-static_assert(BULK_ROWS % B_BLOCK == 0 && BULK_ROWS <= 256 && B_STAGE % 128 == 0, "fold_bulk: the stage's shape");
-
-struct alignas(64) TensorMap {  // CUtensorMap: 128 opaque bytes
-    unsigned long long opaque[16];
-};
-
-#ifndef STRICTNORM_EMULATED
-__device__ __forceinline__ void mbar_expect_bytes(unsigned long long* bar, int bytes) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}"
-                 ::"r"(s), "r"(bytes) : "memory");
-}
-// the box at (column c, row r) of the map into shared dst, counted on bar when it lands
-__device__ __forceinline__ void tensor_copy(void* dst, const TensorMap* map, int c, int r, unsigned long long* bar) {
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                 ::"r"(d), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c), "r"(r), "r"(m) : "memory");
-}
-#endif
-
-// Rows [0, rows) of a stage's column (stride COLS) folded into acc in order, blocks of B_BLOCK rows with the next
-// block's loads issued before this block's adds.
-__device__ __forceinline__ float fold_bulk_stage(float acc, const a_t* col, int rows) {
-    if (rows == BULK_ROWS) {
-        float cur[B_BLOCK];
-#pragma unroll
-        for (int i = 0; i < B_BLOCK; ++i) cur[i] = Elem<A_CODE>::widen(col[i * COLS]);
-#pragma unroll 1
-        for (int blk = 0; blk < BULK_ROWS / B_BLOCK; ++blk) {
-            float next[B_BLOCK];
-            const int nb = blk + 1 < BULK_ROWS / B_BLOCK ? blk + 1 : blk;  // the last block reloads itself
-#pragma unroll
-            for (int i = 0; i < B_BLOCK; ++i) next[i] = Elem<A_CODE>::widen(col[(nb * B_BLOCK + i) * COLS]);
-#pragma unroll
-            for (int i = 0; i < B_BLOCK; ++i) {
-                acc = __fadd_rn(acc, cur[i]);
-                cur[i] = next[i];
-            }
-        }
-        return acc;
-    }
-#pragma unroll 16
-    for (int i = 0; i < rows; ++i) acc = __fadd_rn(acc, Elem<A_CODE>::widen(col[i * COLS]));
-    return acc;
-}
-
-extern "C" __global__ void __launch_bounds__(64) fold_bulk(const __grid_constant__ TensorMap map, FOLD_PARAMS) {
-    extern __shared__ __align__(128) unsigned char bulk_smem[];
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(bulk_smem + BSTAGES * B_STAGE);
-    unsigned long long* empty = full + BSTAGES;
-    const int col0 = blockIdx.x * COLS;
-    const int lane = threadIdx.x % 32;
-    const long long stages = (rows_per_group + BULK_ROWS - 1) / BULK_ROWS;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < BSTAGES; ++i) mbar_init(full + i, 1), mbar_init(empty + i, 32);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    if (threadIdx.x >= 32) {  // the producer: stage s into slot s % BSTAGES once the consumer has freed it
-        if (threadIdx.x == 32) {
-            for (long long s = 0; s < stages; ++s) {
-                const int slot = static_cast<int>(s % BSTAGES);
-                if (s >= BSTAGES) mbar_wait(empty + slot, mbar_use_parity(s - BSTAGES, BSTAGES));
-                mbar_expect_bytes(full + slot, B_STAGE);
-                tensor_copy(bulk_smem + slot * B_STAGE, &map, col0, static_cast<int>(s * BULK_ROWS), full + slot);
-            }
-        }
-        return;
-    }
-    // the consumer warp: lane c folds column col0 + c (lanes past COLS a column of their own, dropped)
-    (void)a, (void)as0, (void)as1, (void)asg, (void)b, (void)bs0, (void)bs1, (void)bsg, (void)r1, (void)g, (void)rstd;
-    (void)group_step;
-    const a_t* col = reinterpret_cast<const a_t*>(bulk_smem) + lane % COLS;
-    float acc = 0.0f;
-    for (long long s = 0; s < stages; ++s) {
-        const int slot = static_cast<int>(s % BSTAGES);
-        mbar_wait(full + slot, mbar_use_parity(s, BSTAGES));
-        const long long left = rows_per_group - s * BULK_ROWS;
-        acc = fold_bulk_stage(acc, col + slot * (B_STAGE / static_cast<int>(sizeof(a_t))),
-                              left < BULK_ROWS ? static_cast<int>(left) : BULK_ROWS);
-        mbar_arrive(empty + slot);
-    }
-    if (lane < COLS && col0 + lane < n) out[col0 + lane] = Elem<OUT_CODE>::narrow(acc);
-}
-#endif  // BULK_ROWS
