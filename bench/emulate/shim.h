@@ -167,6 +167,11 @@ inline void mbar_wait(unsigned long long* bar, int parity) {
     }
     emu_jitter();
 }
+inline bool mbar_test(unsigned long long* bar, int parity) {
+    emu_jitter();
+    std::lock_guard<std::mutex> lock(g_block->mbar_mutex);
+    return static_cast<int>(g_block->mbars.at(bar).phase & 1u) != parity;
+}
 inline void add_release(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_release); }
 inline unsigned long long global_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();

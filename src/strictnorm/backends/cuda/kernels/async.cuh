@@ -73,6 +73,14 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
     while (!done())
         if (global_ns() - start > 2000000000ull) __trap();
 }
+// Whether the phase of the given parity has completed, without waiting (a thread may test early and wait later).
+__device__ __forceinline__ bool mbar_test(unsigned long long* bar, int parity) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    unsigned d;
+    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(d) : "r"(s), "r"(parity) : "memory");
+    return d != 0;
+}
 #endif
 
 // The phase parity an mbar_wait names for the use of a barrier by `item` (0, 1, ...), when `count` barriers are

@@ -475,8 +475,14 @@ __device__ __forceinline__ void store_stage_loads(const StageLoads& ld, float* d
 // columns a CTA). It holds a stage's buffer while it waits for the next, so it needs two buffers at least, and stages
 // of whole blocks; other shapes take fold_column a stage. Lanes past COLS (COLS < 32) load a column of their own
 // (lane % COLS) and drop the sums: no branch around the loads.
+// The blocks alternate between two register sets (no copies from one to the other: a copy waits for its load, and
+// the warp issues in order, so the adds behind it wait too), and whether the next stage's buffer is full is tested
+// two blocks before it is needed (mbar_test), so that the test's latency is not on the chain; only a buffer not yet
+// full then waits (H200, run 25: the consumer's stalls at a stage boundary, per-instruction samples). Stages of at
+// most 4 blocks, or of an odd count, are taken two a loop iteration: half the loop's branches.
 constexpr bool S_SEAMLESS = STREAM_ROWS % (4 * FOLD_BLOCK) == 0 && CSTAGES >= 2;
 constexpr int S_BLOCKS = STREAM_ROWS / (4 * FOLD_BLOCK);
+constexpr int S_PAIRED = S_BLOCKS % 2 == 1 || S_BLOCKS <= 4;
 
 // The fold from +0.0 of the first `whole` stages (each STREAM_ROWS rows) of this lane's column, `col` its place in
 // buffer 0.
@@ -484,32 +490,41 @@ __device__ __forceinline__ float fold_whole_stages(long long whole, const float*
                                                    unsigned long long* cempty) {
     float acc = 0.0f;
     if (whole == 0) return acc;
-    float4 cur[FOLD_BLOCK];
-    mbar_wait(cfull, 0);
-    load_block(cur, col, 0);
-    for (long long s = 0; s < whole; ++s) {
-        const int cs = static_cast<int>(s % CSTAGES);
+    float4 a[FOLD_BLOCK], b[FOLD_BLOCK];
+    // stage s, its first block in x: the next stage's first block lands in y if S_BLOCKS is odd, else in x
+    auto stage = [&](float4 (&x)[FOLD_BLOCK], float4 (&y)[FOLD_BLOCK], long long s) {
+        const int cs = static_cast<int>(s % CSTAGES), ns = static_cast<int>((s + 1) % CSTAGES);
         const float* here = col + cs * S_CTILE;
+        const bool more = s + 1 < whole;
+        bool ready = true;
 #pragma unroll
         for (int blk = 0; blk < S_BLOCKS; ++blk) {
-            float4 next[FOLD_BLOCK];
+            float4(&cur)[FOLD_BLOCK] = blk % 2 ? y : x;
+            float4(&next)[FOLD_BLOCK] = blk % 2 ? x : y;
+            if (blk == (S_BLOCKS >= 2 ? S_BLOCKS - 2 : 0) && more)
+                ready = mbar_test(cfull + ns, mbar_use_parity(s + 1, CSTAGES));
             if (blk + 1 < S_BLOCKS) {
                 load_block(next, here, blk + 1);
-            } else if (s + 1 < whole) {  // the next stage's first block, before this stage's last adds
-                const int ns = static_cast<int>((s + 1) % CSTAGES);
-                mbar_wait(cfull + ns, mbar_use_parity(s + 1, CSTAGES));
+            } else if (more) {  // the next stage's first block, before this stage's last adds
+                if (!ready) mbar_wait(cfull + ns, mbar_use_parity(s + 1, CSTAGES));
                 load_block(next, col + ns * S_CTILE, 0);
-            } else {
-#pragma unroll
-                for (int j = 0; j < FOLD_BLOCK; ++j) next[j] = cur[j];  // not added: the fold ends here
             }
 #pragma unroll
-            for (int j = 0; j < FOLD_BLOCK; ++j) {
-                acc = add4(acc, cur[j]);
-                cur[j] = next[j];
-            }
+            for (int j = 0; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);
         }
         mbar_arrive(cempty + cs);  // its last block is added: the buffer is free
+    };
+    mbar_wait(cfull, 0);
+    load_block(a, col, 0);
+    for (long long s = 0; s < whole; s += 1 + S_PAIRED) {
+        stage(a, b, s);
+        if constexpr (S_PAIRED) {
+            if (s + 1 == whole) break;
+            if constexpr (S_BLOCKS % 2 == 1)
+                stage(b, a, s + 1);
+            else
+                stage(a, b, s + 1);
+        }
     }
     return acc;
 }
