@@ -21,6 +21,9 @@
 #   host          bench/host_breakdown.py
 #   consumer-probe bench/consumer_probe.py (the fold consumer loops' cycles a row, one warp alone)
 #   supply-probe  bench/supply_probe.py (a default fold without its adds or without its loads; SUPPLY_SHAPES)
+#   pattern-probe bench/pattern_probe.py (the dW fold's column stripes read with nothing else to do; PATTERN_*)
+#   ncu-source:M:N:CASE  bench/ncu_source.sh over one bench/ncu_probe.py case (per-instruction stall samples;
+#                 NCU_SAMPLING), its tables (bench/ncu_source_table.py) in the log, the samples as -sass.csv.xz
 #   strict-parts  bench/strict_parts.py (the CUDA strict backward's parts alone and together)
 #   ncu           Nsight Compute over bench/ncu_probe.py $NCU_PROBE ("M N case...": one call of each case), the
 #                 sections $NCU_SECTIONS (default: speed of light, occupancy, launch, warp states, scheduler, memory)
@@ -81,6 +84,12 @@ job_command() {
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
     consumer-probe) echo "timeout 120 python3 bench/consumer_probe.py '$W/consumer-probe.json' > '$log' 2>&1" ;;
     supply-probe) echo "timeout ${SUPPLY_TIMEOUT:-300} python3 bench/supply_probe.py '$W/supply-probe.json' > '$log' 2>&1" ;;
+    pattern-probe) echo "timeout ${PATTERN_TIMEOUT:-300} python3 bench/pattern_probe.py '$W/pattern-probe.json'" \
+                        "> '$log' 2>&1" ;;
+    ncu-source:*) local spec=${job#ncu-source:} base="$W/${job//:/-}"
+                  echo "timeout ${NCU_TIMEOUT:-300} bash bench/ncu_source.sh '$base' ${spec//:/ } > '$log' 2>&1;" \
+                       "python3 bench/ncu_source_table.py '$base-sass.csv' 40 >> '$log' 2>&1;" \
+                       "xz -9 -c '$base-sass.csv' > '$OUT/${job//:/-}-sass.csv.xz'" ;;
     strict-parts) echo "timeout ${SWEEP_TIMEOUT:-400} python3 bench/strict_parts.py '$W/strict-parts.json' > '$log' 2>&1" ;;
     memcheck) echo "PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_TIMEOUT:-240}" \
                    "\$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer) --tool memcheck" \

@@ -297,14 +297,18 @@ def test_compile_probe_compiles_every_kernel_for_sm90():
 
 
 def test_fold_probes_compile_for_sm90(monkeypatch):
-    """bench/consumer_probe.py's kernels and bench/supply_probe.py's edited fold.cu (each edit must still find its text)
-    compile through NVRTC for sm_90 without a GPU, for the plain fold's and the dW fold's default fold_stream."""
+    """bench/consumer_probe.py's kernels, bench/supply_probe.py's edited fold.cu (each edit must still find its text)
+    for the plain fold's and the dW fold's default fold_stream, and bench/pattern_probe.py's stripe reads (stripes of
+    one chunk to whole rows) compile through NVRTC for sm_90 without a GPU."""
     pytest.importorskip("cuda.core")
     from strictnorm.backends.cuda.backend import fold_launch
 
     _bench_scripts(monkeypatch)
     import consumer_probe as consumer
+    import pattern_probe as pattern
     import supply_probe as supply
+    for stripe, warps, depth in ((2, 4, 4), (4, 8, 8), (8, 16, 16), (512, 8, 4)):
+        assert pattern.compile_probe(stripe, warps, depth)[:4] == b"\x7fELF"
     for v in range(len(consumer.VARIANTS)):
         assert consumer.compile_variant(v, "sm_90")[:4] == b"\x7fELF"
     for m, n, dtype, what in ((16384, 128, torch.float32, 0), (32768, 1024, torch.bfloat16, 1)):

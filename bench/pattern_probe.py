@@ -1,0 +1,125 @@
+"""How fast the strict dW fold's access pattern can be read at all: a column stripe a CTA, every row of it.
+
+fold_stream's converters read dy and x (bf16, rows N apart) in stripes of COLS columns a CTA (32 at 4096 columns:
+64 bytes of each row, 128 CTAs), and at 32768 x 4096 the fold moves 2.79 TB/s with DRAM at 58% of its peak and the L2
+at 77% of its throughput (run 24, ncu), its converters stalled right after their own loads (run 25). This probe reads
+the same bytes in the same stripes with nothing else to do (no conversion, no shared memory, no consumer): each lane
+issues DEPTH 16-byte loads of dy and DEPTH of x (consecutive lanes the chunks of a row segment, then the next rows),
+folds them into an xor it never stores, and goes on. If its best rate is the fold's, the pattern (64-byte row segments
+per CTA) is the limit and the next step is a different mapping of rows and columns to CTAs; if it reaches the copy
+rate, the converters' structure is.
+    python3 bench/pattern_probe.py [out.json]
+PATTERN_SHAPES=MxN,... (default 32768x4096,8192x8192), PATTERN_COLS (default 16,32,64,N: N = whole rows a CTA, its
+rows split over the CTAs), PATTERN_WARPS (4,8,16), PATTERN_DEPTH (4,8,16). Kernel-only µs, GB/s of the bytes read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from strictnorm.backends.cuda import nvrtc
+from strictnorm.bench import Timer, copy_ceiling_gbps
+
+SOURCE = r"""
+// CTA (x, y) reads column chunks [x * STRIPE, (x + 1) * STRIPE) (16-byte chunks) of rows [y * rows / gridDim.y, ...)
+// of a and b, as items of one 16-byte load a lane: item i is chunk group i % GROUPS of row group i / GROUPS (lane l:
+// chunk l % LANES_PER_ROW of the group, row l / LANES_PER_ROW of the group), so that consecutive items run along a
+// row's segment first (whole rows: a copy's pattern) and a stripe of 32 or fewer chunks is fold_stream's (a row
+// group's segments at once). A warp takes DEPTH consecutive items an iteration, its loads of a and b all issued
+// before any is used; the warps of a CTA take turns.
+constexpr int LANES_PER_ROW = STRIPE < 32 ? STRIPE : 32;
+constexpr int ROWS_PER_LOAD = 32 / LANES_PER_ROW;
+constexpr int GROUPS = STRIPE / LANES_PER_ROW;  // chunk groups a row segment
+extern "C" __global__ void __launch_bounds__(WARPS * 32) stripe_read(const uint4* __restrict__ a,
+                                                                    const uint4* __restrict__ b, long long rows,
+                                                                    long long row_chunks, unsigned* __restrict__ out) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const long long r_begin = rows * blockIdx.y / gridDim.y, r_end = rows * (blockIdx.y + 1) / gridDim.y;
+    const long long items = (r_end - r_begin + ROWS_PER_LOAD - 1) / ROWS_PER_LOAD * GROUPS;
+    const long long col0 = static_cast<long long>(blockIdx.x) * STRIPE + lane % LANES_PER_ROW;
+    unsigned acc = 0;
+    for (long long i0 = static_cast<long long>(warp) * DEPTH; i0 < items; i0 += static_cast<long long>(WARPS) * DEPTH) {
+        uint4 va[DEPTH], vb[DEPTH];
+#pragma unroll
+        for (int k = 0; k < DEPTH; ++k) {
+            const long long i = i0 + k;
+            const long long r = r_begin + i / GROUPS * ROWS_PER_LOAD + lane / LANES_PER_ROW;
+            const long long at = r * row_chunks + col0 + i % GROUPS * LANES_PER_ROW;
+            const bool in = i < items && r < r_end;
+            va[k] = in ? a[at] : make_uint4(0, 0, 0, 0);
+            vb[k] = in ? b[at] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < DEPTH; ++k)
+            acc ^= va[k].x ^ va[k].y ^ va[k].z ^ va[k].w ^ vb[k].x ^ vb[k].y ^ vb[k].z ^ vb[k].w;
+    }
+    if (acc == 0x9e3779b9u) out[threadIdx.x] = acc;  // practically never: keeps the loads
+}
+"""
+
+
+def _ints(var: str, default: str) -> list[str]:
+    return [v for v in os.environ.get(var, default).split(",") if v]
+
+
+def compile_probe(stripe: int, warps: int, depth: int, arch: str = "sm_90") -> bytes:
+    """The probe's cubin for one configuration (NVRTC; no GPU needed)."""
+    return nvrtc.compile_source(SOURCE, "pattern_probe", arch, {"STRIPE": stripe, "WARPS": warps, "DEPTH": depth})
+
+
+def main() -> None:
+    from cuda.core import Device, ObjectCode
+
+    dev = torch.device("cuda")
+    timer = Timer(dev, iters=9)
+    ceiling = copy_ceiling_gbps(dev)
+    cdev = Device(torch.cuda.current_device())
+    cdev.set_current()
+    major, minor = cdev.compute_capability
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    out = torch.zeros(1024, dtype=torch.int32, device=dev)
+    rows_out = []
+    for shape in _ints("PATTERN_SHAPES", "32768x4096,8192x8192"):
+        m, n = (int(v) for v in shape.split("x"))
+        g = torch.Generator(device=dev).manual_seed(0)
+        a, b = (torch.randn(m, n, device=dev, generator=g).bfloat16() for _ in range(2))
+        row_chunks = n * 2 // 16
+        for cols_text in _ints("PATTERN_COLS", "16,32,64,N"):
+            cols = n if cols_text == "N" else int(cols_text)
+            stripe = cols * 2 // 16  # 16-byte chunks a CTA's row segment
+            stripes = row_chunks // stripe
+            splits = max(1, -(-sms // stripes)) if cols == n else 1  # whole rows: the rows split over the SMs
+            for warps in (int(v) for v in _ints("PATTERN_WARPS", "4,8,16")):
+                for depth in (int(v) for v in _ints("PATTERN_DEPTH", "4,8,16")):
+                    cubin = compile_probe(stripe, warps, depth, f"sm_{major}{minor}")
+                    module = ObjectCode.from_cubin(cubin, name="pattern_probe")
+                    kernel = nvrtc.LoadedKernel(module, module.get_kernel("stripe_read"))
+                    stream = nvrtc.current_stream(torch.cuda.current_device())
+
+                    args = (a.data_ptr(), b.data_ptr(), m, row_chunks, out.data_ptr())
+
+                    def run(k=kernel, s=stream, grid=(stripes, splits, 1), block=warps * 32, args=args):
+                        k.launch(s, grid, block, 0, *args)
+
+                    us = timer.kernel_us(run)
+                    gbps = 2 * a.numel() * 2 / us / 1e3
+                    row = {"M": m, "N": n, "cols": cols, "ctas": stripes * splits, "warps": warps, "depth": depth,
+                           "us": us, "GBps": gbps, "frac_copy": gbps / ceiling}
+                    rows_out.append(row)
+                    print(json.dumps(row), flush=True)
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s (read + write); reads of dy and x, bf16:")
+    print(f"{'M x N':>12} {'cols':>5} {'CTAs':>5} {'warps':>5} {'depth':>5} {'us':>8} {'GB/s':>7} {'of copy':>7}")
+    for r in rows_out:
+        print(f"{r['M']:>6}x{r['N']:<5} {r['cols']:5d} {r['ctas']:5d} {r['warps']:5d} {r['depth']:5d} {r['us']:8.1f}"
+              f" {r['GBps']:7.0f} {r['frac_copy']:7.2f}")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"copy_GBps": ceiling, "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
