@@ -12,8 +12,10 @@ edit and launched with the plan's grid, block and arguments:
                buffers written over out[0:3]: the SM clock the fold ran at, the consumer's cycles a row in place
                (bench/consumer_probe.py: alone) and how many of them it waits
   spin         clocked, the consumer's waits polling mbarrier.test_wait (never suspended) instead of try_wait
-Kernel-only µs (L2 flushed) and ns a row. The edits' results are not the fold's (only "as built" is checked against
-the Python loop). Run on the GPU machine: python3 bench/supply_probe.py [out.json]; SUPPLY_SHAPES=MxN[:dw],... picks
+  split last   a candidate stage boundary: the last block's adds in halves around the next stage's wait and loads
+Kernel-only µs (L2 flushed) and ns a row. The edits' results are not the fold's but for "split last" (which, like
+"as built", must equal the backend's bits; "as built" is also checked against the Python loop). SUPPLY_VARIANTS
+picks variants. Run on the GPU machine: python3 bench/supply_probe.py [out.json]; SUPPLY_SHAPES=MxN[:dw],... picks
 the cases (default 4096x128,16384x128,32768x1024:dw,32768x4096:dw; :dw the strict dW fold of bf16 dy and x).
 """
 
@@ -90,8 +92,39 @@ def _clocked(spin: bool) -> list[tuple[str, str]]:
     ]
 
 
+# A candidate stage boundary for the seamless consumer (a fold, checked against the backend like "as built"): the last
+# block's adds split in halves around the wait and the next stage's loads, so that the branch on the buffer test and
+# those loads sit inside the chain of adds instead of between two of its adds (run 25's SASS: ~40-60 idle cycles a
+# stage boundary)
+_SPLIT_LAST = [(
+    """            if (blk + 1 < S_BLOCKS) {
+                load_block(next, here, blk + 1);
+            } else if (more) {  // the next stage's first block, before this stage's last adds
+                if (!ready) mbar_wait(cfull + ns, mbar_use_parity(s + 1, CSTAGES));
+                load_block(next, col + ns * S_CTILE, 0);
+            }
+#pragma unroll
+            for (int j = 0; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);""",
+    """            constexpr int HALF = FOLD_BLOCK / 2;
+            if (blk + 1 < S_BLOCKS) {
+                load_block(next, here, blk + 1);
+#pragma unroll
+                for (int j = 0; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < HALF; ++j) acc = add4(acc, cur[j]);
+                if (more) {
+                    if (!ready) mbar_wait(cfull + ns, mbar_use_parity(s + 1, CSTAGES));
+                    load_block(next, col + ns * S_CTILE, 0);
+                }
+#pragma unroll
+                for (int j = HALF; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);
+            }""")]
+
 VARIANTS = {"as built": [], "no adds": _NO_ADDS, "no loads": _NO_LOADS, "neither": _NO_ADDS + _NO_LOADS,
-            "clocked": _clocked(False), "spin": _clocked(True)}
+            "clocked": _clocked(False), "spin": _clocked(True), "split last": _SPLIT_LAST}
+# SUPPLY_VARIANTS=name,... times only those (default: all)
+CHOSEN = [v for v in os.environ.get("SUPPLY_VARIANTS", ",".join(VARIANTS)).split(",") if v]
 
 
 def _edited(edits: list[tuple[str, str]]) -> str:
@@ -153,7 +186,7 @@ def main() -> None:
         props = torch.cuda.get_device_properties(dev)  # the plan's macros, as _fold_plan made them
         fl = fold_launch(alay.n, a.dtype, b.dtype, what, True, True, props.multi_processor_count, None, torch.float32,
                          alay.rows, 1, props.shared_memory_per_block_optin)
-        for variant in VARIANTS:
+        for variant in CHOSEN:
             edited = dataclasses.replace(plan, kernel=_kernel(variant, fl.kernel, fl.defines, fl.shmem))
             run = lambda p=edited, a=ak, b=bk, r=rstd: cb._run_fold(p, a, b, r)  # noqa: E731
             got = run()
