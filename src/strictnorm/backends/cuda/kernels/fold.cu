@@ -477,9 +477,10 @@ __device__ __forceinline__ void store_stage_loads(const StageLoads& ld, float* d
 // (lane % COLS) and drop the sums: no branch around the loads.
 // The blocks alternate between two register sets (no copies from one to the other: a copy waits for its load, and
 // the warp issues in order, so the adds behind it wait too), and whether the next stage's buffer is full is tested
-// two blocks before it is needed (mbar_test), so that the test's latency is not on the chain; only a buffer not yet
-// full then waits (H200, run 25: the consumer's stalls at a stage boundary, per-instruction samples). Stages of at
-// most 4 blocks, or of an odd count, are taken two a loop iteration: half the loop's branches.
+// (mbar_test) before it is needed, two blocks ahead in the source (ptxas 13.0 schedules the test later, near its use:
+// bench/NOTES.md, run 25), and only a buffer not yet full is waited for (H200, run 25: the consumer's stalls at a
+// stage boundary, per-instruction samples). Stages of at most 4 blocks, or of an odd count, are taken two a loop
+// iteration: half the loop's branches.
 constexpr bool S_SEAMLESS = STREAM_ROWS % (4 * FOLD_BLOCK) == 0 && CSTAGES >= 2;
 constexpr int S_BLOCKS = STREAM_ROWS / (4 * FOLD_BLOCK);
 constexpr int S_PAIRED = S_BLOCKS % 2 == 1 || S_BLOCKS <= 4;
