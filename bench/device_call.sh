@@ -22,6 +22,7 @@
 #   consumer-probe bench/consumer_probe.py (the fold consumer loops' cycles a row, one warp alone)
 #   supply-probe  bench/supply_probe.py (a default fold without its adds or without its loads; SUPPLY_SHAPES)
 #   pattern-probe bench/pattern_probe.py (the dW fold's column stripes read with nothing else to do; PATTERN_*)
+#   partial-probe bench/partial_probe.py (the fast dW's partial-row sum in one launch or in segments; PARTIAL_*)
 #   ncu-source:M:N:CASE  bench/ncu_source.sh over one bench/ncu_probe.py case (per-instruction stall samples;
 #                 NCU_SAMPLING), its tables (bench/ncu_source_table.py) in the log, the samples as -sass.csv.xz
 #   strict-parts  bench/strict_parts.py (the CUDA strict backward's parts alone and together)
@@ -85,6 +86,8 @@ job_command() {
     consumer-probe) echo "timeout 120 python3 bench/consumer_probe.py '$W/consumer-probe.json' > '$log' 2>&1" ;;
     supply-probe) echo "timeout ${SUPPLY_TIMEOUT:-300} python3 bench/supply_probe.py '$W/supply-probe.json' > '$log' 2>&1" ;;
     pattern-probe) echo "timeout ${PATTERN_TIMEOUT:-300} python3 bench/pattern_probe.py '$W/pattern-probe.json'" \
+                        "> '$log' 2>&1" ;;
+    partial-probe) echo "timeout ${PARTIAL_TIMEOUT:-300} python3 bench/partial_probe.py '$W/partial-probe.json'" \
                         "> '$log' 2>&1" ;;
     ncu-source:*) local spec=${job#ncu-source:} base="$W/${job//:/-}"
                   echo "timeout ${NCU_TIMEOUT:-300} bash bench/ncu_source.sh '$base' ${spec//:/ } > '$log' 2>&1;" \
