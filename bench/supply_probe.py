@@ -45,17 +45,14 @@ _NO_LOADS = [
 ]
 # The consumer's span in SM cycles and in ns (lane 0 of CTA 0's first consumer warp, from its start to its result)
 # and the cycles it spent in its waits for full buffers, written over out[0:3]: the SM clock while the fold runs is
-# the first two's ratio. With spin, those waits poll mbarrier.test_wait instead of mbar_wait's try_wait (which may
-# suspend the thread until the phase completes, and wake it some time later).
+# the first two's ratio. With spin, those waits poll mbar_test (mbarrier.test_wait) instead of mbar_wait's try_wait
+# (which may suspend the thread until the phase completes, and wake it some time later).
 _WAITS = """// the consumer's waits for full buffers, timed (supply_probe)
 __device__ __forceinline__ void consumer_wait(unsigned long long* bar, int parity, long long& waited) {
     const long long t0 = clock64();
 #if PROBE_SPIN
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\\n.reg .pred p;\\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\\n"
-                     "selp.u32 %0, 1, 0, p;\\n}" : "=r"(done) : "r"(s), "r"(parity) : "memory");
+    while (!mbar_test(bar, parity)) {
+    }
 #else
     mbar_wait(bar, parity);
 #endif
