@@ -52,14 +52,13 @@ TUNINGS += [FoldTuning(stream=True, cols=c, rows_per_stage=r, convert_warps=v)
 # the addend buffers padded after each group of 8 columns (the converters' stores free of bank conflicts)
 TUNINGS += [FoldTuning(stream=True, cols=c, rows_per_stage=r, convert_warps=v, pad_groups=True)
             for c, r, v in ((32, 64, 8), (32, 64, 4), (16, 64, 4), (16, 64, 8), (64, 32, 8))]
-# SWEEP_FOLD_STREAM=cols:rows:convert_warps:buffers[:pad[:isolate[:prefetch[:l2_ahead]]]],... replaces the fold_stream
+# SWEEP_FOLD_STREAM=cols:rows:convert_warps:buffers[:pad[:isolate[:prefetch]]],... replaces the fold_stream
 # configurations (0: the planner's; pad 1: pad_groups; isolate 1: the consumers alone on their sub-partitions;
-# prefetch 1: the converters' next stage loaded before the current one is stored; l2_ahead k: the L2 asked for
-# their stage k of their own stages ahead)
+# prefetch 1: the converters' next stage loaded before the current one is stored)
 if os.environ.get("SWEEP_FOLD_STREAM"):
     TUNINGS = [t for t in TUNINGS if t is None or not t.stream] + [
         FoldTuning(stream=True, **dict(zip(("cols", "rows_per_stage", "convert_warps", "buffers", "pad_groups",
-                                            "isolate", "prefetch", "l2_ahead"),
+                                            "isolate", "prefetch"),
                                            map(int, v.split(":")), strict=False)))
         for v in os.environ["SWEEP_FOLD_STREAM"].split(",")]
 # SWEEP_FOLD_RING=cols:rows_per_stage:kb,... replaces the ring configurations other than FoldTuning() (kb: the ring's
@@ -191,7 +190,7 @@ def main() -> None:
         if best:
             knobs = {k: best[k] for k in ("cols", "rows_per_stage", "full_stage", "smem_bytes", "column_major",
                                           "chain_rows", "stream", "convert_warps", "buffers",
-                                          "pad_groups", "isolate", "prefetch", "l2_ahead") if k in best}
+                                          "pad_groups", "isolate", "prefetch") if k in best}
             print(f"{name:>24}: default {default['us'] if default else float('nan'):8.1f} us, best {best['us']:8.1f}"
                   f" us ({best['x_chain_floor']:.2f}x chain floor) {knobs or 'default'}")
 

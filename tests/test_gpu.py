@@ -391,26 +391,24 @@ def test_cuda_fold_chain_bitwise(chain_rows, cols, seed):
         cb.fold_tuning = None
 
 
-@pytest.mark.parametrize("cols, rows_per_stage, pad, isolate, prefetch, warps, l2_ahead",
-                         [(0, 0, False, False, False, 0, 0), (8, 64, False, False, False, 0, 0),
-                          (16, 32, False, False, False, 0, 0), (32, 64, False, False, False, 0, 0),
-                          (64, 16, False, False, False, 0, 0), (128, 16, False, False, False, 0, 0),
-                          (0, 0, True, False, False, 0, 0), (16, 64, True, False, False, 0, 0),
-                          (8, 256, False, True, False, 0, 0), (32, 64, False, True, False, 0, 0),
-                          (64, 32, False, True, False, 0, 0), (0, 0, False, False, True, 0, 0),
-                          (32, 64, False, False, True, 0, 0), (8, 256, False, True, True, 0, 0),
-                          (16, 32, True, False, True, 0, 0), (32, 64, False, False, True, 7, 0),
-                          (32, 32, False, False, True, 11, 0), (8, 128, False, True, True, 0, 0),
-                          (0, 0, False, False, False, 0, 2), (32, 64, False, False, False, 0, 4),
-                          (32, 64, False, False, True, 0, 3), (8, 256, False, True, False, 0, 8)])
-def test_cuda_fold_stream_bitwise(cols, rows_per_stage, pad, isolate, prefetch, warps, l2_ahead, seed):
+@pytest.mark.parametrize("cols, rows_per_stage, pad, isolate, prefetch, warps",
+                         [(0, 0, False, False, False, 0), (8, 64, False, False, False, 0),
+                          (16, 32, False, False, False, 0), (32, 64, False, False, False, 0),
+                          (64, 16, False, False, False, 0), (128, 16, False, False, False, 0),
+                          (0, 0, True, False, False, 0), (16, 64, True, False, False, 0),
+                          (8, 256, False, True, False, 0), (32, 64, False, True, False, 0),
+                          (64, 32, False, True, False, 0), (0, 0, False, False, True, 0),
+                          (32, 64, False, False, True, 0), (8, 256, False, True, True, 0),
+                          (16, 32, True, False, True, 0), (32, 64, False, False, True, 7),
+                          (32, 32, False, False, True, 11), (8, 128, False, True, True, 0)])
+def test_cuda_fold_stream_bitwise(cols, rows_per_stage, pad, isolate, prefetch, warps, seed):
     """fold_stream (FoldTuning.stream: converter warps loading rows into registers, handing fp32 addends to the
     consumer warps through mbarrier-guarded buffers): the plain fold of bf16 and fp32 rows equals the Python
     loop; the strict dW fold (5000 rows: a partial last stage; 4104 columns: a partial last column group) and
     per-head dW (4 groups) equal the one-thread-per-column kernel, run after run; several widths and stages, the
     buffers padded after each group of 8 columns or not, the consumer warps isolated on their sub-partitions or not,
     the converters' next stage loaded before the current one is stored (prefetch) or not, with the planner's count of
-    converting warps (warps 0) or a given one, the L2 asked for later stages (l2_ahead) or not."""
+    converting warps (warps 0) or a given one."""
     from strictnorm.backends.cuda.backend import FoldTuning, fold_launch
     from strictnorm.backends.layout import row_layout
 
@@ -423,7 +421,7 @@ def test_cuda_fold_stream_bitwise(cols, rows_per_stage, pad, isolate, prefetch, 
     want_dw = cb.fold(*row_layout(dy), *row_layout(x), rstd, 1, 1, ring=False)
     want_heads = cb.fold(*row_layout(dy), *row_layout(x), rstd, 2, 4, ring=False)
     cb.fold_tuning = FoldTuning(stream=True, cols=cols, rows_per_stage=rows_per_stage, pad_groups=pad, isolate=isolate,
-                                prefetch=prefetch, convert_warps=warps, l2_ahead=l2_ahead)
+                                prefetch=prefetch, convert_warps=warps)
     try:
         for _ in range(2):
             for p, want in zip(plain, want_plain, strict=True):

@@ -111,8 +111,6 @@ inline void cp_async16(void* smem, const void* gmem, int bytes) {
     if (bytes) std::memcpy(smem, gmem, bytes);
 }
 inline void cp_async4(void* smem, const void* gmem) { std::memcpy(smem, gmem, 4); }
-// the L2 hint reads a byte of its address: an address outside the tensor fails under the sanitizers
-inline void prefetch_l2(const void* p) { (void)*static_cast<const volatile char*>(p); }
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
 

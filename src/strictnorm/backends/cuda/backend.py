@@ -97,9 +97,6 @@ class FoldTuning:
     # fold_stream's converters issue their next whole stage's loads before converting and storing the current one
     # (PREFETCH: two stages' raw rows in registers; opt-in: within 2% of the defaults on an H200, run 24)
     prefetch: bool = False
-    # fold_stream's converters ask the L2 for their whole stage this many of their own stages ahead (L2_AHEAD:
-    # prefetch.global.L2 of every 32-byte sector of its rows), more bytes on their way than registers hold; 0: none
-    l2_ahead: int = 0
 
 
 def _stream_threads(cols: int, warps: int, isolate: bool) -> int:
@@ -175,8 +172,6 @@ def _stream_launch(n: int, num_sms: int, groups: int, smem_optin: int, tuning: F
         defines = dict(defines, ISOLATE=1)
     if tuning.prefetch:
         defines = dict(defines, PREFETCH=1)
-    if tuning.l2_ahead:
-        defines = dict(defines, L2_AHEAD=tuning.l2_ahead)
     return FoldLaunch("fold_stream", dict(defines, COLS=cols, STREAM_ROWS=rows, CSTAGES=buffers,
                                           CONVERT_WARPS=warps, THREADS=threads), -(-n // cols), threads, shmem)
 
@@ -344,10 +339,10 @@ _SUM_COLS, _SUM_THREADS = 16, 256  # partial_sum.cu's block: 16 columns, 256 thr
 class PartialSumShape:
     """partial_sum.cu's shape for (rows, n) partial rows: 16-byte loads (vec 4) where N % 4 == 0, column blocks of
     _SUM_COLS, and the rows cut into `segments` of seg_rows (the last one shorter) where the column blocks alone
-    leave SMs idle; every thread adds at least 8 rows a segment: a second launch costs ~1 us, and fewer rows a
-    thread gain less than that (H200, run 26 call a: 528 x 128 partial rows in one launch 2.8 us against 3.7 in
-    two segments of 4 rows a thread; Triton's fast backward at 262144 x 128 55.9 -> 54.4; 1056 rows in four
-    segments 3.8 against 4.0 in one)."""
+    leave SMs idle; every thread adds at least 16 rows a segment: a second launch costs ~1 us, and fewer rows a
+    thread gain less than that (H200, run 26 calls a-b, bench/partial_probe.py: 528 x 128 partial rows in one
+    launch 2.8-3.0 us against 3.7 in two segments; Triton's fast backward at 262144 x 128 (528 partial rows)
+    55.9 -> 54.4, at 65536 x 128 (1056) 19.4 in four segments and 18.5 in two against 18.1-18.3 in one)."""
 
     vec: int
     col_blocks: int
@@ -359,7 +354,7 @@ def partial_sum_shape(rows: int, n: int, num_sms: int) -> PartialSumShape:
     vec = 4 if n % 4 == 0 else 1
     col_blocks = -(-n // _SUM_COLS)
     groups = _SUM_THREADS // (_SUM_COLS // vec)
-    segments = max(1, min(-(-num_sms // col_blocks), rows // (8 * groups)))
+    segments = max(1, min(-(-num_sms // col_blocks), rows // (16 * groups)))
     seg_rows = -(-rows // segments)
     return PartialSumShape(vec, col_blocks, -(-rows // seg_rows), seg_rows)
 

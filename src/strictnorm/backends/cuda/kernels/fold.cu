@@ -8,8 +8,8 @@
 // Configuration macros (set by the loader): A_CODE, B_CODE (0 fp32, 1 bf16, 2 fp16), OUT_CODE (the
 // result's dtype, default fp32: the fp32 sums rounded to nearest even once, at the store), WHAT,
 // SIMPLE_ROWS (row r lives at r * s0), for fold_chain: CHAIN_ROWS, COLS, THREADS (below), and for
-// fold_stream: COLS, STREAM_ROWS, CSTAGES, CONVERT_WARPS, THREADS, GROUP_PAD, ISOLATE, PREFETCH, L2_AHEAD (below),
-// and for // fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
+// fold_stream: COLS, STREAM_ROWS, CSTAGES, CONVERT_WARPS, THREADS, GROUP_PAD, ISOLATE, PREFETCH (below), and for
+// fold_ring: COLS, ROWS_PER_STAGE, STAGES, THREADS,
 // CONVERT (dW contributions computed by the producers; needs WHAT != 0 and STAGES >= 3), COLUMN_MAJOR
 // (with CONVERT: the contributions stored a column's rows contiguous, so that a consumer lane loads four
 // rows with one 16-byte load instead of one), FULL_STAGE
@@ -407,24 +407,6 @@ __device__ __forceinline__ void stage_addends(float (&v)[S_ITEMS][S_VEC], const 
 #endif
 }
 
-// L2_AHEAD > 0: a converter asks the L2 for its whole stage L2_AHEAD of its own stages ahead (every 32-byte sector of
-// the stage's row segments of a and b, prefetch.global.L2) before loading the current one, so that more bytes are on
-// their way from DRAM than its registers hold: its own loads then find them in the L2.
-#ifndef L2_AHEAD
-#define L2_AHEAD 0
-#endif
-template <typename T> constexpr int S_SECTORS = (COLS * static_cast<int>(sizeof(T)) + 31) / 32;  // a row segment's
-
-template <typename T>
-__device__ __forceinline__ void prefetch_rows_l2(const T* p, const Layout& l, int lane, long long t0,
-                                                 long long group_step, int h, int col0) {
-    constexpr int STEP = 32 / static_cast<int>(sizeof(T)) < COLS ? 32 / static_cast<int>(sizeof(T)) : COLS;
-    for (int i = lane; i < STREAM_ROWS * S_SECTORS<T>; i += 32) {
-        const long long r = (t0 + i / S_SECTORS<T>) * group_step + h;
-        prefetch_l2(p + fold_row_offset(r, l) + col0 + i % S_SECTORS<T> * STEP);
-    }
-}
-
 // PREFETCH: a converter issues the 16-byte loads of its next whole stage (dy, x and rstd as raw chunks: StageLoads)
 // before it converts and stores the current one, so a stage's loads stay in flight while the previous stage is
 // converted, waits for its buffer and is stored (without it a converter's loads and its conversion alternate). It
@@ -592,15 +574,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
     const Layout la{as0, as1, asg, r1, g};
     const Layout lb{bs0, bs1, bsg, r1, g};
     long long s = converter;
-    // the L2 asked for this converter's whole stage k (L2_AHEAD; stages with every column only)
-    auto ask_l2 = [&](long long k) {
-        if (L2_AHEAD == 0 || k >= stages || stage_rows(k) != STREAM_ROWS || col0 + COLS > n) return;
-        prefetch_rows_l2(a, la, lane, k * STREAM_ROWS, group_step, h, col0);
-#if WHAT != 0
-        prefetch_rows_l2(b, lb, lane, k * STREAM_ROWS, group_step, h, col0);
-#endif
-    };
-    for (int k = 1; k < L2_AHEAD + PREFETCH; ++k) ask_l2(s + k * CONVERT_WARPS);  // those before the loop's first ask
 #if PREFETCH
     if (col0 + COLS <= n && s < stages && stage_rows(s) == STREAM_ROWS) {
         // Stage s (its loads in `cur`) stored after stage s + CONVERT_WARPS's loads are issued into `next`; false
@@ -609,7 +582,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
         auto step = [&](StageLoads& cur, StageLoads& next) {
             const long long s2 = s + CONVERT_WARPS;
             const bool more = s2 < stages && stage_rows(s2) == STREAM_ROWS;
-            ask_l2(s + (L2_AHEAD + 1) * CONVERT_WARPS);  // s2 is loaded now: L2_AHEAD of its stages past it
             if (more) issue_stage_loads(next, a, b, rstd, la, lb, lane, s2 * STREAM_ROWS, group_step, h, col0);
             const int cs = static_cast<int>(s % CSTAGES);
             if (s >= CSTAGES) mbar_wait(cempty + cs, mbar_use_parity(s - CSTAGES, CSTAGES));
@@ -630,7 +602,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) fold_stream(FOLD_PARAMS) {
 #endif
     for (; s < stages; s += CONVERT_WARPS) {
         const int cs = static_cast<int>(s % CSTAGES), rows = stage_rows(s);
-        ask_l2(s + L2_AHEAD * CONVERT_WARPS);
         float v[S_ITEMS][S_VEC];
         if (rows == STREAM_ROWS && col0 + COLS <= n)
             stage_addends<true>(v, a, b, rstd, la, lb, lane, s * STREAM_ROWS, rows, group_step, h, col0, n);
