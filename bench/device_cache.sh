@@ -9,7 +9,10 @@
 export STRICTNORM_CACHE_DIR=${STRICTNORM_CACHE_DIR:-/tmp/strictnorm-cache}
 case "${1:-}" in
   restore)
-    if [ -f .device-cache/cubin-cache.tar.xz ]; then
+    # a damaged archive (a call cut off while packing) is left out whole: a part of it may end in a cut file
+    if [ -f .device-cache/cubin-cache.tar.xz ] && ! xz -t .device-cache/cubin-cache.tar.xz 2>/dev/null; then
+      echo "cubin cache: the archive is damaged, not restored"
+    elif [ -f .device-cache/cubin-cache.tar.xz ]; then
       mkdir -p "$STRICTNORM_CACHE_DIR" && tar -xJf .device-cache/cubin-cache.tar.xz -C "$STRICTNORM_CACHE_DIR" &&
         echo "cubin cache: $(find "$STRICTNORM_CACHE_DIR" -name '*.cubin' | wc -l) kernels restored"
     fi ;;
@@ -21,7 +24,8 @@ case "${1:-}" in
     (cd "$STRICTNORM_CACHE_DIR" && find . -type f -printf '%T@ %p\n' | sort -rn | cut -d' ' -f2-) > "$list"
     for keep in 0 4000 3000 2000 1000; do
       if [ "$keep" = 0 ]; then cp "$list" "$list.keep"; else head -n "$keep" "$list" > "$list.keep"; fi
-      tar -cJf "$out" -C "$STRICTNORM_CACHE_DIR" -T "$list.keep" 2>/dev/null
+      # packed beside, then renamed: a call cut off while packing leaves no damaged archive behind
+      tar -cJf "$out.part" -C "$STRICTNORM_CACHE_DIR" -T "$list.keep" 2>/dev/null && mv "$out.part" "$out"
       [ "$(stat -c %s "$out" 2>/dev/null || echo 0)" -le $((15 * 1024 * 1024)) ] && break
       rm -f "$out"
     done

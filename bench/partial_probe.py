@@ -1,10 +1,11 @@
 """The fast dW's partial-row sum (partial_sum.cu) in one launch or in segments, alone and inside the fast backward.
 
 partial_sum_shape cuts R partial rows into segments where its column blocks leave SMs idle, and a second launch then
-sums the segment rows: at 262144 x 128 the Triton backward's 528 partial rows take two launches, and kernel-only time
-counts both. This probe times, with the planner's shape and with one segment forced: the sum alone for a few (R, N),
-and the whole fast backward (bf16, llama) of a few shapes for the Triton and CUDA backends. One segment sums in
-another fixed order (the fast dW's bits may differ; dx may not). Run on the GPU machine:
+sums the segment rows, and kernel-only time counts both (run 26: from this probe's first runs the planner segments
+only from 16 rows a thread; the Triton backward's 528 partial rows at 262144 x 128 took two launches before). This
+probe times, with the planner's shape and with one segment forced: the sum alone for a few (R, N), and the whole
+fast backward (bf16, llama) of a few shapes for the Triton and CUDA backends. One segment sums in another fixed
+order (the fast dW's bits may differ; dx may not). Run on the GPU machine:
     python3 bench/partial_probe.py [out.json]
 PARTIAL_SHAPES=RxN,... (the sums), PARTIAL_NORM=MxN,... (the backwards).
 """

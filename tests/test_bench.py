@@ -335,10 +335,10 @@ def test_api_overhead_script_runs_and_restores_the_backend_lookup(monkeypatch, c
 
 def test_partial_probe_one_segment_keeps_the_planned_columns(monkeypatch):
     """bench/partial_probe.py's forced shape sums every row in one segment with the planner's vector width and column
-    blocks (where the planner cuts 528 x 128 into two segments)."""
+    blocks (where the planner cuts 4096 x 128 into four segments)."""
     _bench_scripts(monkeypatch)
     import partial_probe
 
-    planned, one = partial_probe.PLANNED(528, 128, 132), partial_probe.one_segment(528, 128, 132)
-    assert planned.segments == 2
-    assert (one.segments, one.seg_rows, one.vec, one.col_blocks) == (1, 528, planned.vec, planned.col_blocks)
+    planned, one = partial_probe.PLANNED(4096, 128, 132), partial_probe.one_segment(4096, 128, 132)
+    assert planned.segments == 4
+    assert (one.segments, one.seg_rows, one.vec, one.col_blocks) == (1, 4096, planned.vec, planned.col_blocks)

@@ -78,6 +78,23 @@ def test_disk_cache_is_keyed_by_macros(tmp_path, monkeypatch):
     assert nvrtc.compile_cubin("fold.cu", "sm_90", d1) == c1  # served from disk
 
 
+def test_disk_cache_compiles_a_cut_entry_again(tmp_path, monkeypatch):
+    """A cached cubin cut short (a cache copied or unpacked part way: one such file crashed a GPU test worker in the
+    driver) is never returned: it is compiled again and the entry rewritten whole. whole_elf tells the two apart at
+    every cut, and tells a file that is not an ELF file."""
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    defines = {"A_CODE": 0, "B_CODE": 0, "WHAT": 0, "SIMPLE_ROWS": 1}
+    whole = nvrtc.compile_cubin("fold.cu", "sm_90", defines)
+    assert nvrtc.whole_elf(whole)
+    for cut in (0, 10, 64, len(whole) // 3, len(whole) // 2, len(whole) - 1):
+        assert not nvrtc.whole_elf(whole[:cut]), cut
+    assert not nvrtc.whole_elf(b"\x00" * len(whole))
+    (entry,) = (tmp_path / "cubin").glob("*.cubin")
+    entry.write_bytes(whole[:24576])
+    assert nvrtc.compile_cubin("fold.cu", "sm_90", defines) == whole
+    assert entry.read_bytes() == whole
+
+
 def test_compile_errors_carry_the_nvrtc_log(tmp_path, monkeypatch):
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     with pytest.raises(nvrtc.CudaCompileError, match="fold.cu"):

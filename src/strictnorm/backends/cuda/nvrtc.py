@@ -66,7 +66,9 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], use_cache: bool
     src = source(name)
     path = cache_dir() / f"{Path(name).stem}-{arch}-{_key(src, arch, defines)}.cubin"
     if use_cache and path.exists():
-        return path.read_bytes()
+        cached = path.read_bytes()
+        if whole_elf(cached):
+            return cached
     code = compile_source(src, name, arch, defines)
     if use_cache:
         try:
@@ -77,6 +79,31 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], use_cache: bool
         except OSError:
             pass  # a read-only home still works, just without the disk cache
     return code
+
+
+def whole_elf(blob: bytes) -> bool:
+    """Whether blob is a 64-bit ELF file whose section headers and sections all lie within it. A cubin cut short
+    (a cache copied or unpacked part way) would otherwise reach the driver, which may crash the process loading
+    it rather than report an error; the cache compiles such an entry again."""
+    if len(blob) < 64 or blob[:5] != b"\x7fELF\x02":
+        return False
+    phoff, shoff = struct.unpack_from("<QQ", blob, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", blob, 0x36)
+    if (phnum and phentsize < 0x38) or shentsize < 0x40:
+        return False
+    if phoff + phentsize * phnum > len(blob) or shoff + shentsize * shnum > len(blob):
+        return False
+    for i in range(phnum):  # segments: their bytes in the file
+        offset, = struct.unpack_from("<Q", blob, phoff + i * phentsize + 8)
+        size, = struct.unpack_from("<Q", blob, phoff + i * phentsize + 0x20)
+        if offset + size > len(blob):
+            return False
+    for i in range(shnum):  # sections, but SHT_NOBITS (8): no bytes in the file
+        kind, = struct.unpack_from("<I", blob, shoff + i * shentsize + 4)
+        offset, size = struct.unpack_from("<QQ", blob, shoff + i * shentsize + 0x18)
+        if kind != 8 and offset + size > len(blob):
+            return False
+    return True
 
 
 def compile_source(src: str, name: str, arch: str, defines: dict[str, int]) -> bytes:
