@@ -10,7 +10,9 @@ per CTA) is the limit and the next step is a different mapping of rows and colum
 rate, the converters' structure is.
     python3 bench/pattern_probe.py [out.json]
 PATTERN_SHAPES=MxN,... (default 32768x4096,8192x8192), PATTERN_COLS (default 16,32,64,N: N = whole rows a CTA, its
-rows split over the CTAs), PATTERN_WARPS (4,8,16), PATTERN_DEPTH (4,8,16). Kernel-only µs, GB/s of the bytes read.
+rows split over the CTAs), PATTERN_WARPS (4,8,16), PATTERN_DEPTH (4,8,16), PATTERN_RING (default 0: loads into
+registers; k > 0: stripe_stage, cp.async copies into k shared-memory slots a warp, then read from there; shapes whose
+slots exceed the device's shared memory are left out). Kernel-only µs, GB/s of the bytes read.
 """
 
 from __future__ import annotations
@@ -59,6 +61,57 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) stripe_read(const uint4
     }
     if (acc == 0x9e3779b9u) out[threadIdx.x] = acc;  // practically never: keeps the loads
 }
+
+// The same items staged through shared memory: each warp keeps RING slots of DEPTH items (a and b) of its own, fills
+// them with 16-byte cp.async copies (LDGSTS: no register holds a byte in flight), and reads a slot (16-byte shared
+// loads, as a converter would before converting) once its copies have landed, then fills it again RING iterations
+// ahead. Bytes in flight a warp: up to RING * DEPTH * 1 KB, against DEPTH * 1 KB in registers above.
+#ifdef RING
+extern "C" __global__ void __launch_bounds__(WARPS * 32) stripe_stage(const uint4* __restrict__ a,
+                                                                     const uint4* __restrict__ b, long long rows,
+                                                                     long long row_chunks, unsigned* __restrict__ out) {
+    extern __shared__ __align__(16) uint4 ring[];  // [WARPS][RING][2][DEPTH][32]
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    uint4* mine = ring + static_cast<long long>(warp) * RING * 2 * DEPTH * 32;
+    const long long r_begin = rows * blockIdx.y / gridDim.y, r_end = rows * (blockIdx.y + 1) / gridDim.y;
+    const long long items = (r_end - r_begin + ROWS_PER_LOAD - 1) / ROWS_PER_LOAD * GROUPS;
+    const long long col0 = static_cast<long long>(blockIdx.x) * STRIPE + lane % LANES_PER_ROW;
+    const long long step = static_cast<long long>(WARPS) * DEPTH;
+    // iteration t's items into slot t % RING (an empty commit group past the end keeps the wait's count right)
+    auto fill = [&](long long t) {
+        const long long i0 = static_cast<long long>(warp) * DEPTH + t * step;
+        uint4* slot = mine + (t % RING) * 2 * DEPTH * 32;
+#pragma unroll
+        for (int k = 0; k < DEPTH; ++k) {
+            const long long i = i0 + k;
+            const long long r = r_begin + i / GROUPS * ROWS_PER_LOAD + lane / LANES_PER_ROW;
+            const long long at = r * row_chunks + col0 + i % GROUPS * LANES_PER_ROW;
+            const bool in = i < items && r < r_end;
+            const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(slot + k * 32 + lane));
+            const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(slot + (DEPTH + k) * 32 + lane));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(a + (in ? at : 0)),
+                         "r"(in ? 16 : 0));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sb), "l"(b + (in ? at : 0)),
+                         "r"(in ? 16 : 0));
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    const long long iterations = (items - static_cast<long long>(warp) * DEPTH + step - 1) / step;
+    for (int t = 0; t < RING - 1; ++t) fill(t);
+    unsigned acc = 0;
+    for (long long t = 0; t < iterations; ++t) {
+        fill(t + RING - 1);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(RING - 1));  // iteration t's copies (this lane's) landed
+        const uint4* slot = mine + (t % RING) * 2 * DEPTH * 32;
+#pragma unroll
+        for (int k = 0; k < 2 * DEPTH; ++k) {
+            const uint4 v = slot[k * 32 + lane];
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+    }
+    if (acc == 0x9e3779b9u) out[threadIdx.x] = acc;
+}
+#endif
 """
 
 
@@ -66,9 +119,16 @@ def _ints(var: str, default: str) -> list[str]:
     return [v for v in os.environ.get(var, default).split(",") if v]
 
 
-def compile_probe(stripe: int, warps: int, depth: int, arch: str = "sm_90") -> bytes:
-    """The probe's cubin for one configuration (NVRTC; no GPU needed)."""
-    return nvrtc.compile_source(SOURCE, "pattern_probe", arch, {"STRIPE": stripe, "WARPS": warps, "DEPTH": depth})
+def compile_probe(stripe: int, warps: int, depth: int, arch: str = "sm_90", ring: int = 0) -> bytes:
+    """The probe's cubin for one configuration (NVRTC; no GPU needed); ring > 0 adds stripe_stage with that many
+    slots a warp."""
+    defines = {"STRIPE": stripe, "WARPS": warps, "DEPTH": depth} | ({"RING": ring} if ring else {})
+    return nvrtc.compile_source(SOURCE, "pattern_probe", arch, defines)
+
+
+def ring_bytes(warps: int, depth: int, ring: int) -> int:
+    """stripe_stage's shared memory: RING slots of DEPTH 16-byte items of a and b for every lane of every warp."""
+    return warps * ring * 2 * depth * 32 * 16
 
 
 def main() -> None:
@@ -82,6 +142,7 @@ def main() -> None:
     major, minor = cdev.compute_capability
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     out = torch.zeros(1024, dtype=torch.int32, device=dev)
+    smem_optin = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
     rows_out = []
     for shape in _ints("PATTERN_SHAPES", "32768x4096,8192x8192"):
         m, n = (int(v) for v in shape.split("x"))
@@ -95,27 +156,35 @@ def main() -> None:
             splits = max(1, -(-sms // stripes)) if cols == n else 1  # whole rows: the rows split over the SMs
             for warps in (int(v) for v in _ints("PATTERN_WARPS", "4,8,16")):
                 for depth in (int(v) for v in _ints("PATTERN_DEPTH", "4,8,16")):
-                    cubin = compile_probe(stripe, warps, depth, f"sm_{major}{minor}")
-                    module = ObjectCode.from_cubin(cubin, name="pattern_probe")
-                    kernel = nvrtc.LoadedKernel(module, module.get_kernel("stripe_read"))
-                    stream = nvrtc.current_stream(torch.cuda.current_device())
+                    for ring in (int(v) for v in _ints("PATTERN_RING", "0")):
+                        shmem = ring_bytes(warps, depth, ring)
+                        if shmem > smem_optin:
+                            continue
+                        cubin = compile_probe(stripe, warps, depth, f"sm_{major}{minor}", ring)
+                        module = ObjectCode.from_cubin(cubin, name="pattern_probe")
+                        kernel = nvrtc.LoadedKernel(module,
+                                                    module.get_kernel("stripe_stage" if ring else "stripe_read"))
+                        if shmem > 48 * 1024:
+                            kernel.allow_dynamic_shared(shmem)
+                        stream = nvrtc.current_stream(torch.cuda.current_device())
+                        args = (a.data_ptr(), b.data_ptr(), m, row_chunks, out.data_ptr())
 
-                    args = (a.data_ptr(), b.data_ptr(), m, row_chunks, out.data_ptr())
+                        def run(k=kernel, s=stream, grid=(stripes, splits, 1), block=warps * 32, shmem=shmem,
+                                args=args):
+                            k.launch(s, grid, block, shmem, *args)
 
-                    def run(k=kernel, s=stream, grid=(stripes, splits, 1), block=warps * 32, args=args):
-                        k.launch(s, grid, block, 0, *args)
-
-                    us = timer.kernel_us(run)
-                    gbps = 2 * a.numel() * 2 / us / 1e3
-                    row = {"M": m, "N": n, "cols": cols, "ctas": stripes * splits, "warps": warps, "depth": depth,
-                           "us": us, "GBps": gbps, "frac_copy": gbps / ceiling}
-                    rows_out.append(row)
-                    print(json.dumps(row), flush=True)
-    print(f"\ncopy ceiling {ceiling:.0f} GB/s (read + write); reads of dy and x, bf16:")
-    print(f"{'M x N':>12} {'cols':>5} {'CTAs':>5} {'warps':>5} {'depth':>5} {'us':>8} {'GB/s':>7} {'of copy':>7}")
+                        us = timer.kernel_us(run)
+                        gbps = 2 * a.numel() * 2 / us / 1e3
+                        row = {"M": m, "N": n, "cols": cols, "ctas": stripes * splits, "warps": warps,
+                               "depth": depth, "ring": ring, "us": us, "GBps": gbps, "frac_copy": gbps / ceiling}
+                        rows_out.append(row)
+                        print(json.dumps(row), flush=True)
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s (read + write); reads of dy and x, bf16 (ring 0: into registers):")
+    print(f"{'M x N':>12} {'cols':>5} {'CTAs':>5} {'warps':>5} {'depth':>5} {'ring':>4} {'us':>8} {'GB/s':>7}"
+          f" {'of copy':>7}")
     for r in rows_out:
-        print(f"{r['M']:>6}x{r['N']:<5} {r['cols']:5d} {r['ctas']:5d} {r['warps']:5d} {r['depth']:5d} {r['us']:8.1f}"
-              f" {r['GBps']:7.0f} {r['frac_copy']:7.2f}")
+        print(f"{r['M']:>6}x{r['N']:<5} {r['cols']:5d} {r['ctas']:5d} {r['warps']:5d} {r['depth']:5d} {r['ring']:4d}"
+              f" {r['us']:8.1f} {r['GBps']:7.0f} {r['frac_copy']:7.2f}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump({"copy_GBps": ceiling, "rows": rows_out}, f, indent=1)

@@ -307,8 +307,10 @@ def test_fold_probes_compile_for_sm90(monkeypatch):
     import consumer_probe as consumer
     import pattern_probe as pattern
     import supply_probe as supply
-    for stripe, warps, depth in ((2, 4, 4), (4, 8, 8), (8, 16, 16), (512, 8, 4)):
-        assert pattern.compile_probe(stripe, warps, depth)[:4] == b"\x7fELF"
+    for stripe, warps, depth, ring in ((2, 4, 4, 0), (4, 8, 8, 0), (8, 16, 16, 0), (512, 8, 4, 0), (4, 16, 4, 3),
+                                       (2, 8, 8, 2), (512, 8, 4, 4)):
+        assert pattern.compile_probe(stripe, warps, depth, ring=ring)[:4] == b"\x7fELF"
+    assert pattern.ring_bytes(16, 4, 3) == 196608  # 16 warps x 3 slots x (4 items of a and of b) x 32 lanes x 16 bytes
     for v in range(len(consumer.VARIANTS)):
         assert consumer.compile_variant(v, "sm_90")[:4] == b"\x7fELF"
     for m, n, dtype, what in ((16384, 128, torch.float32, 0), (32768, 1024, torch.bfloat16, 1)):
