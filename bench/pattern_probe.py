@@ -36,6 +36,13 @@ SOURCE = r"""
 constexpr int LANES_PER_ROW = STRIPE < 32 ? STRIPE : 32;
 constexpr int ROWS_PER_LOAD = 32 / LANES_PER_ROW;
 constexpr int GROUPS = STRIPE / LANES_PER_ROW;  // chunk groups a row segment
+// Item i's chunk for this lane, counted in 16-byte chunks from the tensor's start; in: whether the item exists.
+__device__ __forceinline__ long long item_chunk(long long i, long long r_begin, long long r_end, long long items,
+                                                long long row_chunks, long long col0, int lane, bool& in) {
+    const long long r = r_begin + i / GROUPS * ROWS_PER_LOAD + lane / LANES_PER_ROW;
+    in = i < items && r < r_end;
+    return in ? r * row_chunks + col0 + i % GROUPS * LANES_PER_ROW : 0;
+}
 extern "C" __global__ void __launch_bounds__(WARPS * 32) stripe_read(const uint4* __restrict__ a,
                                                                     const uint4* __restrict__ b, long long rows,
                                                                     long long row_chunks, unsigned* __restrict__ out) {
@@ -48,10 +55,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) stripe_read(const uint4
         uint4 va[DEPTH], vb[DEPTH];
 #pragma unroll
         for (int k = 0; k < DEPTH; ++k) {
-            const long long i = i0 + k;
-            const long long r = r_begin + i / GROUPS * ROWS_PER_LOAD + lane / LANES_PER_ROW;
-            const long long at = r * row_chunks + col0 + i % GROUPS * LANES_PER_ROW;
-            const bool in = i < items && r < r_end;
+            bool in;
+            const long long at = item_chunk(i0 + k, r_begin, r_end, items, row_chunks, col0, lane, in);
             va[k] = in ? a[at] : make_uint4(0, 0, 0, 0);
             vb[k] = in ? b[at] : make_uint4(0, 0, 0, 0);
         }
@@ -83,15 +88,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) stripe_stage(const uint
         uint4* slot = mine + (t % RING) * 2 * DEPTH * 32;
 #pragma unroll
         for (int k = 0; k < DEPTH; ++k) {
-            const long long i = i0 + k;
-            const long long r = r_begin + i / GROUPS * ROWS_PER_LOAD + lane / LANES_PER_ROW;
-            const long long at = r * row_chunks + col0 + i % GROUPS * LANES_PER_ROW;
-            const bool in = i < items && r < r_end;
+            bool in;
+            const long long at = item_chunk(i0 + k, r_begin, r_end, items, row_chunks, col0, lane, in);
             const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(slot + k * 32 + lane));
             const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(slot + (DEPTH + k) * 32 + lane));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(a + (in ? at : 0)),
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(a + at),
                          "r"(in ? 16 : 0));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sb), "l"(b + (in ? at : 0)),
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sb), "l"(b + at),
                          "r"(in ? 16 : 0));
         }
         asm volatile("cp.async.commit_group;\n" ::);
