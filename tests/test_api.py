@@ -128,3 +128,39 @@ def test_eager_path_skips_the_custom_op_dispatcher(monkeypatch, seed):
     xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     sn.rms_norm(xb, wb, offset=1.0, casting_mode="gemma", dw="strict", backend="torch").backward(dy)
     assert bits_equal(xb.grad, xa.grad) and bits_equal(wb.grad, wa.grad)
+
+
+def test_inference_calls_tell_the_backend_that_rstd_is_not_used(monkeypatch, seed):
+    """Without autograd, rms_norm, fused_add_rms_norm and qk_norm ask the backend for no rstd (the CUDA backend
+    then allocates and stores none), rms_norm_with_rstd asks for it, and a call that records a graph always gets it
+    (the backward needs it); every result the same bits either way."""
+    from strictnorm.backends.registry import get_backend
+
+    backend = get_backend("torch")
+    asked: list[bool] = []
+    original = backend.rms_norm_fwd
+
+    def recording(x, weight, residual, spec, need_rstd=True):
+        asked.append(need_rstd)
+        return original(x, weight, residual, spec, need_rstd)
+
+    g = torch.Generator().manual_seed(seed)
+    x, res = randn(6, 4, 32, dtype=torch.bfloat16, gen=g), randn(6, 4, 32, dtype=torch.bfloat16, gen=g)
+    w = randn(32, gen=g)
+    want_y = sn.rms_norm(x, w, backend="torch")
+    want_fused = sn.fused_add_rms_norm(x, res, w, backend="torch")
+    want_qk = sn.qk_norm(x, w, backend="torch")
+    monkeypatch.setattr(backend, "rms_norm_fwd", recording)
+    assert bits_equal(sn.rms_norm(x, w, backend="torch"), want_y)
+    assert all(bits_equal(a, b) for a, b in zip(sn.fused_add_rms_norm(x, res, w, backend="torch"), want_fused,
+                                               strict=True))
+    assert bits_equal(sn.qk_norm(x, w, backend="torch"), want_qk)
+    assert asked == [False, False, False]
+    y, rstd = sn.rms_norm_with_rstd(x, w, backend="torch")
+    assert asked[-1] is True and bits_equal(y, want_y) and rstd.shape == x.shape[:-1]
+    wg = w.clone().requires_grad_(True)
+    sn.rms_norm(x, wg, backend="torch").sum().backward()
+    assert asked[-1] is True and wg.grad is not None
+    with torch.no_grad():
+        sn.rms_norm(x, wg, backend="torch")
+    assert asked[-1] is False

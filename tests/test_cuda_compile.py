@@ -138,6 +138,11 @@ def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
         d = fl.defines
         assert d["PIECE"] * d["TPR"] * d["K"] == next_pow2(n) and d["TPR"] * d["RPB"] == fl.threads
         assert nvrtc.compile_cubin("rms_norm.cu", arch, d, use_cache=False)[:4] == b"\x7fELF"
+        if mode == "gemma" and not ph:  # an inference call's forward: no rstd store
+            dn = norm_launch(n, x, r, w, y, mode, ph, replace(tuning_for(FWD_TABLE, n), even=True), n != 7,
+                             store_rstd=False).defines
+            assert dn == dict(d, NO_RSTD=1)
+            assert nvrtc.compile_cubin("rms_norm.cu", arch, dn, use_cache=False)[:4] == b"\x7fELF"
         if r is None:  # the backward of the same configuration
             bl = norm_bwd_launch(n, x, y, w, mode, ph, has_dres=ph, dw_partials=not ph,
                                  tuning=replace(tuning_for(BWD_TABLE, n), even=True), aligned=n != 7)

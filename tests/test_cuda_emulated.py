@@ -109,6 +109,22 @@ def test_emulated_forward_bitwise(n, tuning, aligned, seed, tmp_path):
     assert not fused or bits_equal(z, got["z"])
 
 
+@pytest.mark.parametrize("n, tuning", [(5120, NormTuning(values=32, trim=True)), (1000, None), (7, None)])
+def test_emulated_forward_without_rstd(n, tuning, seed, tmp_path):
+    """NO_RSTD (an inference call): y and residual_out the reference's bits, and the rstd buffer never written
+    (its NaN sentinels stay)."""
+    bf16 = torch.bfloat16
+    fl = norm_launch(n, bf16, bf16, bf16, bf16, "llama", False, tuning, False, store_rstd=False)
+    assert fl.defines["NO_RSTD"] == 1
+    rows = max(5, 2 * fl.rows_per_block + 1)
+    t = _inputs(rows, n, seed)
+    t["rstd"] = torch.full((rows,), float("nan"))
+    spec = make_spec(bf16, 1e-6, 0.0, "llama", bf16)
+    y, _, z = TorchBackend().rms_norm_fwd(t["x"], t["w"], t["res"], spec)
+    got = _emulate(fl.defines, rows, n, 0.0, t, tmp_path)
+    assert bits_equal(y, got["out"]) and bits_equal(z, got["z"]) and bits_equal(t["rstd"], got["rstd"])
+
+
 @pytest.mark.parametrize("n, tuning, aligned", CASES)
 def test_emulated_backward_bitwise(n, tuning, aligned, seed, tmp_path):
     """dx with a residual gradient, and the signed zeros of zero dy rows with a negative offset."""

@@ -73,6 +73,23 @@ def test_forward_plan_serves_new_tensors_of_the_same_signature(recording):
     assert len(cb._fwd_plans) == 1 and not log
 
 
+def test_forward_without_rstd_allocates_and_stores_none(recording):
+    """need_rstd=False (an inference call): a plan of its own whose kernel is compiled without the rstd store
+    (NO_RSTD), a null rstd pointer, no rstd tensor; the plan with rstd is untouched by it."""
+    cb, log = recording
+    x, w = torch.randn(5, 256).bfloat16(), torch.randn(256).bfloat16()
+    y, rstd, z = cb.rms_norm_fwd(x, w, None, _spec(), need_rstd=False)
+    kernel = log.pop()
+    assert rstd is None and z is None and y.shape == x.shape
+    assert kernel[4][12] == 0 and kernel[4][11] == y.data_ptr()
+    y2, rstd2, _ = cb.rms_norm_fwd(x, w, None, _spec())
+    with_rstd = log.pop()
+    assert with_rstd[4][12] == rstd2.data_ptr() and rstd2.shape == (5,)
+    plans = list(cb._fwd_plans.values())
+    assert len(plans) == 2
+    assert [p.kernel.defines.get("NO_RSTD", 0) for p in plans] == [1, 0]
+
+
 def test_strided_rows_are_read_in_place_and_odd_layouts_through_a_copy(recording):
     """Rows with a leading stride are addressed in place (their stride passed); a strided last dimension
     is copied to a contiguous tensor first, every call (a plan records that decision, not the copy)."""

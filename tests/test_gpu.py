@@ -689,6 +689,29 @@ def test_cuda_forward_bitwise(n, cuda_backend, seed):
                 assert a is None or bits_equal(a, b), f"{name} at {m}x{n} {mode} {x_dt} {r_dt} {w_dt}"
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [7, 128, 4096, 5120, 18432])
+def test_cuda_forward_without_rstd(n, seed):
+    """An inference call (need_rstd=False: the kernel compiled without the rstd store, no rstd tensor): y and
+    residual_out the reference's bits, through the backend and through the API without autograd."""
+    from strictnorm.contract import make_spec
+
+    cb, tr = get_backend("cuda"), get_backend("torch")
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    for m, fused in ((1, False), (37, True), (max(1, (1 << 21) // n), False)):
+        x = torch.randn(m, n, device=DEV, generator=g).bfloat16()
+        res = torch.randn(m, n, device=DEV, generator=g).bfloat16() if fused else None
+        w = (torch.randn(n, device=DEV, generator=g) * 0.1).bfloat16()
+        spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
+        want_y, _, want_z = tr.rms_norm_fwd(x, w, res, spec)
+        y, rstd, z = cb.rms_norm_fwd(x, w, res, spec, need_rstd=False)
+        assert rstd is None and bits_equal(want_y, y) and (z is None) == (res is None)
+        assert z is None or bits_equal(want_z, z)
+        got = sn.fused_add_rms_norm(x, res, w, offset=1.0, casting_mode="gemma", backend="cuda") if fused else (
+            sn.rms_norm(x, w, offset=1.0, casting_mode="gemma", backend="cuda"), None)
+        assert bits_equal(want_y, got[0]) and (z is None or bits_equal(want_z, got[1]))
+
+
 def test_cuda_forward_strided_per_head_view(seed):
     from strictnorm.contract import make_spec
 

@@ -27,7 +27,7 @@ def _check_backend_dtypes(backend: str, *tensors: torch.Tensor | None) -> None:
 
 def _norm(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float,
           offset: float, casting_mode: str, dw: str, out_dtype: torch.dtype | None, in_place: bool,
-          backend: str | None, heads: int | None):
+          backend: str | None, heads: int | None, need_rstd: bool = False):
     n = check_norm_input(x)
     check_weight(weight, x, n, heads=heads)
     if residual is not None:
@@ -35,7 +35,7 @@ def _norm(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor |
         check_same(x, residual, "x and residual")
     name = resolve(backend, x.device, "rms_norm")
     _check_backend_dtypes(name, x, weight, residual)
-    return ops.rms_norm(x, weight, residual, eps, offset, casting_mode, out_dtype, dw, in_place, name)
+    return ops.rms_norm(x, weight, residual, eps, offset, casting_mode, out_dtype, dw, in_place, name, need_rstd)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
@@ -58,7 +58,7 @@ def rms_norm_with_rstd(x: torch.Tensor, weight: torch.Tensor | None = None, eps:
                        out_dtype: torch.dtype | None = None, backend: str | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm that also returns the fp32 rstd of each row (x.shape[:-1])."""
-    y, rstd, _ = _norm(x, weight, None, eps, offset, casting_mode, dw, out_dtype, False, backend, None)
+    y, rstd, _ = _norm(x, weight, None, eps, offset, casting_mode, dw, out_dtype, False, backend, None, True)
     return y, rstd
 
 

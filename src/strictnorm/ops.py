@@ -165,9 +165,10 @@ def _plain(t: torch.Tensor | None) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float,
              offset: float, mode: str, out_dtype: torch.dtype | None, dw_mode: str, in_place: bool,
-             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             backend: str, need_rstd: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(y, rstd, residual_out): the custom op under torch.compile (residual_out an empty tensor without a residual),
-    else the eager path (residual_out None without a residual)."""
+    else the eager path (residual_out None without a residual). need_rstd False: the caller drops rstd, so an
+    eager call without autograd lets the backend skip it (rstd may then be None)."""
     if torch.compiler.is_compiling() or not (_plain(x) and _plain(weight) and _plain(residual)):
         return rms_norm_fwd(x, weight, residual, eps, offset, mode, out_dtype, dw_mode, in_place, backend)
     norm_dtype = residual.dtype if residual is not None else x.dtype
@@ -175,7 +176,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tenso
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
                                     or (residual is not None and residual.requires_grad)):
         return _EagerNorm.apply(x, weight, residual, spec, dw_mode, in_place, backend)
-    return get_backend(backend).rms_norm_fwd(x, weight, residual, spec)  # inference: no autograd node
+    return get_backend(backend).rms_norm_fwd(x, weight, residual, spec, need_rstd)  # inference: no autograd node
 
 
 @torch.library.custom_op(f"{_LIB}::left_fold", mutates_args=())

@@ -58,11 +58,13 @@ class Backend(Protocol):
         """None when the backend can run on device, else a sentence that says why not."""
 
     def rms_norm_fwd(self, x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
-                     spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     spec: NormSpec, need_rstd: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(y, rstd, residual_out). With a residual, the norm's input is
         z = rd(f32(x) + f32(residual), residual.dtype), returned as residual_out (contiguous).
         y is contiguous with x's shape and spec.out_dtype; rstd is fp32 with shape x.shape[:-1].
-        weight is None, (N,), or (H, N) applied per head over x's (..., H, N)."""
+        weight is None, (N,), or (H, N) applied per head over x's (..., H, N). need_rstd False: the caller
+        does not use rstd, and a backend may return None for it (an inference call: one allocation less)."""
 
     def rms_norm_bwd(self, dy: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None,
                      rstd: torch.Tensor, dres: torch.Tensor | None, spec: NormSpec, dw_mode: str,

@@ -129,12 +129,13 @@ def forward_views(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.
     return ForwardViews(weight, per_head, xk, lay, rk, rlay, *forward_outputs(x, residual, out_dtype))
 
 
-def forward_outputs(x: torch.Tensor, residual: torch.Tensor | None, out_dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A forward's fresh, dense outputs: y, the fp32 rstd per row, residual_out (None without a residual)."""
+def forward_outputs(x: torch.Tensor, residual: torch.Tensor | None, out_dtype: torch.dtype, need_rstd: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A forward's fresh, dense outputs: y, the fp32 rstd per row (None where not needed), residual_out (None
+    without a residual)."""
     # empty_like: a fraction of torch.empty's argument parsing (host time per call); dense either way
     return (torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format),
-            torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device),
+            torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if need_rstd else None,
             torch.empty_like(x, dtype=residual.dtype, memory_format=torch.contiguous_format)
             if residual is not None else None)
 

@@ -16,8 +16,8 @@ class TorchBackend:
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None
 
-    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
-                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
+                     need_rstd: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
         z = None
         if residual is not None:
             cd = torch.float64 if torch.float64 in (x.dtype, residual.dtype) else torch.float32

@@ -482,11 +482,12 @@ def tuning_for(table: dict[int, Tuning], n: int, rows: int | None = None) -> Nor
 @functools.lru_cache(maxsize=4096)
 def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_dtype: torch.dtype | None,
                 y_dtype: torch.dtype, mode: str, per_head: bool, tuning: NormTuning | None = None,
-                aligned: bool = False) -> NormLaunch:
+                aligned: bool = False, store_rstd: bool = True) -> NormLaunch:
     """Macros and block shape of rms_norm.cu for one call: pieces of PIECE lanes (16 bytes of the
     narrowest streamed dtype), TPR threads per row holding K pieces each, RPB rows per block; rows
     held in registers (HOLD) up to tuning.hold_max_p padded lanes, read twice beyond. aligned: every row
-    segment of the call starts 16-byte aligned (EVEN where N is also a multiple of PIECE)."""
+    segment of the call starts 16-byte aligned (EVEN where N is also a multiple of PIECE). store_rstd False: the
+    forward stores no rstd (NO_RSTD; the same cubin as before where it is True)."""
     tuning = tuning or tuning_for(FWD_TABLE, n)
     p = next_pow2(n)
     norm_dtype = res_dtype or x_dtype
@@ -502,6 +503,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
                "HOLD_W": int(hold and tuning.hold_weight)}
+    if not store_rstd:
+        defines["NO_RSTD"] = 1
     sizes = (x_dtype.itemsize, norm_dtype.itemsize, y_dtype.itemsize, (w_dtype or x_dtype).itemsize)
     if tuning.even and aligned and n % piece == 0 and all(piece * size % 16 == 0 for size in sizes):
         defines["EVEN"] = 1
@@ -893,25 +896,27 @@ class CudaBackend:
 
     # ---- rms_norm forward ----------------------------------------------------------------------------
     @on_tensor_device
-    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
-                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
+                     need_rstd: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(y, rstd, residual_out), as the Backend protocol says; see kernels/rms_norm.cu. The launch is
-        planned once per input signature; a call allocates the outputs and launches."""
-        key = (x.get_device(), signature(x, weight, residual), spec, self.fwd_tuning)
+        planned once per input signature; a call allocates the outputs and launches. need_rstd False: rstd is
+        neither allocated nor stored (None; a kernel compiled without the store)."""
+        key = (x.get_device(), signature(x, weight, residual), spec, self.fwd_tuning, need_rstd)
         plan = self._fwd_plans.get(key)
         if plan is None:
-            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
-        y, rstd, z = forward_outputs(x, residual, plan.y_dtype)
+            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec, need_rstd))
+        y, rstd, z = forward_outputs(x, residual, plan.y_dtype, need_rstd)
         if plan.kernel is None:
             return y, rstd, z
         xk, weight, rk = plan.views.inputs(x, weight, residual)
         plan.kernel.launch(current_stream(_device_index(x)), (plan.grid, 1, 1), plan.threads, 0,
                            xk.data_ptr(), *plan.views.lay.args(), rk.data_ptr(), *plan.views.rlay.args(),
                            (z if z is not None else y).data_ptr(), (weight if weight is not None else xk).data_ptr(),
-                           plan.wsg, y.data_ptr(), rstd.data_ptr(), *plan.tail)
+                           plan.wsg, y.data_ptr(), rstd.data_ptr() if rstd is not None else 0, *plan.tail)
         return y, rstd, z
 
-    def _plan_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec) -> _FwdPlan:
+    def _plan_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
+                  need_rstd: bool = True) -> _FwdPlan:
         v = forward_views(x, weight, residual, spec.out_dtype)
         views = ForwardPlan.of(v, x, weight, residual)
         if views.lay.rows == 0:
@@ -923,7 +928,7 @@ class CudaBackend:
                              *(((v.weight, (wsg,)),) if v.weight is not None else ()))
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
                          v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
-                         self.fwd_tuning or tuning_for(FWD_TABLE, n, v.lay.rows), aligned)
+                         self.fwd_tuning or tuning_for(FWD_TABLE, n, v.lay.rows), aligned, need_rstd)
         dev = _device_index(x)
         kernel = self._norm_kernel(dev, "rms_fwd", fl)
         groups = -(-v.lay.rows // fl.rows_per_block)

@@ -86,10 +86,10 @@ class CuteBackend:
         return None
 
     @on_tensor_device
-    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
-                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
+                     need_rstd: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
         if weight is not None and weight.dim() == 2:  # per-head QK-norm weights
-            return _cuda().rms_norm_fwd(x, weight, residual, spec)
+            return _cuda().rms_norm_fwd(x, weight, residual, spec, need_rstd)
         n = x.shape[-1]
         check_row_length(n)
         if weight is not None and weight.stride(-1) != 1:

@@ -305,9 +305,10 @@ class TritonBackend:
 
     # ---- forward -------------------------------------------------------------------------------
     @on_tensor_device
-    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec
-                     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Planned once per input signature (layout.signature), like the CUDA backend's launches."""
+    def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
+                     need_rstd: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Planned once per input signature (layout.signature), like the CUDA backend's launches. rstd is
+        computed whether needed or not."""
         key = (x.get_device(), signature(x, weight, residual), spec)
         plan = self._fwd_plans.get(key)
         if plan is None:

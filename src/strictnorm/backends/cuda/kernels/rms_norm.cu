@@ -33,8 +33,8 @@
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
 // 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN,
-// UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32; BACKWARD selects the backward kernel (below) instead of
-// the forward.
+// UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32, NO_RSTD (the forward stores no rstd: a caller that does not use it
+// passes no buffer); BACKWARD selects the backward kernel (below) instead of the forward.
 #include "common.cuh"
 #include "async.cuh"
 
@@ -51,6 +51,9 @@ typedef Elem<YC>::T y_t;
 #endif
 #ifndef PADDED
 #define PADDED 1
+#endif
+#ifndef NO_RSTD
+#define NO_RSTD 0
 #endif
 #ifndef KR
 #define KR K
@@ -388,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         }
         const float ss = row_sum(part, scratch, it & 1);
         const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(n)), eps)));
-        if (live && t == 0) rstd_out[r] = rstd;
+        if (!NO_RSTD && live && t == 0) rstd_out[r] = rstd;
 #if HOLD
         launder(xh);
         if constexpr (HAS_RES) launder(rh);
