@@ -112,13 +112,16 @@ def main() -> None:
         "forward_views": lambda: forward_views(x, w, None, torch.bfloat16),
         **_noop_launchers(dev),
         "cuda backend rms_norm_fwd": lambda: cb.rms_norm_fwd(x, w, None, spec),
+        "cuda backend rms_norm_fwd, no rstd": lambda: cb.rms_norm_fwd(x, w, None, spec, need_rstd=False),
         "triton backend rms_norm_fwd": lambda: tb.rms_norm_fwd(x, w, None, spec),
+        "triton backend rms_norm_fwd, no rstd": lambda: tb.rms_norm_fwd(x, w, None, spec, need_rstd=False),
         "cuda backend rms_norm_bwd fast": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None),
         "cuda backend rms_norm_bwd strict": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True,
                                                                     None),
         "torch F.rms_norm forward": lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
         "sn.rms_norm cuda forward": lambda: sn.rms_norm(x, w, backend="cuda"),
         "sn.rms_norm triton forward": lambda: sn.rms_norm(x, w, backend="triton"),
+        "sn.rms_norm_with_rstd cuda forward": lambda: sn.rms_norm_with_rstd(x, w, backend="cuda"),
         "torch F.rms_norm fwd+bwd (autograd)": lambda: torch.autograd.grad(
             torch.nn.functional.rms_norm(xg, (4096,), wg, 1e-6), (xg, wg), dy),
         "sn.rms_norm cuda fwd+bwd (autograd)": lambda: torch.autograd.grad(
