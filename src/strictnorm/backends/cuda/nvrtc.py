@@ -82,7 +82,7 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], use_cache: bool
 
 
 def whole_elf(blob: bytes) -> bool:
-    """Whether blob is a 64-bit ELF file whose section headers and sections all lie within it. A cubin cut short
+    """Whether blob is a 64-bit ELF file whose header tables, segments and sections all lie within it. A cubin cut short
     (a cache copied or unpacked part way) would otherwise reach the driver, which may crash the process loading
     it rather than report an error; the cache compiles such an entry again."""
     if len(blob) < 64 or blob[:5] != b"\x7fELF\x02":
