@@ -1,7 +1,7 @@
 """Where a default fold's time goes: the same launch with its consumer's adds or its converters' loads taken out.
 
-The fold (as the backend plans it, no FoldTuning) runs six ways, each a kernel compiled from fold.cu with a text
-edit and launched with the plan's grid, block and arguments:
+The fold (as the backend plans it, no FoldTuning) runs in several variants, each a kernel compiled from fold.cu
+with a text edit and launched with the plan's grid, block and arguments:
   as built     the source as it is
   no adds      the consumer keeps one lane of each 16-byte load instead of adding it (no chain of adds): the
                converters' supply of rows alone sets the pace
@@ -13,6 +13,8 @@ edit and launched with the plan's grid, block and arguments:
                (bench/consumer_probe.py: alone) and how many of them it waits
   spin         clocked, the consumer's waits polling mbarrier.test_wait (never suspended) instead of try_wait
   split last   a candidate stage boundary: the last block's adds in halves around the next stage's wait and loads
+  handshakes   no loads, and the converters store nothing: the consumer's adds and the buffers' hand-overs alone
+  handshakes clocked  the same, clocked as above: the consumer's cycles a row so
 Kernel-only µs (L2 flushed) and ns a row. The edits' results are not the fold's but for "split last" (which, like
 "as built", must equal the backend's bits; "as built" is also checked against the Python loop). SUPPLY_VARIANTS
 picks variants. Run on the GPU machine: python3 bench/supply_probe.py [out.json]; SUPPLY_SHAPES=MxN[:dw],... picks
@@ -118,8 +120,15 @@ _SPLIT_LAST = [(
                 for (int j = HALF; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);
             }""")]
 
+# The converters store nothing (with no loads: they only hand the buffers over): beside "no loads", whether the
+# converters' shared-memory stores slow the consumer's chain in place (run 24: 4096 x 128 no loads 12.7 us, ~5.2
+# cycles a row, against 4.35 for the consumer alone in bench/consumer_probe.py)
+_NO_STORES = [("            if (segment_row(lane, k) < rows) store_segment(dst, v[k], lane, k);",
+               "            (void)dst, (void)v;")]
+
 VARIANTS = {"as built": [], "no adds": _NO_ADDS, "no loads": _NO_LOADS, "neither": _NO_ADDS + _NO_LOADS,
-            "clocked": _clocked(False), "spin": _clocked(True), "split last": _SPLIT_LAST}
+            "clocked": _clocked(False), "spin": _clocked(True), "split last": _SPLIT_LAST,
+            "handshakes": _NO_LOADS + _NO_STORES, "handshakes clocked": _NO_LOADS + _NO_STORES + _clocked(False)}
 # SUPPLY_VARIANTS=name,... times only those (default: all)
 CHOSEN = [v for v in os.environ.get("SUPPLY_VARIANTS", ",".join(VARIANTS)).split(",") if v]
 
@@ -191,17 +200,17 @@ def main() -> None:
             row = {"case": name, "rows": m, "kernel": fl.kernel, "defines": fl.defines, "variant": variant, "us": us,
                    "ns_per_row": us * 1e3 / m, "x_chain": us * 1e3 / (m * CHAIN_NS_PER_ROW),
                    "bitwise_vs_backend": bool(torch.equal(got.view(torch.int32), want.view(torch.int32)))}
-            if variant in ("clocked", "spin"):  # after the timed calls: the clock they ran at
+            if variant in ("clocked", "spin", "handshakes clocked"):  # after the timed calls: the clock they ran at
                 cycles, ns, waited = (int(v) for v in run().view(torch.int32).flatten()[:3].tolist())
                 row.update(consumer_cycles=cycles, consumer_ns=ns, sm_ghz=cycles / ns, consumer_wait_cycles=waited)
             results.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'case':>22} {'variant':>9} {'us':>8} {'ns/row':>7} {'consumer: cycles/row':>21} {'waiting':>8}"
+    print(f"\n{'case':>22} {'variant':>18} {'us':>8} {'ns/row':>7} {'consumer: cycles/row':>21} {'waiting':>8}"
           f" {'GHz':>5}")
     for r in results:
         clock = (f" {r['consumer_cycles'] / r['rows']:21.2f} {r['consumer_wait_cycles'] / r['rows']:8.2f}"
                  f" {r['sm_ghz']:5.2f}" if "sm_ghz" in r else "")
-        print(f"{r['case']:>22} {r['variant']:>9} {r['us']:8.1f} {r['ns_per_row']:7.2f}{clock}")
+        print(f"{r['case']:>22} {r['variant']:>18} {r['us']:8.1f} {r['ns_per_row']:7.2f}{clock}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump({"results": results}, f, indent=1)
