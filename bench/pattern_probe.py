@@ -27,6 +27,7 @@ from strictnorm.backends.cuda import nvrtc
 from strictnorm.bench import Timer, copy_ceiling_gbps
 
 SOURCE = r"""
+#include "async.cuh"  // cp_async16, cp_async_commit, cp_async_wait (stripe_stage)
 // CTA (x, y) reads column chunks [x * STRIPE, (x + 1) * STRIPE) (16-byte chunks) of rows [y * rows / gridDim.y, ...)
 // of a and b, as items of one 16-byte load a lane: item i is chunk group i % GROUPS of row group i / GROUPS (lane l:
 // chunk l % LANES_PER_ROW of the group, row l / LANES_PER_ROW of the group), so that consecutive items run along a
@@ -106,21 +107,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) stripe_stage(const uint
         for (int k = 0; k < DEPTH; ++k) {
             bool in;
             const long long at = item_chunk(i0 + k, r_begin, r_end, items, row_chunks, col0, lane, in);
-            const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(slot + k * 32 + lane));
-            const unsigned sb = static_cast<unsigned>(__cvta_generic_to_shared(slot + (DEPTH + k) * 32 + lane));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(a + at),
-                         "r"(in ? 16 : 0));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sb), "l"(b + at),
-                         "r"(in ? 16 : 0));
+            cp_async16(slot + k * 32 + lane, a + at, in ? 16 : 0);
+            cp_async16(slot + (DEPTH + k) * 32 + lane, b + at, in ? 16 : 0);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        cp_async_commit();
     };
     const long long iterations = (items - static_cast<long long>(warp) * DEPTH + step - 1) / step;
     for (int t = 0; t < RING - 1; ++t) fill(t);
     unsigned acc = 0;
     for (long long t = 0; t < iterations; ++t) {
         fill(t + RING - 1);
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(RING - 1));  // iteration t's copies (this lane's) landed
+        cp_async_wait<RING - 1>();  // iteration t's copies (this lane's) landed
         const uint4* slot = mine + (t % RING) * 2 * DEPTH * 32;
 #pragma unroll
         for (int k = 0; k < 2 * DEPTH; ++k) {

@@ -12,13 +12,13 @@ with a text edit and launched with the plan's grid, block and arguments:
                buffers written over out[0:3]: the SM clock the fold ran at, the consumer's cycles a row in place
                (bench/consumer_probe.py: alone) and how many of them it waits
   spin         clocked, the consumer's waits polling mbarrier.test_wait (never suspended) instead of try_wait
-  split last   a candidate stage boundary: the last block's adds in halves around the next stage's wait and loads
   handshakes   no loads, and the converters store nothing: the consumer's adds and the buffers' hand-overs alone
   handshakes clocked  the same, clocked as above: the consumer's cycles a row so
-Kernel-only µs (L2 flushed) and ns a row. The edits' results are not the fold's but for "split last" (which, like
-"as built", must equal the backend's bits; "as built" is also checked against the Python loop). SUPPLY_VARIANTS
-picks variants. Run on the GPU machine: python3 bench/supply_probe.py [out.json]; SUPPLY_SHAPES=MxN[:dw],... picks
-the cases (default 4096x128,16384x128,32768x1024:dw,32768x4096:dw; :dw the strict dW fold of bf16 dy and x).
+Kernel-only µs (L2 flushed) and ns a row. The edits' results are not the fold's (only "as built" is checked against
+the Python loop). SUPPLY_VARIANTS picks variants. (Run 26's "split last", the last block's adds in halves around the
+next stage's wait, gained nothing and was removed.) Run on the GPU machine: python3 bench/supply_probe.py
+[out.json]; SUPPLY_SHAPES=MxN[:dw],... picks the cases (default 4096x128,16384x128,32768x1024:dw,32768x4096:dw; :dw
+the strict dW fold of bf16 dy and x).
 """
 
 from __future__ import annotations
@@ -91,35 +91,6 @@ def _clocked(spin: bool) -> list[tuple[str, str]]:
     ]
 
 
-# A candidate stage boundary for the seamless consumer (a fold, checked against the backend like "as built"): the last
-# block's adds split in halves around the wait and the next stage's loads, so that the branch on the buffer test and
-# those loads sit inside the chain of adds instead of between two of its adds (run 25's SASS: ~40-60 idle cycles a
-# stage boundary)
-_SPLIT_LAST = [(
-    """            if (blk + 1 < S_BLOCKS) {
-                load_block(next, here, blk + 1);
-            } else if (more) {  // the next stage's first block, before this stage's last adds
-                if (!ready) mbar_wait(cfull + ns, mbar_use_parity(s + 1, CSTAGES));
-                load_block(next, col + ns * S_CTILE, 0);
-            }
-#pragma unroll
-            for (int j = 0; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);""",
-    """            constexpr int HALF = FOLD_BLOCK / 2;
-            if (blk + 1 < S_BLOCKS) {
-                load_block(next, here, blk + 1);
-#pragma unroll
-                for (int j = 0; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);
-            } else {
-#pragma unroll
-                for (int j = 0; j < HALF; ++j) acc = add4(acc, cur[j]);
-                if (more) {
-                    if (!ready) mbar_wait(cfull + ns, mbar_use_parity(s + 1, CSTAGES));
-                    load_block(next, col + ns * S_CTILE, 0);
-                }
-#pragma unroll
-                for (int j = HALF; j < FOLD_BLOCK; ++j) acc = add4(acc, cur[j]);
-            }""")]
-
 # The converters store nothing (with no loads: they only hand the buffers over): beside "no loads", whether the
 # converters' shared-memory stores slow the consumer's chain in place (run 24: 4096 x 128 no loads 12.7 us, ~5.2
 # cycles a row, against 4.35 for the consumer alone in bench/consumer_probe.py)
@@ -127,7 +98,7 @@ _NO_STORES = [("            if (segment_row(lane, k) < rows) store_segment(dst, 
                "            (void)dst, (void)v;")]
 
 VARIANTS = {"as built": [], "no adds": _NO_ADDS, "no loads": _NO_LOADS, "neither": _NO_ADDS + _NO_LOADS,
-            "clocked": _clocked(False), "spin": _clocked(True), "split last": _SPLIT_LAST,
+            "clocked": _clocked(False), "spin": _clocked(True),
             "handshakes": _NO_LOADS + _NO_STORES, "handshakes clocked": _NO_LOADS + _NO_STORES + _clocked(False)}
 # SUPPLY_VARIANTS=name,... times only those (default: all)
 CHOSEN = [v for v in os.environ.get("SUPPLY_VARIANTS", ",".join(VARIANTS)).split(",") if v]
