@@ -114,7 +114,6 @@ def main() -> None:
         "cuda backend rms_norm_fwd": lambda: cb.rms_norm_fwd(x, w, None, spec),
         "cuda backend rms_norm_fwd, no rstd": lambda: cb.rms_norm_fwd(x, w, None, spec, need_rstd=False),
         "triton backend rms_norm_fwd": lambda: tb.rms_norm_fwd(x, w, None, spec),
-        "triton backend rms_norm_fwd, no rstd": lambda: tb.rms_norm_fwd(x, w, None, spec, need_rstd=False),
         "cuda backend rms_norm_bwd fast": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None),
         "cuda backend rms_norm_bwd strict": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True,
                                                                     None),

@@ -177,19 +177,25 @@ class Sweep:
 
 def measure(timer: Timer, backend, case: Case, direction: str, ceiling: float) -> dict:
     """A backend's kernel-only time on one case and direction, and whether it gave the reference's bits (y and
-    rstd; dx, and for the fast dW the same bits twice); an error's message instead where it raised."""
+    rstd; dx, and for the fast dW the same bits twice); an error's message instead where it raised. Direction
+    "fwd_nr": the forward of an inference call (need_rstd=False: a backend may skip rstd, 4 bytes a row)."""
     c, row = case, {}
     try:
         if direction == "fwd":
             fn = lambda: backend.rms_norm_fwd(c.x, c.w, None, c.spec)  # noqa: E731
             y, rstd, _ = fn()
             row["bitwise"] = bool(torch.equal(y, c.y) and torch.equal(rstd, c.rstd))
+        elif direction == "fwd_nr":
+            fn = lambda: backend.rms_norm_fwd(c.x, c.w, None, c.spec, need_rstd=False)  # noqa: E731
+            y, rstd, _ = fn()
+            row["bitwise"] = bool(torch.equal(y, c.y) and (rstd is None or torch.equal(rstd, c.rstd)))
         else:
             fn = lambda: backend.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "fast", True, None)  # noqa: E731
             dx, dw = fn()
             row["bitwise"] = bool(torch.equal(dx, c.dx) and torch.equal(dw, fn()[1]))
         row["us"] = timer.kernel_us(fn)
-        row["frac_copy"] = (c.fwd_bytes if direction == "fwd" else c.bwd_bytes) / row["us"] / 1e3 / ceiling
+        moved = {"fwd": c.fwd_bytes, "fwd_nr": c.fwd_bytes - 4 * c.x.shape[0]}.get(direction, c.bwd_bytes)
+        row["frac_copy"] = moved / row["us"] / 1e3 / ceiling
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:300]
     return row

@@ -5,7 +5,9 @@ program, warps, and whether rows well below their padded length take two column 
 plans. SWEEP_WFIRST=1 tries each configuration also with the forward's weight loaded before the row sum;
 SWEEP_CHUNKS=1024,2048 adds rows in column chunks of those lanes (rows longer than a chunk; one or two rows a
 program, SWEEP_PROGRAMS (2,4) programs an SM in the backward, SWEEP_WARPS (1,2,4,8,16) warps, the chunk loops' loads
-in SWEEP_STAGES (1) shared-memory stages); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction.
+in SWEEP_STAGES (1) shared-memory stages); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction; fwd_nr is the
+forward as an inference call asks for it (need_rstd=False), timed and checked beside the others but not tuned apart
+(it takes the forward's table).
 SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (the forward's with
 SWEEP_DIRECTIONS=fwd), its warps times SWEEP_WARP_FACTORS (1,2) with its pipelining: the next block prefetched into
 registers, the loop's loads in 2 or 3 shared-memory stages, SWEEP_PROGRAMS (2,4) programs an SM, its rows a program
@@ -172,7 +174,7 @@ def main() -> None:
         for choice in [None] + configs(n, m):
             use(choice, n, triton)
             for direction in DIRECTIONS:
-                tile = tb.row_tile(n, direction, m)
+                tile = tb.row_tile(n, "fwd" if direction == "fwd_nr" else direction, m)
                 row = dict(M=m, N=n, direction=direction, default=choice is None, rows=tile.rows,
                            num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk,
                            programs_per_sm=tile.programs_per_sm, prefetch=tile.prefetch, stages=tile.stages)
@@ -186,7 +188,7 @@ def main() -> None:
           "the backend's own choice")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
-        for direction in ("fwd", "bwd"):
+        for direction in ("fwd", "fwd_nr", "bwd"):
             ok = [r for r in results if (r["M"], r["N"], r["direction"]) == (m, n, direction) and "us" in r]
             if ok:
                 b = min(ok, key=lambda r: r["us"])

@@ -293,14 +293,38 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
     return cols, rows_per_stage, stages, convert, stages * stage_bytes + (contrib_bytes if convert else 0)
 
 
+# The dW fold of 4096 to 8192 columns (one group) in the ring of 32-column CTAs, its stages converted by the
+# producers, where its rows are few or its CTAs outnumber the SMs (H200, run 27 call b, every configuration bitwise
+# against the default): 2048 x 4096 20.2 -> 16.6 us with 256 rows a stage in 200 KB (four stages: half the rows in
+# flight), 8192 x 8192 97.7 -> 93.7 with 128 rows a stage in 96 KB (two CTAs an SM); fold_stream kept where the CTAs
+# are one an SM and the rows many (32768 x 4096: 190.5 against the ring's 206.5 at best).
+_DW_RING_COLS = (4096, 8192)  # the columns it applies to
+_DW_RING_FEW_ROWS = 4096  # fewer rows than this: the 200 KB ring
+_DW_RING_FEW, _DW_RING_MANY_CTAS = (256, 200 * 1024), (128, 96 * 1024)  # (rows a stage, shared bytes)
+
+
+def default_dw_ring(n: int, rows: int, groups: int, num_sms: int, smem_optin: int) -> FoldTuning | None:
+    """The dW fold's ring tuning without a FoldTuning where default_chain does not apply, or None (fold_stream)."""
+    if groups != 1 or not _DW_RING_COLS[0] <= n <= _DW_RING_COLS[1]:
+        return None
+    if -(-n // 32) > num_sms:
+        stage, smem = _DW_RING_MANY_CTAS
+    elif rows < _DW_RING_FEW_ROWS:
+        stage, smem = _DW_RING_FEW
+    else:
+        return None
+    return FoldTuning(cols=32, rows_per_stage=stage, smem_bytes=smem) if smem <= smem_optin else None
+
+
 def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, simple_rows: bool,
                 ring: bool, num_sms: int, tuning: FoldTuning | None = None,
                 out_dtype: torch.dtype = torch.float32, rows: int = 0, groups: int = 1, smem_optin: int = 0
                 ) -> FoldLaunch:
     """The kernel and macros for one fold. ring=False gives the one-thread-per-column kernel (any layout);
     else the ring, fold_chain where the tuning asks for it and there is one group of `rows` rows, or fold_stream
-    where it asks for that (without a tuning: default_chain, given the device's opt-in shared memory per block,
-    else default_stream where its buffers fit that memory, else the ring, shaped by default_ring where it applies).
+    where it asks for that (without a tuning: default_chain, given the device's opt-in shared memory per block, else
+    for the dW fold default_dw_ring, else default_stream where its buffers fit that memory, else the ring, shaped by
+    default_ring where it applies).
     out_dtype: the result's (the fp32 sums rounded once at the store, as .to() would round them)."""
     defines = {"A_CODE": DTYPE_CODES[a_dtype], "B_CODE": DTYPE_CODES[b_dtype], "WHAT": what,
                "SIMPLE_ROWS": int(simple_rows)}
@@ -310,6 +334,8 @@ def fold_launch(n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, what: int, s
         return FoldLaunch("fold_simple", defines, -(-n // 128), 128, 0)
     if tuning is None:
         tuning = default_chain(n, rows, groups, smem_optin, what)
+        if tuning is None and what:
+            tuning = default_dw_ring(n, rows, groups, num_sms, smem_optin)
         stream = default_stream(n, groups, num_sms, what, rows) if tuning is None else None
         if stream is not None:
             try:

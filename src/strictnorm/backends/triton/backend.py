@@ -307,25 +307,24 @@ class TritonBackend:
     @on_tensor_device
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
                      need_rstd: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Planned once per input signature (layout.signature), like the CUDA backend's launches. need_rstd
-        False: rstd is neither allocated nor stored (None; the kernel's STORE_RSTD off)."""
-        key = (x.get_device(), signature(x, weight, residual), spec, need_rstd)
+        """Planned once per input signature (layout.signature), like the CUDA backend's launches. rstd is
+        computed whether needed or not."""
+        key = (x.get_device(), signature(x, weight, residual), spec)
         plan = self._fwd_plans.get(key)
         if plan is None:
-            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec, need_rstd))
-        y, rstd, z = forward_outputs(x, residual, spec.out_dtype, need_rstd)
+            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
+        y, rstd, z = forward_outputs(x, residual, spec.out_dtype)
         if not plan.grid:
             return y, rstd, z
         xk, w, rk = plan.views.inputs(x, weight, residual)
         plan.launch(
             plan.grid, x.get_device(), xk, *plan.views.lay.args(), rk, *plan.views.rlay.args(),
-            _store_view(z) if z is not None else y, w if w is not None else xk, plan.wsg, _store_view(y),
-            rstd if rstd is not None else y, *plan.scalars)
+            _store_view(z) if z is not None else y, w if w is not None else xk, plan.wsg, _store_view(y), rstd,
+            *plan.scalars)
         return y, rstd, z
 
     @staticmethod
-    def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
-                  need_rstd: bool = True) -> _Plan:
+    def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec) -> _Plan:
         v = forward_views(x, weight, residual, spec.out_dtype)
         views, lay, w = ForwardPlan.of(v, x, weight, residual), v.lay, v.weight
         if lay.rows == 0:
@@ -334,7 +333,7 @@ class TritonBackend:
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
-                    **tile.forward_constexprs(), **tile.meta(), **({} if need_rstd else {"STORE_RSTD": False}))
+                    **tile.forward_constexprs(), **tile.meta())
         nprog = _programs(_cdiv(lay.rows, tile.rows), tile, x.device, tile.forward_persistent)
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,

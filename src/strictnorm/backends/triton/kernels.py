@@ -192,7 +192,7 @@ def _rstd(ss, N, eps, ROWS: tl.constexpr):
 def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
                  CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr, NCH: tl.constexpr, LOG2NCH: tl.constexpr,
                  MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, STAGES: tl.constexpr, STORE_RSTD: tl.constexpr):
+                 HAS_RES: tl.constexpr, STAGES: tl.constexpr):
     """y and rstd of rows in column chunks of CHUNK lanes (the module's notes): each chunk's squares summed by
     canon_sum, then the NCH chunk sums; y chunk by chunk, the rows read again (this program's own lanes, from L2;
     with a residual, z recomputed rather than read back). STAGES > 1: the chunk loops' loads pipelined by Triton
@@ -206,8 +206,7 @@ def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps,
         s = canon_sum(xf * xf, ROWS, CHUNK, LOG2CHUNK)
         parts = tl.where(chunk_ids[None, :] == c, s[:, None], parts)
     rstd = _rstd(canon_sum(parts, ROWS, NCH, LOG2NCH), N, eps, ROWS)
-    if STORE_RSTD:
-        tl.store(RSTD + rows, rstd, mask=rows < M)
+    tl.store(RSTD + rows, rstd, mask=rows < M)
     for c in tl.range(0, chunks, num_stages=STAGES):
         cols = c * CHUNK + tl.arange(0, CHUNK)
         xf = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT, HAS_RES, False)
@@ -247,11 +246,11 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, W_FIRST: tl.constexpr,
                    CHUNK: tl.constexpr = 0, LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1,
                    LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
-                   PREFETCH: tl.constexpr = False, STORE_RSTD: tl.constexpr = True):
+                   PREFETCH: tl.constexpr = False):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
-    y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). STORE_RSTD False:
-    rstd is not stored (a caller that does not use it; RSTD is then any pointer). The same bits every way."""
+    y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). The same bits
+    every way."""
     pid = tl.program_id(0)
     cols_a = tl.arange(0, PA)
     cols_b = PA + tl.arange(0, T if T > 0 else 1)
@@ -262,11 +261,11 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
         if HAS_RES:
             r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
         _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
-                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES, STORE_RSTD)
+                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES)
     elif PERSISTENT:
         _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pid, M, N, R1, G, eps, offset,
                         cols_a, cols_b, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES,
-                        PREFETCH, STORE_RSTD)
+                        PREFETCH)
     else:
         xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b, ROWS, T,
                                     HAS_RES)
@@ -275,7 +274,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
             wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W,
                                       PER_HEAD)
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, STORE_RSTD)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST)
 
 
 @triton.jit
@@ -283,7 +282,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                     cols_b, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
                     LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
                     HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr,
-                    PREFETCH: tl.constexpr, STORE_RSTD: tl.constexpr):
+                    PREFETCH: tl.constexpr):
     """Rows held whole, programs striding over the blocks: a shared weight loaded once a program; PREFETCH: the next
     block's rows loaded into registers before this block's sum (their loads in flight while it computes and
     stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory."""
@@ -304,7 +303,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                                         T, HAS_RES)
         # per-head weights: loaded for each block, after its sum
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, STORE_RSTD)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD)
 
 
 @triton.jit
@@ -347,7 +346,7 @@ def _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS: tl.constexp
 def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b,
               ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr, LOG2T: tl.constexpr,
               MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-              HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr, STORE_RSTD: tl.constexpr):
+              HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr):
     """y and rstd of block blk's rows held whole, from their loaded column tiles. W_GIVEN: wf_a and wf_b are the
     effective weight; else it is loaded after the rows' sum."""
     rows = _block_rows(blk, ROWS)
@@ -356,8 +355,7 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
     if T > 0:
         xfb = _fwd_widen(xb, rb, Z, rows, M, N, cols_b, XDT, HAS_RES)
     rstd = _rstd(tiled_canon_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T), N, eps, ROWS)
-    if STORE_RSTD:
-        tl.store(RSTD + rows, rstd, mask=rows < M)
+    tl.store(RSTD + rows, rstd, mask=rows < M)
     if not W_GIVEN:
         wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD)
     _fwd_output(xfa, rstd, wf_a, Y, rows, M, N, cols_a, MODE, XDT, YDT)
