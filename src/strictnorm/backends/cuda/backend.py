@@ -294,12 +294,14 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
 
 
 # The dW fold of 4096 to 8192 columns (one group) in the ring of 32-column CTAs, its stages converted by the
-# producers, where its rows are few or its CTAs outnumber the SMs (H200, run 27 call b, every configuration bitwise
-# against the default): 2048 x 4096 20.2 -> 16.6 us with 256 rows a stage in 200 KB (four stages: half the rows in
-# flight), 8192 x 8192 97.7 -> 93.7 with 128 rows a stage in 96 KB (two CTAs an SM); fold_stream kept where the CTAs
-# are one an SM and the rows many (32768 x 4096: 190.5 against the ring's 206.5 at best).
+# producers, where its CTAs outnumber the SMs (128 rows a stage in 96 KB: two CTAs an SM) or its rows are fewer than
+# 8192 (256 rows a stage in 200 KB: four stages, up to 1024 rows in flight a CTA). H200, run 27 calls b and f, every
+# configuration bitwise against the default; the strict dW alone, kernel-only, against fold_stream before:
+# 1024 x 4096 11.9 -> 10.1 us, 2048 x 4096 20.1 -> 16.5, 4096 x 4096 33.5 -> 29.1, 2048 x 5120 29.2 -> 25.4,
+# 2048 x 8192 32.2 -> 28.8, 8192 x 8192 97.0 -> 93.8, level at 8192 x 5120 (88.6 against 89.2). fold_stream kept
+# where the CTAs are one an SM and the rows many: 8192 x 4096 55.1 (the ring 54.0), 32768 x 4096 190.5 (206.5).
 _DW_RING_COLS = (4096, 8192)  # the columns it applies to
-_DW_RING_FEW_ROWS = 4096  # fewer rows than this: the 200 KB ring
+_DW_RING_FEW_ROWS = 8192  # fewer rows than this: the 200 KB ring
 _DW_RING_FEW, _DW_RING_MANY_CTAS = (256, 200 * 1024), (128, 96 * 1024)  # (rows a stage, shared bytes)
 
 
