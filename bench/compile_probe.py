@@ -1,13 +1,19 @@
 """Compile strictnorm's Triton kernels for sm_90 without a GPU and report what costs no device time:
-compile seconds, PTX size, shared-memory traffic, barriers, local-memory spills, and ptxas's registers and
-stack per thread (cuobjdump -res-usage, where triton ships cuobjdump), per N.
+compile seconds, PTX size, shared-memory traffic, barriers, local-memory spills, ptxas's registers and
+stack per thread (cuobjdump -res-usage, where triton ships cuobjdump), and the global loads ahead of the
+first barrier or branch with how many of them reuse the register of an earlier one (cuobjdump -sass), per N.
 
 A pathological compile shows here before it burns device time (Triton 3.6 turned a tl.split tree
-into 25x more PTX than a reshape + sum tree). Usage: python bench/compile_probe.py [N ...]
+into 25x more PTX than a reshape + sum tree). A load into the register of an earlier load waits for that
+load's data to arrive and be used: two memory round trips where one was meant (run 27: the forward of 2 rows
+of 4096 without its rstd store, 22% slower on an H200). ptxas ships with triton, so the SASS is the one a GPU
+machine with the same triton version gets. Usage: python bench/compile_probe.py [N[@ROWS] ...] (ROWS: the
+table's entry for that row count; default its unbounded one)
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,27 +43,57 @@ def _compile(fn, sig: dict, const: dict, num_warps: int):
     return c, time.perf_counter() - t0
 
 
-def _resources(cubin: bytes) -> str:
-    """ptxas's registers and stack bytes per thread ("REG:64 STACK:184": a stack is spilled registers)."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump's output for one cubin ("" where triton ships no cuobjdump)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         return ""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
-    fields = next((line.split() for line in out.splitlines() if "REG:" in line), [])
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True).stdout
+
+
+def _resources(cubin: bytes) -> str:
+    """ptxas's registers and stack bytes per thread ("REG:64 STACK:184": a stack is spilled registers)."""
+    fields = next((line.split() for line in _cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in line), [])
     return " ".join(v for v in fields if v.startswith(("REG:", "STACK:")))
+
+
+_LOAD = re.compile(r"\bLDG\.E(?:\.(?:64|128))?(?:\.[A-Z.]+)?\s+R(\d+),")
+
+
+def load_reuse(sass: str) -> tuple[int, int]:
+    """(global loads before the first barrier or branch, how many of them write a register that an earlier one of
+    them wrote): ptxas reusing a load's destination makes the later load wait until the earlier one's data has
+    arrived and been read. A 64- or 128-bit load writes 2 or 4 registers from its first. (A branch ends the count:
+    a persistent loop's body reloads its prologue's registers by design.)"""
+    loads = reused = 0
+    taken: set[int] = set()
+    for line in sass.splitlines():
+        if "BAR.SYNC" in line or re.search(r"\bBRA\b", line):
+            break
+        m = _LOAD.search(line)
+        if not m:
+            continue
+        width = 4 if ".128" in line else 2 if ".64" in line else 1
+        regs = set(range(int(m.group(1)), int(m.group(1)) + width))
+        loads += 1
+        reused += bool(regs & taken)
+        taken |= regs
+    return loads, reused
 
 
 def _stats(c) -> str:
     ptx = c.asm["ptx"]
+    sass = _cuobjdump(c.asm["cubin"], "-sass")
+    loads = "loads ahead {} (reusing a register {})".format(*load_reuse(sass)) if sass else ""
     return (f"ptx {len(ptx.splitlines()):6d} lines  bar.sync {ptx.count('bar.sync'):3d}  "
             f"ld.shared {ptx.count('ld.shared'):4d}  local {ptx.count('ld.local') + ptx.count('st.local'):3d}  "
-            f"{_resources(c.asm['cubin'])}")
+            f"{_resources(c.asm['cubin'])}  {loads}")
 
 
-def main(ns: list[int]) -> None:
+def main(args: list[str]) -> None:
     ptr16, ptr32 = "*bf16", "*fp32"
     fwd_sig = {"X": ptr16, "RES": ptr16, "Z": "*i16", "W": ptr16, "Y": "*i16", "RSTD": ptr32,
                **{s: "i64" for s in ("xs0", "xs1", "xsg", "rs0", "rs1", "rsg", "wsg")},
@@ -70,26 +106,28 @@ def main(ns: list[int]) -> None:
                 **{s: "i64" for s in ("as0", "as1", "asg", "bs0", "bs1", "bsg")},
                 **{s: "i32" for s in ("ROWS_PER_GROUP", "N", "R1", "G", "GROUP_STEP")}}
     print(f"triton {triton.__version__}, sm_90")
-    for n in ns:
-        def tiled(direction: str, n: int = n) -> tuple[dict, int]:
-            tile = tb.row_tile(n, direction)
-            # R1 = G = 1 (one leading dim): the JIT specializes ints equal to 1 as constants
-            return dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1), tile.num_warps
+    for arg in args:
+        n, _, rows_text = arg.partition("@")
+        n, rows = int(n), int(rows_text) if rows_text else None
 
-        common, warps = tiled("fwd")
-        fwd_tile = tb.row_tile(n, "fwd")  # ASTSource takes no parameter defaults: every constexpr is passed
+        def tiled(direction: str, n: int = n, rows: int | None = rows) -> tuple[tb.RowTile, dict]:
+            tile = tb.row_tile(n, direction, rows)
+            # R1 = G = 1 (one leading dim): the JIT specializes ints equal to 1 as constants
+            return tile, dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1)
+
+        # ASTSource takes no parameter defaults: every constexpr is passed
+        tile, common = tiled("fwd")
         c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False,
-                                                    **fwd_tile.forward_constexprs()}, warps)
-        print(f"N={n:6d} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
-        common, warps = tiled("bwd")
-        bwd_tile = tb.row_tile(n, "bwd")
+                                                    **tile.forward_constexprs()}, tile.num_warps)
+        print(f"N={arg:>12s} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
+        tile, common = tiled("bwd")
         c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True,
-                                                    **bwd_tile.backward_constexprs(), **bwd_tile.chunk_constexprs()},
-                        warps)
-        print(f"N={n:6d} bwd  {s:6.1f} s  {_stats(c)}", flush=True)
+                                                    **tile.backward_constexprs(), **tile.chunk_constexprs()},
+                        tile.num_warps)
+        print(f"N={arg:>12s} bwd  {s:6.1f} s  {_stats(c)}", flush=True)
     c, s = _compile(k.fold_kernel, fold_sig, {"BN": tb._FOLD_BN, "UNROLL": tb._FOLD_UNROLL, "WHAT": 1, "XDT": 1}, 2)
     print(f"fold        {s:6.1f} s  {_stats(c)}")
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [1, 7, 128, 1000, 4096, 8192, 18432, 65536])
+    main(sys.argv[1:] or ["1", "7", "128", "1000", "4096@128", "4096@2048", "4096", "8192", "18432", "65536"])

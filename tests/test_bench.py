@@ -296,6 +296,27 @@ def test_compile_probe_compiles_every_kernel_for_sm90():
     assert lines[-1].startswith("fold")
 
 
+def test_compile_probe_counts_loads_that_reuse_a_register(monkeypatch):
+    """bench/compile_probe.load_reuse on SASS lines: the global loads before the first barrier or branch, and those
+    writing a register an earlier one wrote (a 128-bit load writes four from its first, a 64-bit two), as in run
+    27's forward without its rstd store (R12, R4, R8, then R4 again)."""
+    pytest.importorskip("triton")
+    _bench_scripts(monkeypatch)
+    from compile_probe import load_reuse
+
+    def sass(*ops: str) -> str:
+        return "\n".join(f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate(ops))
+
+    run27 = ["@P3 LDG.E.128 R12, desc[UR12][R16.64]", "@P2 LDG.E.128 R4, desc[UR12][R16.64+0x1000]",
+             "@P2 LDG.E.128 R8, desc[UR12][R2.64]", "FADD R0, R12, R13", "@P3 LDG.E.128 R4, desc[UR12][R2.64+0x1000]",
+             "BAR.SYNC.DEFER_BLOCKING 0x0", "@!P1 LDG.E.128 R4, desc[UR12][R2.64]"]
+    assert load_reuse(sass(*run27)) == (4, 1)
+    assert load_reuse(sass(*run27[:3], "@P3 LDG.E.128 R20, desc[UR12][R2.64+0x1000]")) == (4, 0)
+    assert load_reuse(sass("LDG.E.64 R6, desc[UR4][R2.64]", "LDG.E R7, desc[UR4][R4.64]")) == (2, 1)
+    assert load_reuse(sass("LDG.E R6, desc[UR4][R2.64]", "@!P1 BRA 0x4c0", "LDG.E R6, desc[UR4][R4.64]")) == (1, 0)
+    assert load_reuse(sass("STG.E desc[UR4][R2.64], R6", "LDS R6, [R3]")) == (0, 0)
+
+
 def test_fold_probes_compile_for_sm90(monkeypatch):
     """bench/consumer_probe.py's kernels, bench/supply_probe.py's edited fold.cu (each edit must still find its text)
     for the plain fold's and the dW fold's default fold_stream, and bench/pattern_probe.py's stripe reads (stripes of
