@@ -12,7 +12,9 @@ per shape with EVEN off, on with predicated loads and on with unpredicated ones 
 SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction; SWEEP_STAGED=1 tries each backward
 configuration also with the next row copied ahead into shared memory (`staged`; held rows with EVEN only);
 SWEEP_F32=1 each held backward configuration also with xh and g kept in fp32 between the passes (`hold_f32`);
-SWEEP_PREFETCH=1 each held backward configuration also with the next row loaded into registers (`prefetch`).
+SWEEP_PREFETCH=1 each held backward configuration also with the next row loaded into registers (`prefetch`);
+SWEEP_W_WITH_ROW=1 each held configuration whose weight is reloaded also with the weight's lanes loaded with the
+row's, before its sum (`weight_with_row`), in both directions.
 Run on the GPU machine:
     python3 bench/sweep_cuda.py [out.json [tuning.json]]
     python3 bench/sweep_cuda.py --merge OUT_DIR NAME...   (the best of several sweeps' results as a tuning file)
@@ -81,6 +83,7 @@ VARIANTS = os.environ.get("SWEEP_VARIANTS") == "1"
 STAGED = os.environ.get("SWEEP_STAGED") == "1"
 HOLD_F32 = os.environ.get("SWEEP_F32") == "1"
 PREFETCH = os.environ.get("SWEEP_PREFETCH") == "1"
+W_WITH_ROW = os.environ.get("SWEEP_W_WITH_ROW") == "1"
 
 
 def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
@@ -108,6 +111,9 @@ def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
         out = out + [dataclasses.replace(t, hold_f32=True) for t in out if t.hold_max_p >= next_pow2(n)]
     if PREFETCH and direction == "bwd":  # held rows only; it takes a staged configuration's place
         out = out + [dataclasses.replace(t, prefetch=True, staged=False) for t in out if t.hold_max_p >= next_pow2(n)]
+    if W_WITH_ROW:  # held rows whose weight is reloaded
+        out = out + [dataclasses.replace(t, weight_with_row=True) for t in out
+                     if t.hold_max_p >= next_pow2(n) and not t.hold_weight]
     return list(dict.fromkeys(out))
 
 
@@ -251,7 +257,8 @@ def main() -> None:
     print(f"\ncopy ceiling {ceiling:.0f} GB/s; best per shape (all rows bitwise: "
           f"{all(r.get('bitwise') for r in results)})")
     knobs = ("values", "min_threads", "hold_weight", "hold_max_p", "stream_threads", "partial_blocks_per_sm",
-             "dw_smem", "persistent", "trim", "even", "unpredicated", "staged", "hold_f32", "prefetch")
+             "dw_smem", "persistent", "trim", "even", "unpredicated", "staged", "hold_f32", "prefetch",
+             "weight_with_row")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
         for key in ("fwd", "bwd"):
@@ -261,14 +268,15 @@ def main() -> None:
                 line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
         print(line)
     if VARIANTS:
-        print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged, f: hold_f32, p: prefetch; b: "
-              "partial blocks an SM): us")
+        print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged, f: hold_f32, p: prefetch; w: "
+              "weight_with_row; b: partial blocks an SM): us")
         for m, n in SHAPES:
             for key in DIRECTIONS:
                 ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
                 print(f"{m:>7d}x{n:<6d} {key} " + " ".join(
                     f"{int(r['even']) + int(r['even'] and r['unpredicated'])}{'s' * r['staged']}"
                     f"{'f' * r.get('hold_f32', False)}{'p' * r.get('prefetch', False)}"
+                    f"{'w' * r.get('weight_with_row', False)}"
                     f"b{r['partial_blocks_per_sm']}:{r['us']:.1f}"
                     for r in ok))
 
@@ -292,7 +300,7 @@ def merge(out_dir: str, names: list[str], copies: tuple[str, ...] = ("/tmp/stric
         with open(path, "w") as f:
             json.dump(best, f, indent=1)
     shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "hold_f32", "prefetch",
-             "partial_blocks_per_sm", "hold_weight", "dw_smem")
+             "partial_blocks_per_sm", "hold_weight", "dw_smem", "weight_with_row")
     for key in ("fwd", "bwd"):
         for p, entries in best[key].items():
             print(key, p, [(b, {k: v for k, v in t.items() if k in shown}) for b, t in entries])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -206,6 +207,22 @@ def test_cuda_sweeps_merge_into_a_loadable_tuning_file(tmp_path, monkeypatch):
     assert data["bwd"]["4096"][0][0] == 2048 and data["bwd"]["4096"][1][0] is None
     assert cb.tuning_for(cb.BWD_TABLE, 4096, 2048) == cb.NormTuning(values=8, staged=True)
     assert cb.tuning_for(cb.BWD_TABLE, 4096, 32768) == cb.NormTuning(values=32)
+
+
+def test_cuda_sweep_adds_the_weight_with_each_row(monkeypatch):
+    """bench/sweep_cuda.shape_tunings with SWEEP_W_WITH_ROW: every held configuration whose weight is reloaded also
+    with weight_with_row, in both directions (the tables' variants too); held weights and rows read twice not."""
+    _bench_scripts(monkeypatch)
+    import sweep_cuda
+
+    monkeypatch.setattr(sweep_cuda, "W_WITH_ROW", True)
+    for variants in (False, True):
+        monkeypatch.setattr(sweep_cuda, "VARIANTS", variants)
+        for direction in ("fwd", "bwd"):
+            swept = sweep_cuda.shape_tunings(direction, 8192, 4096)
+            with_row = [t for t in swept if t.weight_with_row]
+            assert with_row and all(not t.hold_weight and t.hold_max_p >= 4096 for t in with_row)
+            assert {dataclasses.replace(t, weight_with_row=False) for t in with_row} <= set(swept)
 
 
 def test_device_call_plans_its_jobs(tmp_path):

@@ -171,6 +171,15 @@ def test_rms_norm_configurations_compile(arch, tmp_path, monkeypatch):
                                  tuning=NormTuning(values=values, hold_max_p=65536, staged=True, prefetch=True))
             assert (bl.defines.get("PREFETCH"), bl.defines.get("STAGED")) == (1, None)
             assert nvrtc.compile_cubin("rms_norm.cu", arch, bl.defines, use_cache=False)[:4] == b"\x7fELF"
+    # the weight's lanes loaded with each row's (W_WITH_ROW), forward and backward, fused add, mixed weight dtype
+    for n, values, w in ((4096, 32, bf16), (18432, 64, f32), (1000, 8, f16)):
+        tuning = NormTuning(values=values, hold_weight=False, hold_max_p=65536, weight_with_row=True)
+        fl = norm_launch(n, bf16, bf16, w, bf16, "gemma", False, tuning, aligned=True)
+        bl = norm_bwd_launch(n, bf16, bf16, w, "gemma", False, has_dres=True, dw_partials=True, aligned=True,
+                             tuning=replace(tuning, prefetch=True))
+        for d in (fl.defines, bl.defines):
+            assert d["W_WITH_ROW"] == 1
+            assert nvrtc.compile_cubin("rms_norm.cu", arch, d, use_cache=False)[:4] == b"\x7fELF"
 
 
 def _emulate_row_sum(row: torch.Tensor, piece: int, tpr: int, k: int) -> torch.Tensor:

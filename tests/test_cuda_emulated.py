@@ -6,6 +6,7 @@ of the source, nor the ring's waits (the GPU tests do). Skipped without g++ 12 o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import shutil
@@ -72,7 +73,8 @@ def _inputs(rows: int, n: int, seed: int) -> dict:
 # (N, tuning, aligned): the tables' shapes at N below its power of two, with and without trimmed padding
 # pieces, and rows read twice instead of held; aligned: compiled as for 16-byte aligned rows (EVEN: only the
 # 16-byte paths, pieces whole or wholly padding; N = 1000 leaves pieces wholly in the padding; untrimmed, pieces
-# before the last one lie wholly in the padding; unpredicated=False: EVEN's loads through load_raw)
+# before the last one lie wholly in the padding; unpredicated=False: EVEN's loads through load_raw; weight_with_row:
+# the weight's lanes loaded with each row's, W_WITH_ROW)
 CASES = [(5120, None, False), (5120, NormTuning(values=32, trim=True), False),
          (18432, NormTuning(values=64, trim=True), False), (7, None, False), (1000, NormTuning(values=8), False),
          (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True), False),
@@ -81,7 +83,9 @@ CASES = [(5120, None, False), (5120, NormTuning(values=32, trim=True), False),
          (1000, NormTuning(hold_max_p=0, stream_threads=128, trim=True), True),
          (5120, NormTuning(values=64, trim=False), True),
          (5120, NormTuning(hold_max_p=0, stream_threads=256, trim=False), True),
-         (5120, NormTuning(values=64, unpredicated=False), True)]
+         (5120, NormTuning(values=64, unpredicated=False), True),
+         (5120, NormTuning(values=32, hold_weight=False, weight_with_row=True), False),
+         (1000, NormTuning(values=8, hold_weight=False, weight_with_row=True), True)]
 
 
 def test_even_cases_compile_even():
@@ -91,6 +95,21 @@ def test_even_cases_compile_even():
         fl = norm_launch(n, bf16, bf16, bf16, bf16, "llama", False, tuning, aligned)
         bl = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, True, False, tuning, aligned)
         assert fl.defines.get("EVEN", 0) == bl.defines.get("EVEN", 0) == int(aligned)
+
+
+def test_weight_with_row_only_where_rows_are_held_and_the_weight_is_not():
+    """W_WITH_ROW is compiled for held rows whose weight is reloaded (hold_weight=False), in both directions; a held
+    weight or rows read twice leave it out (the same cubin as without the knob)."""
+    bf16 = torch.bfloat16
+    with_row = NormTuning(values=32, hold_weight=False, weight_with_row=True)
+    fl = norm_launch(5120, bf16, None, bf16, bf16, "llama", False, with_row, True)
+    bl = norm_bwd_launch(5120, bf16, bf16, bf16, "llama", False, False, True, with_row, True)
+    assert fl.defines["W_WITH_ROW"] == bl.defines["W_WITH_ROW"] == 1 and fl.defines["HOLD_W"] == 0
+    for other in (NormTuning(values=32, weight_with_row=True), NormTuning(hold_max_p=0, weight_with_row=True)):
+        assert "W_WITH_ROW" not in norm_launch(5120, bf16, None, bf16, bf16, "llama", False, other, True).defines
+        plain = dataclasses.replace(other, weight_with_row=False)
+        assert norm_launch(5120, bf16, None, bf16, bf16, "llama", False, other, True).defines == norm_launch(
+            5120, bf16, None, bf16, bf16, "llama", False, plain, True).defines
 
 
 @pytest.mark.parametrize("n, tuning, aligned", CASES)

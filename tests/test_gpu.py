@@ -647,13 +647,15 @@ def _cuda_fwd_cases():
 # weight reloaded per row, dW partials in shared memory and one block per row group (no grid-stride loop);
 # held, 64 lanes a thread, the pieces wholly in the padding loaded and held too (untrimmed; every other family
 # trims them); held, 32 lanes a thread, the backward's next row copied ahead into shared memory (staged, where
-# EVEN: N a multiple of 8 here); the backward's xh and g kept in fp32 between its passes (f32).
+# EVEN: N a multiple of 8 here); the backward's xh and g kept in fp32 between its passes (f32); held, 32 lanes a
+# thread, the weight's lanes loaded with each row's before its sum (with-row).
 CUDA_TUNINGS = {"tables": {}, "stream": {"hold_max_p": 0, "stream_threads": 256},
                 "hold8": {"values": 8},
                 "hold32-smem": {"values": 32, "hold_weight": False, "dw_smem": True, "persistent": False},
                 "hold64-untrimmed": {"values": 64, "hold_weight": False, "trim": False},
                 "hold32-staged": {"values": 32, "staged": True},
-                "hold16-f32": {"values": 16, "hold_f32": True, "staged": True}}
+                "hold16-f32": {"values": 16, "hold_f32": True, "staged": True},
+                "hold32-with-row": {"values": 32, "hold_weight": False, "weight_with_row": True}}
 
 
 @pytest.fixture(params=list(CUDA_TUNINGS))

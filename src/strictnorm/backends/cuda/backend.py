@@ -408,6 +408,10 @@ class NormTuning:
     hold_max_p: int = 8192  # longer (padded) rows are read twice instead of held in registers
     stream_threads: int = 256  # threads per row for those
     hold_weight: bool = True  # held rows: the weight's lanes stay in registers across rows (else reloaded)
+    # held rows without hold_weight: the weight's lanes loaded with each row's, before its sum, and held to the
+    # output (rms_norm.cu's W_WITH_ROW; same bits), instead of piece by piece after the sum, where ptxas issues
+    # each load just ahead of its use (an L2 round trip each: 4 in a row at 8192 x 4096, read in the sm_90 SASS)
+    weight_with_row: bool = False
     dw_smem: bool = False  # held rows, fast dW: the fp32 partials in shared memory instead of registers
     # a grid of at most the resident blocks, striding over rows; False: one block per row group (not for the
     # fast dW, whose partial rows are one per block)
@@ -533,6 +537,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HOLD_W": int(hold and tuning.hold_weight)}
     if not store_rstd:
         defines["NO_RSTD"] = 1
+    if hold and not tuning.hold_weight and tuning.weight_with_row:
+        defines["W_WITH_ROW"] = 1
     sizes = (x_dtype.itemsize, norm_dtype.itemsize, y_dtype.itemsize, (w_dtype or x_dtype).itemsize)
     if tuning.even and aligned and n % piece == 0 and all(piece * size % 16 == 0 for size in sizes):
         defines["EVEN"] = 1

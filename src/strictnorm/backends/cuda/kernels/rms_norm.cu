@@ -32,7 +32,7 @@
 // bench/results/2026-11-30-h200-run10.)
 //
 // Macros: XC, RC, NC, WC, YC (dtype codes of x, residual, the norm input z, weight, y), MODE (0 llama,
-// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, EVEN,
+// 1 gemma, 2 none), HAS_W, PER_HEAD, HAS_RES, PIECE, TPR, K, KR (default K), RPB, HOLD, HOLD_W, W_WITH_ROW, EVEN,
 // UNTRIMMED, UNPREDICATED, STAGED, HOLD_F32, NO_RSTD (the forward stores no rstd: a caller that does not use it
 // passes no buffer); BACKWARD selects the backward kernel (below) instead of the forward.
 #include "common.cuh"
@@ -45,6 +45,9 @@ typedef Elem<WC>::T w_t;
 typedef Elem<YC>::T y_t;
 #ifndef HOLD_W
 #define HOLD_W 1
+#endif
+#ifndef W_WITH_ROW  // host-set with HOLD and HOLD_W 0: the weight's lanes loaded with each row's, before its sum
+#define W_WITH_ROW 0
 #endif
 #ifndef DW_SMEM
 #define DW_SMEM 0
@@ -78,7 +81,11 @@ typedef Elem<YC>::T y_t;
 #endif
 constexpr bool EVEN_UNPREDICATED = EVEN && UNPREDICATED;
 static_assert(KR >= 1 && KR <= K, "pieces with data");
-constexpr bool HOLD_WEIGHT = HOLD && HOLD_W && HAS_W;  // the weight's lanes in registers across rows
+// The weight's lanes held in registers: across rows (HOLD_W), or loaded with each row before its sum (per-head
+// weights, W_WITH_ROW: then in flight across the row sum's barriers; reloaded piece by piece after the sum,
+// ptxas issued each load only just ahead of its use, one L2 round trip after another: sm_90 SASS, NVRTC 13.0).
+constexpr bool HOLD_WEIGHT = HOLD && (HOLD_W || W_WITH_ROW) && HAS_W;
+constexpr bool WEIGHT_EACH_ROW = PER_HEAD || W_WITH_ROW;  // the held weight loaded with each row
 constexpr int THREADS = TPR * RPB;
 constexpr int WARP_SIZE = 32;
 constexpr int ROW_WARPS = TPR > WARP_SIZE ? TPR / WARP_SIZE : 1;
@@ -339,8 +346,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     __shared__ float scratch[2][RPB][SUBTREES];
     const int t = threadIdx.x % TPR;
     RowWalk walk(rows);
-    Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
-    if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
+    Held<WC> wh;  // HOLD_WEIGHT: the weight's lanes, loaded once (with each row: WEIGHT_EACH_ROW)
+    if constexpr (HOLD_WEIGHT && !WEIGHT_EACH_ROW) load_held<WC>(wh, w, t, n, true, aligned);
     for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
@@ -356,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
         load_held<RC>(rh, rrow, t, n, live, aligned);
 #endif
 #endif
-        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
+        if constexpr (HOLD_WEIGHT && WEIGHT_EACH_ROW) load_held<WC>(wh, wrow, t, n, true, aligned);
         // piece k of the norm's input: x, or z = rd(x + residual) (recomputed from the held lanes in pass 2
         // with HOLD, read back from z, which pass 1 wrote, otherwise)
         auto input = [&](int k, float* a, int left, bool second_pass) {
@@ -506,8 +513,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         for (int i = 0; i < PIECE; ++i)
             if (i < piece_left(k, t, n)) dw_row[piece_col(k, t) + i] = 0.0f;
 #endif
-    Held<WC> wh;  // HOLD: the weight's lanes, loaded once (per row for per-head weights)
-    if constexpr (HOLD_WEIGHT && !PER_HEAD) load_held<WC>(wh, w, t, n, true, aligned);
+    Held<WC> wh;  // HOLD_WEIGHT: the weight's lanes, loaded once (with each row: WEIGHT_EACH_ROW)
+    if constexpr (HOLD_WEIGHT && !WEIGHT_EACH_ROW) load_held<WC>(wh, w, t, n, true, aligned);
 #if STAGED
 #ifdef STRICTNORM_EMULATED
     uint4* const mine = reinterpret_cast<uint4*>(g_dynamic_smem) + threadIdx.x;
@@ -567,7 +574,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         load_held<NC>(zh, zrow, t, n, live, aligned);
         load_held<DYC>(dh, drow, t, n, live, aligned);
 #endif
-        if constexpr (HOLD_WEIGHT && PER_HEAD) load_held<WC>(wh, wrow, t, n, true, aligned);
+        if constexpr (HOLD_WEIGHT && WEIGHT_EACH_ROW) load_held<WC>(wh, wrow, t, n, true, aligned);
 #if !PREFETCH
         const float rstd = live ? rstd_in[r] : 0.0f;
 #endif
