@@ -334,6 +334,24 @@ def test_compile_probe_counts_loads_that_reuse_a_register(monkeypatch):
     assert load_reuse(sass("STG.E desc[UR4][R2.64], R6", "LDS R6, [R3]")) == (0, 0)
 
 
+def test_reduction_probe_checks_its_canonical_kernel(tmp_path):
+    """bench/reduction_probe.py under the interpreter (CPU tensors): its canon_sum kernel's rstd has the reference's
+    bits at odd and power-of-two N, and the tl.sum kernel runs beside it (a check of the probe, not a timing)."""
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PROBE_SHAPES="3x64,2x100,4x33", PROBE_WARPS="1,2",
+               PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "probe.json"
+    run = subprocess.run([sys.executable, "bench/reduction_probe.py", str(out)], cwd=root, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {(r["M"], r["N"]) for r in rows} == {(3, 64), (2, 100), (4, 33)}
+    assert all(r["canon_bitwise"] and r["sum_rel_diff"] < 1e-6 for r in rows)
+
+
 def test_fold_probes_compile_for_sm90(monkeypatch):
     """bench/consumer_probe.py's kernels, bench/supply_probe.py's edited fold.cu (each edit must still find its text)
     for the plain fold's and the dW fold's default fold_stream, and bench/pattern_probe.py's stripe reads (stripes of
