@@ -302,7 +302,7 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
 # where the CTAs are one an SM and the rows many: 8192 x 4096 55.1 (the ring 54.0), 32768 x 4096 190.5 (206.5).
 _DW_RING_COLS = (4096, 8192)  # the columns it applies to
 _DW_RING_FEW_ROWS = 8192  # fewer rows than this: the 200 KB ring
-_DW_RING_FEW, _DW_RING_MANY_CTAS = (256, 200 * 1024), (128, 96 * 1024)  # (rows a stage, shared bytes)
+_DW_RING_FEW, _DW_RING_MANY_CTAS = (256, 200 * 1024), (128, _RING_ROOMY)  # (rows a stage, shared bytes)
 
 
 def default_dw_ring(n: int, rows: int, groups: int, num_sms: int, smem_optin: int) -> FoldTuning | None:
