@@ -101,6 +101,13 @@ def test_compile_errors_carry_the_nvrtc_log(tmp_path, monkeypatch):
         nvrtc.compile_cubin("fold.cu", "sm_90", {"A_CODE": 7, "B_CODE": 0, "WHAT": 0, "SIMPLE_ROWS": 1})
 
 
+
+def test_source_without_macros_compiles(tmp_path, monkeypatch):
+    # no macros at all is a valid NVRTC call (an empty list is not, to cuda-core): a source that needs none compiles
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    cubin = nvrtc.compile_source("extern \"C\" __global__ void k(float* p) { p[0] = 1.0f; }", "plain.cu", "sm_90", {})
+    assert nvrtc.whole_elf(cubin)
+
 def test_sources_are_packaged():
     assert "fold.cu" in nvrtc.source_names()
     assert "__fadd_rn" in nvrtc.source("fold.cu")
