@@ -458,10 +458,11 @@ Tuning = Bounded[NormTuning]  # (max rows, tuning) entries, the last one unbound
 _H = 65536  # hold_max_p: rows held in registers
 
 
-def _fwd(values: int, min_threads: int = 128, persistent: bool = False) -> NormTuning:
+def _fwd(values: int, min_threads: int = 128, persistent: bool = False, weight_with_row: bool = False,
+         unpredicated: bool = True) -> NormTuning:
     """The forward's entries: rows held, the weight reloaded per row (registers go to the row), EVEN."""
     return NormTuning(values=values, min_threads=min_threads, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0,
-                      persistent=persistent)
+                      persistent=persistent, weight_with_row=weight_with_row, unpredicated=unpredicated)
 
 
 # Last revised from the sweeps of bench/results/2026-11-30-h200-run11 (b-: each entry with EVEN off and on, the
@@ -470,11 +471,14 @@ def _fwd(values: int, min_threads: int = 128, persistent: bool = False) -> NormT
 # and 8192 rows of 4096): staged 2048 x 4096 31.5 -> 30.0 us, 2048 x 18432 100.9 -> 98.9, 32768 x 4096 221.5 ->
 # 219.9, 8192 x 8192 130.5 -> 129.5 (a percent or two: what a row's loads in flight during the last one's
 # arithmetic buy here).
+# The weight loaded with the row, before its sum (run 28, call a: the tables' entries with and without it, EVEN off /
+# predicated / unpredicated): 128 x 4096 3.1 -> 2.9 us; 2048 x 18432 44.6 -> 42.5 with predicated loads. Elsewhere
+# within 1% either way, or slower (1024 x 65536 82.8 -> 120.4).
 FWD_TABLE: dict[int, Tuning] = {
     128: ((None, _fwd(32, min_threads=64)),),
-    4096: ((128, _fwd(8, min_threads=64)), (2048, _fwd(64)), (None, _fwd(32))),
+    4096: ((128, _fwd(8, min_threads=64, weight_with_row=True)), (2048, _fwd(64)), (None, _fwd(32))),
     8192: ((None, _fwd(32)),),
-    32768: ((None, _fwd(64, persistent=True)),),
+    32768: ((None, _fwd(64, persistent=True, weight_with_row=True, unpredicated=False)),),
     65536: ((None, _fwd(32, persistent=True)),),
 }
 BWD_TABLE: dict[int, Tuning] = {

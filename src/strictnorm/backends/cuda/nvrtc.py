@@ -111,8 +111,9 @@ def compile_source(src: str, name: str, arch: str, defines: dict[str, int]) -> b
     name: the source's name in messages. No disk cache (compile_cubin keeps one for the packaged sources)."""
     from cuda.core import Program, ProgramOptions
 
-    options = ProgramOptions(arch=arch, name=name, define_macro=[(k, str(v)) for k, v in sorted(defines.items())] or None,
-                             include_path=[str(_kernel_dir())], **_BASE_OPTIONS)
+    macros = [(k, str(v)) for k, v in sorted(defines.items())] or None
+    options = ProgramOptions(arch=arch, name=name, define_macro=macros, include_path=[str(_kernel_dir())],
+                             **_BASE_OPTIONS)
     log = _Log()
     try:
         return bytes(Program(src, code_type="c++", options=options).compile("cubin", logs=log).code)
