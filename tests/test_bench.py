@@ -334,22 +334,47 @@ def test_compile_probe_counts_loads_that_reuse_a_register(monkeypatch):
     assert load_reuse(sass("STG.E desc[UR4][R2.64], R6", "LDS R6, [R3]")) == (0, 0)
 
 
-def test_reduction_probe_checks_its_canonical_kernel(tmp_path):
+def test_reduction_probe_checks_its_canonical_kernels(tmp_path):
     """bench/reduction_probe.py under the interpreter (CPU tensors): its canon_sum kernel's rstd has the reference's
-    bits at odd and power-of-two N, and the tl.sum kernel runs beside it (a check of the probe, not a timing)."""
+    bits at odd and power-of-two N, the tl.sum kernel runs beside it (a check of the probe, not a timing), and the
+    warps kernel (columns permuted so that each warp holds one block of the row, the blocks' sums taken last) gives
+    canon_sum's rstd and y wherever it runs (here with 1-element pieces; 64 rows: a wrong block order shows in some
+    of them)."""
     from pathlib import Path
 
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PROBE_SHAPES="3x64,2x100,4x33", PROBE_WARPS="1,2",
+    env = dict(os.environ, TRITON_INTERPRET="1", PROBE_SHAPES="3x64,4x33,64x100,64x256,32x1000",
+               PROBE_WARPS="1,2,4,8", PROBE_VECTOR="1",
                PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "probe.json"
     run = subprocess.run([sys.executable, "bench/reduction_probe.py", str(out)], cwd=root, env=env,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())
-    assert {(r["M"], r["N"]) for r in rows} == {(3, 64), (2, 100), (4, 33)}
+    assert {(r["M"], r["N"]) for r in rows} == {(3, 64), (4, 33), (64, 100), (64, 256), (32, 1000)}
     assert all(r["canon_bitwise"] and r["sum_rel_diff"] < 1e-6 for r in rows)
+    warps_rows = [r for r in rows if "warps_bitwise" in r]
+    assert {r["warps"] for r in warps_rows} == {1, 2, 4, 8} and all(r["warps_bitwise"] for r in warps_rows)
+
+
+@pytest.mark.parametrize(("p", "warps"), [(2048, 4), (4096, 8), (16384, 16)])
+def test_reduction_probe_warps_kernel_meets_once_when_compiled(p, warps):
+    """The warps kernel compiled for sm_90 by the installed Triton (no GPU): as few barriers as tl.sum's (fewer than
+    canon_sum's), and the warps' partials combined by the butterfly its order needs (xor warps/2 first, down to 1).
+    Whether that butterfly gives the reference's bits is the GPU's to check (the probe does)."""
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "bench/reduction_probe.py", "--compiled", str(p), str(warps)], cwd=root,
+                         env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout)
+    assert got["warps"]["barriers"] == got["tl.sum"]["barriers"] < got["canon"]["barriers"]
+    assert got["warps"]["xors"] == [warps >> i for i in range(1, warps.bit_length())]
 
 
 def test_fold_probes_compile_for_sm90(monkeypatch):
