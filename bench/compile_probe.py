@@ -9,10 +9,16 @@ load's data to arrive and be used: two memory round trips where one was meant (r
 of 4096 without its rstd store, 22% slower on an H200). ptxas ships with triton, so the SASS is the one a GPU
 machine with the same triton version gets. Usage: python bench/compile_probe.py [N[@ROWS] ...] (ROWS: the
 table's entry for that row count; default its unbounded one)
+
+    python bench/compile_probe.py --warp-blocks N ROWS WARPS
+prints, as JSON, the forward of bf16 rows (with and without a residual) compiled with the row's columns in order and
+in warp blocks (kernels.py's notes): each one's bar.sync count and the xor distances of the shuffles after its first
+barrier, where the warp-block forward's blocks' sums meet ([WARPS/2, ..., 1]: the butterfly its order needs).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -93,11 +99,34 @@ def _stats(c) -> str:
             f"{_resources(c.asm['cubin'])}  {loads}")
 
 
+_FWD_SIG = {"X": "*bf16", "RES": "*bf16", "Z": "*i16", "W": "*bf16", "Y": "*i16", "RSTD": "*fp32",
+            **{s: "i64" for s in ("xs0", "xs1", "xsg", "rs0", "rs1", "rsg", "wsg")},
+            **{s: "i32" for s in ("M", "N", "R1", "G")}, "eps": "fp32", "offset": "fp32"}
+
+
+def warp_block_forwards(n: int, rows: int, warps: int) -> dict:
+    """The forward of `rows` bf16 rows of N (a power of two) a program at `warps` warps, its columns in order and in
+    warp blocks, without and with a residual: {name: {"barriers": count, "xors": [...]}} (see the usage)."""
+    out = {}
+    for blocks in (False, True):
+        tile = tb.RowTile(rows, n, 0, warps, warp_blocks=blocks)
+        for res in (False, True):
+            const = dict(tile.constexprs(), MODE=0, XDT=1, YDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1, HAS_RES=res,
+                         **tile.forward_constexprs(piece=8))
+            ptx = _compile(k.rms_fwd_kernel, _FWD_SIG, const, warps)[0].asm["ptx"]
+            after = (ptx.split("bar.sync", 1) + [""])[1]
+            out[("blocks" if blocks else "in order") + (" + residual" if res else "")] = {
+                "barriers": ptx.count("bar.sync"),
+                "xors": [int(v) for v in re.findall(r"shfl\.sync\.bfly\.b32\s+%r\d+, %r\d+, (\d+),", after)]}
+    return out
+
+
 def main(args: list[str]) -> None:
+    if args[:1] == ["--warp-blocks"]:
+        print(json.dumps(warp_block_forwards(*(int(v) for v in args[1:4]))))
+        return
     ptr16, ptr32 = "*bf16", "*fp32"
-    fwd_sig = {"X": ptr16, "RES": ptr16, "Z": "*i16", "W": ptr16, "Y": "*i16", "RSTD": ptr32,
-               **{s: "i64" for s in ("xs0", "xs1", "xsg", "rs0", "rs1", "rsg", "wsg")},
-               **{s: "i32" for s in ("M", "N", "R1", "G")}, "eps": "fp32", "offset": "fp32"}
+    fwd_sig = _FWD_SIG
     bwd_sig = {"DY": ptr16, "Z": ptr16, "W": ptr16, "RSTD": ptr32, "DRES": ptr16, "DX": "*i16", "DW_PART": ptr32,
                **{s: "i64" for s in ("ds0", "ds1", "dsg", "zs0", "zs1", "zsg", "wsg", "es0", "es1", "esg",
                                      "xs0", "xs1", "xsg")},

@@ -3,16 +3,11 @@ row's squares. Each reads a bf16 row and the weight and writes y (bf16) and rstd
 - canon: strictnorm's canon_sum (the contract's balanced tree: one tl.sum over a pair a level, so each level whose
   pairs span warps is a shared-memory round trip with its barriers; triton 3.6, 4096 lanes, 8 warps: 8 bar.sync).
 - tl.sum: Triton's own sum (its order, not the contract's: timed only; 2 bar.sync).
-- warps: the contract's tree with the warps meeting once (2 bar.sync). The row is loaded with its columns permuted so
-  that each warp holds one contiguous block of the row: with the load's layout of S-element (16-byte) pieces, 32 lanes,
-  then the warps, then repeats (Triton's blocked layout for such a load), the tensor's element j = (rep, warp, lane,
-  s) holds column ((bitrev(warp) * R + rep) * 32 + lane) * S + s. canon_sum over the lanes' INNER = 32 * S elements
-  then over the R repeats stays within each warp (registers and shuffles); the last log2(warps) levels are one
-  tl.sum over the warps' partials, which Triton 3.6 lowers to a shared-memory exchange and a butterfly (xor warps/2
-  first, then down to 1): with warp w holding block bitrev(w) the butterfly pairs adjacent blocks first, the
-  contract's order. That order is Triton's lowering, not its promise (and it holds only where the compiler lays the
-  load out as above): here it is checked on the GPU against the reference's bits. Under the interpreter the last
-  levels are canon_sum over the blocks un-permuted (the decomposition is checked, not the lowering).
+- warps: the contract's tree with the warps meeting once (2 bar.sync): the Triton forward's warp blocks (kernels.py,
+  row_columns and canon_sum_warp_blocks; the module's notes). The row is loaded with its columns permuted so that each
+  warp holds one aligned block of the row, summed within the warp; the blocks' sums meet in one tl.sum, whose
+  butterfly over the warps (Triton's lowering, not its promise) then pairs adjacent blocks first. Its bits are
+  checked here against the reference's.
 
 Each canonical kernel's rstd is checked against the reference's bits; the tl.sum kernel's largest relative difference
 from it is reported. PROBE_SHAPES=MxN,... (default 128x4096,8192x4096,262144x128), PROBE_WARPS=4,8 (warps a
@@ -36,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strictnorm.backends.triton.kernels import COMPILED, _rstd, canon_sum
+from strictnorm.backends.triton.kernels import _rstd, canon_sum, canon_sum_warp_blocks, row_columns
 from strictnorm.bench import Timer
 from strictnorm.reference import compute_rstd, next_pow2
 
@@ -47,60 +42,11 @@ EPS = 1e-6
 CANON, TL_SUM, WARPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
-@triton.constexpr_function
-def _binary_shape(rows, log2n):
-    """(rows, 2, ..., 2): n = 2**log2n elements as one axis a bit, the most significant first."""
-    return [rows] + [2] * log2n
-
-
-@triton.constexpr_function
-def _bits_reversed(log2n):
-    """The permutation of _binary_shape's axes that reverses the bits of the element index."""
-    return [0] + list(range(log2n, 0, -1))
-
-
-@triton.jit
-def _bit_reversed(v, LOG2N: tl.constexpr):
-    """Each element of v (integers below 2**LOG2N) with its LOG2N bits reversed."""
-    r = v * 0
-    for i in tl.static_range(LOG2N):
-        r += ((v >> i) & 1) << (LOG2N - 1 - i)
-    return r
-
-
-@triton.jit
-def warp_block_columns(P: tl.constexpr, NW: tl.constexpr, LOG2NW: tl.constexpr, INNER: tl.constexpr,
-                       R: tl.constexpr):
-    """The column each element of a (P,) row tensor loads so that warp w holds the row's block bitrev(w) (of R *
-    INNER columns) and lane l's piece of repeat r lies at ((block * R + r) * 32 + l) * S."""
-    j = tl.arange(0, P)
-    block = _bit_reversed((j // INNER) % NW, LOG2NW)
-    return block * (R * INNER) + (j // (NW * INNER)) * INNER + j % INNER
-
-
-@triton.jit
-def canon_sum_warp_blocks(v, NW: tl.constexpr, LOG2NW: tl.constexpr, INNER: tl.constexpr, LOG2INNER: tl.constexpr,
-                          R: tl.constexpr, LOG2R: tl.constexpr):
-    """canon_sum of one row of columns loaded by warp_block_columns (v: (NW * R * INNER,)), as (1,)."""
-    s = canon_sum(tl.reshape(v, (R * NW, INNER)), R * NW, INNER, LOG2INNER)  # index rep * NW + warp
-    s = canon_sum(tl.trans(tl.reshape(s, (R, NW))), NW, R, LOG2R)  # warp w's block: block bitrev(w) of the row
-    if COMPILED:  # a constexpr branch: only the one taken is compiled
-        total = tl.sum(tl.reshape(s, (1, NW)), axis=1)
-    else:
-        blocks = tl.reshape(tl.permute(tl.reshape(s, _binary_shape(1, LOG2NW)), _bits_reversed(LOG2NW)), (1, NW))
-        total = canon_sum(blocks, 1, NW, LOG2NW)
-    return total
-
-
 @triton.jit
 def probe_kernel(X, W, Y, RSTD, N, eps, P: tl.constexpr, LOG2P: tl.constexpr, SUM: tl.constexpr,
-                 NW: tl.constexpr, LOG2NW: tl.constexpr, INNER: tl.constexpr, LOG2INNER: tl.constexpr,
-                 R: tl.constexpr, LOG2R: tl.constexpr):
+                 NW: tl.constexpr, S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    if SUM == WARPS:  # noqa: SIM108 (a constexpr branch: only the one taken is compiled)
-        cols = warp_block_columns(P, NW, LOG2NW, INNER, R)
-    else:
-        cols = tl.arange(0, P)
+    cols = row_columns(P, NW if SUM == WARPS else 0, S)  # the forward's own (kernels.py)
     mask = cols < N
     x = tl.reshape(tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32), (1, P))
     w = tl.reshape(tl.load(W + cols, mask=mask, other=0.0).to(tl.float32), (1, P))
@@ -109,7 +55,7 @@ def probe_kernel(X, W, Y, RSTD, N, eps, P: tl.constexpr, LOG2P: tl.constexpr, SU
     elif SUM == TL_SUM:
         ss = tl.sum(x * x, axis=1)
     else:
-        ss = canon_sum_warp_blocks(tl.reshape(x * x, (P,)), NW, LOG2NW, INNER, LOG2INNER, R, LOG2R)
+        ss = canon_sum_warp_blocks(x * x, 1, P, NW, S)
     rstd = _rstd(ss, N, eps, 1)  # the forward's own
     tl.store(RSTD + row + tl.arange(0, 1), rstd)
     y = (x * rstd[:, None]).to(tl.bfloat16).to(tl.float32) * w
@@ -125,12 +71,9 @@ def run(x: torch.Tensor, w: torch.Tensor, kind: tl.constexpr, warps: int,
     """(y, rstd) of one probe kernel over x's rows (vector: the warps kernel's S)."""
     m, n = x.shape
     p = next_pow2(n)
-    inner = 32 * vector
-    r = max(p // (inner * warps), 1)
     y, rstd = torch.empty_like(x), torch.empty(m, dtype=torch.float32, device=x.device)
-    probe_kernel[(m,)](x, w, y, rstd, n, EPS, P=p, LOG2P=_log2(p), SUM=kind.value, NW=warps, LOG2NW=_log2(warps),
-                       INNER=inner, LOG2INNER=_log2(inner), R=r, LOG2R=_log2(r), num_warps=warps,
-                       enable_fp_fusion=False)
+    probe_kernel[(m,)](x, w, y, rstd, n, EPS, P=p, LOG2P=_log2(p), SUM=kind.value, NW=warps, S=vector,
+                       num_warps=warps, enable_fp_fusion=False)
     return y, rstd
 
 
@@ -142,10 +85,7 @@ def compiled_reduction(kind: tl.constexpr, p: int, warps: int, vector: int = 8) 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    inner = 32 * vector
-    r = max(p // (inner * warps), 1)
-    const = dict(P=p, LOG2P=_log2(p), SUM=kind.value, NW=warps, LOG2NW=_log2(warps), INNER=inner,
-                 LOG2INNER=_log2(inner), R=r, LOG2R=_log2(r))
+    const = dict(P=p, LOG2P=_log2(p), SUM=kind.value, NW=warps, S=vector)
     sig = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "RSTD": "*fp32", "N": "i32", "eps": "fp32"}
     sig.update({name: "constexpr" for name in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}  # pointers and N as the JIT sees N % 16 == 0

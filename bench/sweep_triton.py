@@ -7,7 +7,8 @@ SWEEP_CHUNKS=1024,2048 adds rows in column chunks of those lanes (rows longer th
 program, SWEEP_PROGRAMS (2,4) programs an SM in the backward, SWEEP_WARPS (1,2,4,8,16) warps, the chunk loops' loads
 in SWEEP_STAGES (1) shared-memory stages); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction; fwd_nr is the
 forward as an inference call asks for it (need_rstd=False), timed and checked beside the others but not tuned apart
-(it takes the forward's table).
+(it takes the forward's table). SWEEP_WARP_BLOCKS=1 tries each forward configuration of one column tile (held whole
+or in chunks) also with the row in warp blocks (TileChoice.warp_blocks; kernels.py's notes), forward directions only.
 SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (the forward's with
 SWEEP_DIRECTIONS=fwd), its warps times SWEEP_WARP_FACTORS (1,2) with its pipelining: the next block prefetched into
 registers, the loop's loads in 2 or 3 shared-memory stages, SWEEP_PROGRAMS (2,4) programs an SM, its rows a program
@@ -45,7 +46,7 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
     padded length) the column split: up to MAX_TILE lanes a program (one row at least), every thread at least one
     lane and at most MAX_LANES_PER_THREAD."""
     if os.environ.get("SWEEP_PIPELINES") == "1":
-        return pipeline_configs(n, m)
+        return with_warp_blocks(pipeline_configs(n, m))
     out = []
     for split in sorted({False, tb.column_tiles(n, True) != tb.column_tiles(n, False)}):
         pa, t = tb.column_tiles(n, split)
@@ -64,7 +65,14 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
     out += [tb.TileChoice(rows, w, chunk=c, programs_per_sm=programs, stages=st) for c in chunks if c < next_pow2(n)
             for rows in (1, 2) for w in warps if 32 * w <= rows * c <= 32 * w * MAX_LANES_PER_THREAD
             for programs in programs_per_sm for st in stages]
-    return out
+    return with_warp_blocks(out)
+
+
+def with_warp_blocks(out: list[tb.TileChoice]) -> list[tb.TileChoice]:
+    """out, and with SWEEP_WARP_BLOCKS=1 each of its choices of one column tile also in warp blocks."""
+    if os.environ.get("SWEEP_WARP_BLOCKS") != "1":
+        return out
+    return out + [dataclasses.replace(c, warp_blocks=True) for c in out if not c.split]
 
 
 def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:
@@ -145,14 +153,15 @@ def best_tunings(results: list[dict]) -> dict:
 
 def _key(r: dict) -> tuple:
     return (r["rows"], r["num_warps"], r["split"], r.get("w_first", False), r.get("chunk", 0),
-            r.get("programs_per_sm", 4), r.get("prefetch", False), r.get("stages", 1))
+            r.get("programs_per_sm", 4), r.get("prefetch", False), r.get("stages", 1), r.get("warp_blocks", False))
 
 
 def _knobs(key: tuple) -> dict:
-    rows, warps, split, w_first, chunk, programs, prefetch, stages = key
+    rows, warps, split, w_first, chunk, programs, prefetch, stages, warp_blocks = key
     knobs = {"rows": rows, "num_warps": warps, "split": split, "w_first": w_first}
-    extra = {"chunk": chunk, "programs_per_sm": programs, "prefetch": prefetch, "stages": stages}
-    defaults = {"chunk": 0, "programs_per_sm": 4, "prefetch": False, "stages": 1}
+    extra = {"chunk": chunk, "programs_per_sm": programs, "prefetch": prefetch, "stages": stages,
+             "warp_blocks": warp_blocks}
+    defaults = {"chunk": 0, "programs_per_sm": 4, "prefetch": False, "stages": 1, "warp_blocks": False}
     return {**knobs, **{k: v for k, v in extra.items() if v != defaults[k]}}
 
 
@@ -174,17 +183,20 @@ def main() -> None:
         for choice in [None] + configs(n, m):
             use(choice, n, triton)
             for direction in DIRECTIONS:
+                if choice is not None and choice.warp_blocks and direction == "bwd":
+                    continue  # a forward knob: the backward's kernel is the one measured without it
                 tile = tb.row_tile(n, "fwd" if direction == "fwd_nr" else direction, m)
                 row = dict(M=m, N=n, direction=direction, default=choice is None, rows=tile.rows,
                            num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk,
-                           programs_per_sm=tile.programs_per_sm, prefetch=tile.prefetch, stages=tile.stages)
+                           programs_per_sm=tile.programs_per_sm, prefetch=tile.prefetch, stages=tile.stages,
+                           warp_blocks=tile.warp_blocks)
                 row.update(measure(timer, triton, case, direction, ceiling))
                 results.append(row)
                 print(json.dumps(row), flush=True)
         use(None, n, triton)
         _write(ceiling, results)  # after each shape: a run cut by a time limit keeps what it measured
     print(f"\nbest per shape (all rows bitwise: {all(r.get('bitwise') for r in results)}): us (rows, warps, split, "
-          "w_first, chunk, programs an SM, prefetch, stages); "
+          "w_first, chunk, programs an SM, prefetch, stages, warp blocks); "
           "the backend's own choice")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
@@ -195,7 +207,7 @@ def main() -> None:
                 own = next((r for r in ok if r["default"]), None)
                 line += (f"  {direction} {b['us']:7.1f} ({b['rows']}, {b['num_warps']}, {int(b['split'])}, "
                          f"{int(b['w_first'])}, {b['chunk']}, {b['programs_per_sm']}, {int(b['prefetch'])}, "
-                         f"{b['stages']})"
+                         f"{b['stages']}, {int(b.get('warp_blocks', False))})"
                          f" own {own['us'] if own else float('nan'):7.1f}")
         print(line)
 

@@ -139,6 +139,35 @@ def _bench_scripts(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
 
 
+def test_triton_sweep_tries_warp_blocks_and_keeps_them(tmp_path, monkeypatch):
+    """SWEEP_WARP_BLOCKS=1: each configuration of one column tile also in warp blocks (none of the split ones); a
+    warp-block choice that wins is written with its knob and loads as a warp-block tile."""
+    _bench_scripts(monkeypatch)
+    import sweep_triton
+
+    from strictnorm.backends.triton import backend as tb
+
+    monkeypatch.setenv("SWEEP_CHUNKS", "1024")
+    plain = sweep_triton.configs(5120, 2048)
+    monkeypatch.setenv("SWEEP_WARP_BLOCKS", "1")
+    both = sweep_triton.configs(5120, 2048)
+    blocks = [c for c in both if c.warp_blocks]
+    assert both[:len(plain)] == plain and blocks and len(both) == len(plain) + len(blocks)
+    assert not any(c.split for c in blocks) and any(c.chunk for c in blocks)
+    assert {dataclasses.replace(c, warp_blocks=False) for c in blocks} == {c for c in plain if not c.split}
+    rows = [dict(M=m, N=4096, direction="fwd", default=False, rows=1, num_warps=8, split=False, w_first=False,
+                 warp_blocks=wb, bitwise=True, us=us) for m, wb, us in ((128, False, 2.6), (128, True, 2.4),
+                                                                       (8192, False, 35.0), (8192, True, 34.0))]
+    best = sweep_triton.best_tunings(rows)
+    assert best["fwd"]["4096"] == {"rows": 1, "num_warps": 8, "split": False, "w_first": False, "warp_blocks": True}
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(best))
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {}})
+    monkeypatch.setenv("STRICTNORM_TRITON_TUNING", str(path))
+    tb._load_tuning_file()
+    assert tb.row_tile(4096, "fwd").warp_blocks
+
+
 def test_triton_sweep_choice_loads_as_tiles(tmp_path, monkeypatch):
     """bench/sweep_triton.best_tunings: per direction and padded length the configuration with the least mean
     slowdown over that length's shapes (the backend's own choice, measured twice, counted once; configurations
@@ -311,6 +340,28 @@ def test_compile_probe_compiles_every_kernel_for_sm90():
     lines = run.stdout.splitlines()
     assert [line.split()[2] for line in lines if line.startswith("N=")] == ["fwd", "bwd"]
     assert lines[-1].startswith("fold")
+
+
+@pytest.mark.parametrize(("n", "rows", "warps"), [(2048, 1, 4), (4096, 1, 8), (4096, 2, 8)])
+def test_forward_warp_blocks_meet_once_when_compiled(n, rows, warps):
+    """The Triton forward in warp blocks compiled for sm_90 by the installed Triton (no GPU; bench/compile_probe.py):
+    fewer barriers than with its columns in order, and after the first one the butterfly over the warps' block sums
+    (xor warps/2 first, down to 1) that the contract's order needs with warp w holding block bitrev(w). That the
+    butterfly then gives the reference's bits is checked on GPUs (test_gpu.py's warp-block family)."""
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "bench/compile_probe.py", "--warp-blocks", str(n), str(rows), str(warps)],
+                         cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout)
+    butterfly = [warps >> i for i in range(1, warps.bit_length())]
+    for res in ("", " + residual"):
+        assert got["blocks" + res]["barriers"] < got["in order" + res]["barriers"]
+        assert got["blocks" + res]["xors"][:len(butterfly)] == butterfly
 
 
 def test_compile_probe_counts_loads_that_reuse_a_register(monkeypatch):

@@ -164,6 +164,50 @@ def test_triton_direct_launches_give_the_jit_bits(n, seed):
     assert {k[1][0][3] for k in tb._fwd_plans} == {True, False}  # aligned and misaligned x: two plans
 
 
+# The Triton forward in warp blocks (kernels.py's notes): rows, warps, the repeats of a warp's pieces (1 to 4), the
+# W_FIRST / persistent / column-chunk variants; every dtype and casting mode, the fused add, per-head weights.
+WARP_BLOCK_TILES = [(512, 1, 2, {}), (1024, 2, 4, {}), (4096, 1, 8, {"w_first": True}), (4096, 2, 8, {}),
+                    (4096, 1, 4, {"prefetch": True, "stages": 2, "programs_per_sm": 2}), (5120, 1, 8, {}),
+                    (8192, 1, 8, {}), (8192, 1, 16, {}), (16384, 1, 16, {}),
+                    (18432, 1, 4, {"chunk": 4096, "stages": 3}), (18432, 2, 8, {"chunk": 2048})]
+WARP_BLOCK_INPUTS = ["bf16 llama", "bf16 gemma", "fp16 none fp32-weight", "fp32 llama", "bf16 fused", "bf16 per-head"]
+
+
+@pytest.mark.parametrize("n, rows, warps, knobs", WARP_BLOCK_TILES)
+@pytest.mark.parametrize("inputs", WARP_BLOCK_INPUTS)
+def test_triton_forward_warp_blocks_bitwise(n, rows, warps, knobs, inputs, seed, monkeypatch):
+    """The Triton forward with the row in warp blocks, whose blocks' sums meet in one tl.sum (its butterfly's order is
+    Triton's lowering: checked here) against the reference's bits: y, rstd, and z of the fused add, at 1, 255 and 4097
+    rows; the plan really takes warp blocks."""
+    from strictnorm.backends.triton import backend as tbm
+
+    fwd = {**tbm.TILE_TABLE["fwd"], 1 << (n - 1).bit_length(): tbm.TileChoice(rows=rows, num_warps=warps,
+                                                                              warp_blocks=True, **knobs)}
+    monkeypatch.setattr(tbm, "TILE_TABLE", {**tbm.TILE_TABLE, "fwd": fwd})
+    tb = get_backend("triton")
+    monkeypatch.setattr(tb, "_fwd_plans", {})
+    kind, mode = inputs.split()[:2]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kind]
+    mode = mode if mode in ("llama", "gemma", "none") else "gemma"
+    kw = dict(offset=1.0 if mode == "gemma" else 0.0, casting_mode=mode)
+    for m in (1, 255, 4097):
+        g = torch.Generator(device=DEV).manual_seed(seed + m)
+        x = torch.randn(m, n, device=DEV, generator=g).to(dtype)
+        w = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).to(torch.float32 if "fp32-weight" in inputs else dtype)
+        if "fused" in inputs:
+            res = torch.randn(m, n, device=DEV, generator=g).to(dtype)
+            outs = [sn.fused_add_rms_norm(x, res, w, backend=b, **kw) for b in ("torch", "triton")]
+        elif "per-head" in inputs:
+            xh = x.view(m, 1, 1, n).expand(m, 1, 2, n).contiguous()
+            wh = torch.stack([w, w.flip(0)])
+            outs = [(sn.qk_norm(xh, wh, backend=b, **kw),) for b in ("torch", "triton")]
+        else:
+            outs = [sn.rms_norm_with_rstd(x, w, backend=b, **kw) for b in ("torch", "triton")]
+        for a, b in zip(*outs, strict=True):
+            assert bits_equal(a, b), f"{m}x{n} {inputs}"
+    assert tb._fwd_plans and all(p.meta["WB_NW"] == warps for p in tb._fwd_plans.values())
+
+
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dw", ["fast", "strict"])
 def test_cuda_graph_replay_with_new_inputs(backend, dw, seed):

@@ -378,6 +378,58 @@ def test_forward_weight_first_and_column_chunks_give_the_reference_bits(n, split
     _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
 
 
+@pytest.mark.parametrize("n, warps, qk, persistent, chunk", [(256, 1, False, False, 0), (512, 2, True, False, 0),
+                                                            (2048, 2, False, False, 0), (1024, 4, False, True, 0),
+                                                            (2048, 8, True, False, 0), (2000, 2, False, False, 512),
+                                                            (2048, 4, True, False, 1024)])
+def test_forward_warp_blocks_give_the_reference_bits(n, warps, qk, persistent, chunk, seed, monkeypatch):
+    """TileChoice.warp_blocks (the row's columns loaded permuted so each warp holds one block, the blocks' sums taken
+    last; under the interpreter the blocks un-permuted and summed by canon_sum): y, z and rstd against the reference,
+    with one to eight warps, one to four repeats of a warp's pieces, fused add or per-head weights, the persistent
+    grid, rows in column chunks (each chunk in warp blocks; N = 2000: the last chunk part padding). Where the rows are
+    not 16-byte aligned (N = 1000) or N needs two column tiles, no warp blocks."""
+    from strictnorm.backends.triton import backend as tb
+
+    monkeypatch.setattr(tb, "_num_sms", lambda device: 4)
+    g = torch.Generator().manual_seed(seed)
+    p = next_pow2(n)
+    choice = tb.TileChoice(rows=2, num_warps=warps, warp_blocks=True, programs_per_sm=1, prefetch=persistent,
+                           chunk=chunk)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {p: choice, 1024: choice, 64: tb.TileChoice(split=True,
+                                                                                               warp_blocks=True)},
+                                           "bwd": {}})
+    monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+    x, w, dy, kw = _per_head_or_fused_case(n, qk, 7, "strict", g)
+    _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+    (plan,) = get_backend("triton")._fwd_plans.values()
+    assert (plan.meta["WB_NW"], plan.meta["WB_S"], plan.meta["PERSISTENT"]) == (warps, 8, persistent)
+    for m, cols in ((4, 1000), (3, 40)):  # unaligned rows; two column tiles (40 <= 3/4 of 64)
+        monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+        xs, dys = (randn(m, cols, dtype=torch.bfloat16, gen=g) for _ in range(2))
+        ws, kws = randn(cols, gen=g), dict(mode="gemma", offset=1.0, dw="strict", device=DEV)
+        _assert_same(_run("torch", xs, ws, dys, **kws), _run("triton", xs, ws, dys, **kws))
+        (plan,) = get_backend("triton")._fwd_plans.values()
+        assert plan.meta["WB_NW"] == 0
+
+
+def test_forward_warp_blocks_in_fp32_rows(seed, monkeypatch):
+    """Warp blocks of fp32 rows (4-element pieces) against the reference (y and rstd), llama casting, on strided views:
+    rows 1040 apart (16-byte aligned: warp blocks) and 1030 apart (not: the columns in order)."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {1024: tb.TileChoice(rows=1, num_warps=4, warp_blocks=True)},
+                                           "bwd": {}})
+    for stride, blocks in ((1040, 4), (1030, 0)):
+        monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+        x, w = randn(5, stride, gen=g)[:, :1024].to(DEV), randn(1024, gen=g).to(DEV)
+        want = sn.rms_norm_with_rstd(x, w, casting_mode="llama", backend="torch")
+        got = sn.rms_norm_with_rstd(x, w, casting_mode="llama", backend="triton")
+        assert all(bits_equal(a, b) for a, b in zip(want, got, strict=True))
+        (plan,) = get_backend("triton")._fwd_plans.values()
+        assert plan.views.lay.s0 == stride and (plan.meta["WB_NW"], plan.meta["WB_S"]) == (blocks, 4 if blocks else 8)
+
+
 def _per_head_or_fused_case(n: int, qk: bool, rows: int, dw: str, g: torch.Generator):
     """bf16 inputs of N columns with a negative offset: qk_norm of (3, rows, 2, N) views with per-head weights (gemma),
     or the fused add of (rows + 1, N) rows with the residual's gradient and one zero dy row (none); _run's arguments."""

@@ -75,6 +75,9 @@ class TileChoice:
     programs_per_sm: int = 4
     prefetch: bool = False
     stages: int = 1
+    # forward, one column tile (held whole or in chunks): the row (each chunk) in warp blocks, each warp's block summed
+    # in the warp and the blocks' sums combined at once (kernels.py, WB_NW; taken only where _warp_block_piece allows)
+    warp_blocks: bool = False
 
 
 # Choices per direction and padded length P: a TileChoice, or ((max rows, TileChoice), ..., (None, TileChoice)) where
@@ -148,6 +151,7 @@ class RowTile:
     programs_per_sm: int = 4  # the persistent grid, prefetch and pipeline stages (TileChoice)
     prefetch: bool = False
     stages: int = 1
+    warp_blocks: bool = False
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -166,12 +170,16 @@ class RowTile:
         """Whether the forward's programs stride over the blocks (rows held whole, prefetched or pipelined)."""
         return not self.chunk and (self.prefetch or self.stages > 1)
 
-    def forward_constexprs(self) -> dict:
-        """The forward's weight-first, chunk, persistent-grid and stage constexprs (the chunk loops' stages, or the
-        persistent grid's)."""
+    def forward_constexprs(self, piece: int = 0) -> dict:
+        """The forward's weight-first, chunk, persistent-grid, stage and warp-block constexprs (the chunk loops'
+        stages, or the persistent grid's; warp blocks of `piece`-element pieces where the tile asks for them and
+        piece > 0, see _warp_block_piece)."""
         persistent = self.forward_persistent
+        blocks = self.warp_blocks and piece > 0 and self.t == 0 and \
+            (self.chunk or self.pa) >= 32 * piece * self.num_warps
         return dict(W_FIRST=self.w_first, STAGES=self.stages if self.chunk or persistent else 1,
-                    PERSISTENT=persistent, PREFETCH=self.prefetch and persistent, **self.chunk_constexprs())
+                    PERSISTENT=persistent, PREFETCH=self.prefetch and persistent, WB_NW=self.num_warps if blocks else 0,
+                    WB_S=piece if blocks else 8, **self.chunk_constexprs())
 
     def chunk_constexprs(self) -> dict:
         """The column-chunk constexprs (CHUNK = 0: none)."""
@@ -203,7 +211,7 @@ def row_tile(n: int, direction: str, rows: int | None = None) -> RowTile:
     num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
     chunk = choice.chunk if t == 0 and 0 < choice.chunk < pa else 0
     return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk, choice.programs_per_sm, choice.prefetch,
-                   choice.stages)
+                   choice.stages, choice.warp_blocks)
 
 
 class _Launcher:
@@ -333,7 +341,7 @@ class TritonBackend:
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
-                    **tile.forward_constexprs(), **tile.meta())
+                    **tile.forward_constexprs(_warp_block_piece(x, residual, lay, views.rlay)), **tile.meta())
         nprog = _programs(_cdiv(lay.rows, tile.rows), tile, x.device, tile.forward_persistent)
         return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,
@@ -441,6 +449,21 @@ class TritonBackend:
         flat = rows.reshape(rows.shape[0], -1)
         ak, lay = row_layout(flat)
         return self._fold(ak, lay, ak, lay, ak, 0, 0, 1).reshape(rows.shape[1:])
+
+
+def _warp_block_piece(x: Tensor, residual: Tensor | None, lay: RowLayout, rlay: RowLayout) -> int:
+    """Elements of the 16-byte pieces the compiler loads the forward's rows in, where warp blocks may rely on that
+    layout (kernels.py's notes), else 0: rows and their starts 16-byte aligned as the JIT specializes them (N and
+    every row stride divisible by 16, the tensors' starts 16-byte aligned), x and the residual of one element size,
+    a warp of 32 lanes (not ROCm's 64)."""
+    if torch.version.hip or (residual is not None and residual.element_size() != x.element_size()):
+        return 0
+    layouts = (lay,) if residual is None else (lay, rlay)
+    tensors = (x,) if residual is None else (x, residual)
+    if lay.n % 16 or any(v % 16 for layout in layouts for v in layout.args()) or any(
+            t.data_ptr() % 16 for t in tensors):
+        return 0
+    return 16 // x.element_size()
 
 
 def _cdiv(a: int, b: int) -> int:

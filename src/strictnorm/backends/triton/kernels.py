@@ -19,6 +19,15 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
   N = 18432 then takes 18432 lanes instead of 32768 (5120 instead of 8192), the same bits.
 - Rows in column chunks (CHUNK > 0): the aligned chunks of CHUNK lanes are subtrees of the tree over P,
   so canon_sum over P is canon_sum over the NCH = P / CHUNK chunk sums, chunks past N (all padding) +0.0.
+- Warp blocks (the forward's WB_NW > 0, opt-in): canon_sum's levels whose pairs span warps each cost a shared-memory
+  round trip (triton 3.6, 4096 lanes, 8 warps: 10 barriers against tl.sum's 4). The row's columns are loaded
+  permuted (warp_block_columns) so that each warp holds one aligned block of the row, a subtree of the tree: its sum
+  stays in the warp's registers and shuffles, and the blocks' sums meet once, in one tl.sum, which Triton lowers (3.6,
+  3.9) to a shared-memory exchange and a butterfly over the warps (xor NW/2 first): with warp w holding block
+  bitrev(w) that pairs adjacent blocks first, the contract's order. That holds only where the compiler lays the rows
+  out as assumed (16-byte pieces of S elements, 32 lanes, the warps, then repeats): the backend takes warp blocks only
+  for 16-byte-aligned rows and the dtypes its GPU tests cover, and a CI test checks the compiled butterfly. Under the
+  interpreter the blocks' sums are un-permuted and summed by canon_sum (the decomposition is checked there).
 """
 
 from __future__ import annotations
@@ -116,6 +125,74 @@ def tiled_canon_sum(va, vb, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.con
     return s
 
 
+@triton.constexpr_function
+def _log2(v):
+    return int(v).bit_length() - 1
+
+
+@triton.constexpr_function
+def _binary_shape(rows, log2n):
+    """(rows, 2, ..., 2): n = 2**log2n elements as one axis a bit, the most significant first."""
+    return [int(rows)] + [2] * int(log2n)
+
+
+@triton.constexpr_function
+def _bits_reversed(log2n):
+    """The permutation of _binary_shape's axes that reverses the bits of the element index."""
+    return [0] + list(range(int(log2n), 0, -1))
+
+
+@triton.jit
+def _bit_reversed(v, LOG2N: tl.constexpr):
+    """Each element of v (integers below 2**LOG2N) with its LOG2N bits reversed."""
+    r = v * 0
+    for i in tl.static_range(LOG2N):
+        r += ((v >> i) & 1) << (LOG2N - 1 - i)
+    return r
+
+
+@triton.jit
+def row_columns(PA: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
+    """The column each lane of a row tile loads: in order, or with warp blocks (WB_NW > 0; the module's notes) so that
+    warp w holds the row's block bitrev(w) of PA / WB_NW columns, and lane l's piece of repeat r lies at
+    ((block * R + r) * 32 + l) * WB_S (R = PA / (32 * WB_S * WB_NW) repeats)."""
+    j = tl.arange(0, PA)
+    if WB_NW > 0:
+        inner: tl.constexpr = 32 * WB_S
+        reps: tl.constexpr = PA // (inner * WB_NW)
+        block = _bit_reversed((j // inner) % WB_NW, _log2(WB_NW))
+        j = block * (reps * inner) + (j // (WB_NW * inner)) * inner + j % inner
+    return j
+
+
+@triton.jit
+def canon_sum_warp_blocks(v, ROWS: tl.constexpr, PA: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
+    """canon_sum of rows (ROWS, PA) loaded at row_columns(PA, WB_NW, WB_S) with WB_NW > 0: each warp's block summed
+    within the warp (its pieces, then its repeats), the blocks' sums last."""
+    inner: tl.constexpr = 32 * WB_S
+    reps: tl.constexpr = PA // (inner * WB_NW)
+    s = canon_sum(tl.reshape(v, (ROWS * reps * WB_NW, inner)), ROWS * reps * WB_NW, inner, _log2(inner))
+    s = tl.reshape(tl.permute(tl.reshape(s, (ROWS, reps, WB_NW)), (0, 2, 1)), (ROWS * WB_NW, reps))
+    s = tl.reshape(canon_sum(s, ROWS * WB_NW, reps, _log2(reps)), (ROWS, WB_NW))  # warp w: block bitrev(w)
+    if COMPILED:  # a constexpr branch: only the one taken is compiled
+        total = tl.sum(s, axis=1)
+    else:
+        blocks = tl.permute(tl.reshape(s, _binary_shape(ROWS, _log2(WB_NW))), _bits_reversed(_log2(WB_NW)))
+        total = canon_sum(tl.reshape(blocks, (ROWS, WB_NW)), ROWS, WB_NW, _log2(WB_NW))
+    return total
+
+
+@triton.jit
+def row_sum(va, vb, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
+            LOG2T: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
+    """canon_sum over a row's column tiles (tiled_canon_sum), or over one tile in warp blocks (WB_NW > 0)."""
+    if WB_NW > 0:
+        s = canon_sum_warp_blocks(va, ROWS, PA, WB_NW, WB_S)
+    else:
+        s = tiled_canon_sum(va, vb, ROWS, PA, LOG2PA, T, LOG2T)
+    return s
+
+
 @triton.jit
 def row_offsets(rows, R1, G, s0, s1, sg):
     """Element offsets of logical rows in a RowLayout view, and each row's group (head) index."""
@@ -192,18 +269,18 @@ def _rstd(ss, N, eps, ROWS: tl.constexpr):
 def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
                  CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr, NCH: tl.constexpr, LOG2NCH: tl.constexpr,
                  MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, STAGES: tl.constexpr):
+                 HAS_RES: tl.constexpr, STAGES: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8):
     """y and rstd of rows in column chunks of CHUNK lanes (the module's notes): each chunk's squares summed by
-    canon_sum, then the NCH chunk sums; y chunk by chunk, the rows read again (this program's own lanes, from L2;
-    with a residual, z recomputed rather than read back). STAGES > 1: the chunk loops' loads pipelined by Triton
-    through shared memory."""
+    canon_sum (a chunk in warp blocks where WB_NW > 0), then the NCH chunk sums; y chunk by chunk, the rows read
+    again (this program's own lanes, from L2; with a residual, z recomputed rather than read back). STAGES > 1: the
+    chunk loops' loads pipelined by Triton through shared memory."""
     chunk_ids = tl.arange(0, NCH)
     parts = tl.zeros((ROWS, NCH), tl.float32)
     chunks = tl.cdiv(N, CHUNK)
     for c in tl.range(0, chunks, num_stages=STAGES):
-        cols = c * CHUNK + tl.arange(0, CHUNK)
+        cols = c * CHUNK + row_columns(CHUNK, WB_NW, WB_S)
         xf = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT, HAS_RES)
-        s = canon_sum(xf * xf, ROWS, CHUNK, LOG2CHUNK)
+        s = row_sum(xf * xf, xf, ROWS, CHUNK, LOG2CHUNK, 0, 0, WB_NW, WB_S)
         parts = tl.where(chunk_ids[None, :] == c, s[:, None], parts)
     rstd = _rstd(canon_sum(parts, ROWS, NCH, LOG2NCH), N, eps, ROWS)
     tl.store(RSTD + rows, rstd, mask=rows < M)
@@ -246,13 +323,14 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, W_FIRST: tl.constexpr,
                    CHUNK: tl.constexpr = 0, LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1,
                    LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
-                   PREFETCH: tl.constexpr = False):
+                   PREFETCH: tl.constexpr = False, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
-    y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). The same bits
-    every way."""
+    y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0 (one
+    tile, held whole or in chunks; num_warps = WB_NW): the row (each chunk) in warp blocks of WB_S-element pieces (the
+    module's notes). The same bits every way."""
     pid = tl.program_id(0)
-    cols_a = tl.arange(0, PA)
+    cols_a = row_columns(PA, 0 if CHUNK > 0 else WB_NW, WB_S)
     cols_b = PA + tl.arange(0, T if T > 0 else 1)
     if CHUNK > 0:
         rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -261,11 +339,11 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
         if HAS_RES:
             r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
         _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
-                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES)
+                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES, WB_NW, WB_S)
     elif PERSISTENT:
         _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pid, M, N, R1, G, eps, offset,
                         cols_a, cols_b, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES,
-                        PREFETCH)
+                        PREFETCH, WB_NW, WB_S)
     else:
         xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b, ROWS, T,
                                     HAS_RES)
@@ -274,7 +352,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
             wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W,
                                       PER_HEAD)
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S)
 
 
 @triton.jit
@@ -282,7 +360,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                     cols_b, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
                     LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
                     HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
     """Rows held whole, programs striding over the blocks: a shared weight loaded once a program; PREFETCH: the next
     block's rows loaded into registers before this block's sum (their loads in flight while it computes and
     stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory."""
@@ -303,7 +381,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                                         T, HAS_RES)
         # per-head weights: loaded for each block, after its sum
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, WB_NW, WB_S)
 
 
 @triton.jit
@@ -346,7 +424,7 @@ def _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS: tl.constexp
 def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b,
               ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr, LOG2T: tl.constexpr,
               MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-              HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr):
+              HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8):
     """y and rstd of block blk's rows held whole, from their loaded column tiles. W_GIVEN: wf_a and wf_b are the
     effective weight; else it is loaded after the rows' sum."""
     rows = _block_rows(blk, ROWS)
@@ -354,7 +432,7 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
     xfb = xfa
     if T > 0:
         xfb = _fwd_widen(xb, rb, Z, rows, M, N, cols_b, XDT, HAS_RES)
-    rstd = _rstd(tiled_canon_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T), N, eps, ROWS)
+    rstd = _rstd(row_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S), N, eps, ROWS)
     tl.store(RSTD + rows, rstd, mask=rows < M)
     if not W_GIVEN:
         wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD)
