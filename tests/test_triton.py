@@ -400,6 +400,7 @@ def test_forward_warp_blocks_give_the_reference_bits(n, warps, qk, persistent, c
                                            "bwd": {}})
     monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
     x, w, dy, kw = _per_head_or_fused_case(n, qk, 7, "strict", g)
+    w = w.bfloat16()  # every row-long tensor of one element size (backend._warp_block_piece)
     _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
     (plan,) = get_backend("triton")._fwd_plans.values()
     assert (plan.meta["WB_NW"], plan.meta["WB_S"], plan.meta["PERSISTENT"]) == (warps, 8, persistent)
@@ -410,6 +411,27 @@ def test_forward_warp_blocks_give_the_reference_bits(n, warps, qk, persistent, c
         _assert_same(_run("torch", xs, ws, dys, **kws), _run("triton", xs, ws, dys, **kws))
         (plan,) = get_backend("triton")._fwd_plans.values()
         assert plan.meta["WB_NW"] == 0
+
+
+def test_forward_warp_blocks_only_where_every_row_tensor_has_one_element_size(seed, monkeypatch):
+    """Warp blocks rely on the compiler's layout of the rows, which a 32-bit weight or y beside 16-bit rows (or the
+    other way) can change: such calls take the columns in order, with the same bits."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {1024: tb.TileChoice(rows=1, num_warps=4, warp_blocks=True)},
+                                           "bwd": {}})
+    x16 = randn(3, 1024, dtype=torch.bfloat16, gen=g).to(DEV)
+    x32, w32 = randn(3, 1024, gen=g).to(DEV), randn(1024, gen=g).to(DEV)
+    for x, w, out_dtype, blocks in ((x16, w32, None, 0), (x32, w32, torch.bfloat16, 0), (x16, w32.bfloat16(), None, 4),
+                                    (x16, None, None, 4), (x16, w32.bfloat16(), torch.float32, 0)):
+        monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+        kw = dict(casting_mode="gemma", offset=1.0 if w is not None else 0.0, out_dtype=out_dtype)
+        want = sn.rms_norm_with_rstd(x, w, backend="torch", **kw)
+        got = sn.rms_norm_with_rstd(x, w, backend="triton", **kw)
+        assert all(bits_equal(a, b) for a, b in zip(want, got, strict=True))
+        (plan,) = get_backend("triton")._fwd_plans.values()
+        assert plan.meta["WB_NW"] == blocks
 
 
 def test_forward_warp_blocks_in_fp32_rows(seed, monkeypatch):

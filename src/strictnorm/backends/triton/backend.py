@@ -338,12 +338,14 @@ class TritonBackend:
         if lay.rows == 0:
             return _Plan(views, (), 0, (), {})
         tile = row_tile(lay.n, "fwd", lay.rows)
+        wsg = w.stride(0) if views.per_head else 0
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
-                    **tile.forward_constexprs(_warp_block_piece(x, residual, lay, views.rlay)), **tile.meta())
+                    **tile.forward_constexprs(_warp_block_piece(x, residual, w, wsg, spec.out_dtype, lay, views.rlay)),
+                    **tile.meta())
         nprog = _programs(_cdiv(lay.rows, tile.rows), tile, x.device, tile.forward_persistent)
-        return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0,
+        return _Plan(views, (nprog,), wsg,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,
                      _Launcher(_kernels().rms_fwd_kernel, meta))
 
@@ -451,19 +453,25 @@ class TritonBackend:
         return self._fold(ak, lay, ak, lay, ak, 0, 0, 1).reshape(rows.shape[1:])
 
 
-def _warp_block_piece(x: Tensor, residual: Tensor | None, lay: RowLayout, rlay: RowLayout) -> int:
+def _warp_block_piece(x: Tensor, residual: Tensor | None, weight: Tensor | None, wsg: int, out_dtype: torch.dtype,
+                      lay: RowLayout, rlay: RowLayout) -> int:
     """Elements of the 16-byte pieces the compiler loads the forward's rows in, where warp blocks may rely on that
-    layout (kernels.py's notes), else 0: rows and their starts 16-byte aligned as the JIT specializes them (N and
-    every row stride divisible by 16, the tensors' starts 16-byte aligned), x and the residual of one element size,
-    a warp of 32 lanes (not ROCm's 64)."""
-    if torch.version.hip or (residual is not None and residual.element_size() != x.element_size()):
+    layout (kernels.py's notes), else 0. Where the rows are 16-byte aligned as the JIT specializes them (N and every
+    row stride divisible by 16, the tensors' starts 16-byte aligned) and every row-long tensor (x, the residual, the
+    weight, y) has one element size, Triton 3.6 and 3.9 lay the rows out as warp blocks assume (compiled for sm_90:
+    mixing a 32-bit weight or y with 16-bit rows changed the layout for some tiles, so such calls take the columns in
+    order); 32-lane warps only (not ROCm's 64)."""
+    size = x.element_size()
+    sizes = [t.element_size() for t in (residual, weight) if t is not None] + [torch.empty((), dtype=out_dtype)
+                                                                               .element_size()]
+    if torch.version.hip or any(v != size for v in sizes):
         return 0
     layouts = (lay,) if residual is None else (lay, rlay)
-    tensors = (x,) if residual is None else (x, residual)
-    if lay.n % 16 or any(v % 16 for layout in layouts for v in layout.args()) or any(
+    tensors = [t for t in (x, residual, weight) if t is not None]
+    if lay.n % 16 or wsg % 16 or any(v % 16 for layout in layouts for v in layout.args()) or any(
             t.data_ptr() % 16 for t in tensors):
         return 0
-    return 16 // x.element_size()
+    return 16 // size
 
 
 def _cdiv(a: int, b: int) -> int:

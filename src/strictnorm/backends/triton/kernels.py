@@ -26,8 +26,9 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
   3.9) to a shared-memory exchange and a butterfly over the warps (xor NW/2 first): with warp w holding block
   bitrev(w) that pairs adjacent blocks first, the contract's order. That holds only where the compiler lays the rows
   out as assumed (16-byte pieces of S elements, 32 lanes, the warps, then repeats): the backend takes warp blocks only
-  for 16-byte-aligned rows and the dtypes its GPU tests cover, and a CI test checks the compiled butterfly. Under the
-  interpreter the blocks' sums are un-permuted and summed by canon_sum (the decomposition is checked there).
+  for 16-byte-aligned rows whose row-long tensors share one element size (a 32-bit weight or y beside 16-bit rows
+  changed the layout), and a CI test checks the compiled butterfly. Under the interpreter the blocks' sums are
+  un-permuted and summed by canon_sum (the decomposition is checked there).
 """
 
 from __future__ import annotations
