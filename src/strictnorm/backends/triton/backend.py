@@ -462,8 +462,7 @@ def _warp_block_piece(x: Tensor, residual: Tensor | None, weight: Tensor | None,
     mixing a 32-bit weight or y with 16-bit rows changed the layout for some tiles, so such calls take the columns in
     order); 32-lane warps only (not ROCm's 64)."""
     size = x.element_size()
-    sizes = [t.element_size() for t in (residual, weight) if t is not None] + [torch.empty((), dtype=out_dtype)
-                                                                               .element_size()]
+    sizes = [t.element_size() for t in (residual, weight) if t is not None] + [out_dtype.itemsize]
     if torch.version.hip or any(v != size for v in sizes):
         return 0
     layouts = (lay,) if residual is None else (lay, rlay)
