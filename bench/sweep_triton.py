@@ -32,6 +32,7 @@ import torch
 from sweep_cuda import Case, Sweep, measure, shapes_from_env
 
 from strictnorm.backends.triton import backend as tb
+from strictnorm.backends.tuning import for_rows
 from strictnorm.bench import NORM_SHAPES
 from strictnorm.reference import next_pow2
 
@@ -83,7 +84,7 @@ def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:
     p = next_pow2(n)
     entry = ORIGINAL_TABLE[direction].get(p) or tb.TileChoice(split=tb.DEFAULT_SPLIT[direction])
     tile = tb.row_tile(n, direction, m)
-    base = dataclasses.replace(entry if isinstance(entry, tb.TileChoice) else tb.TileChoice(split=tile.t > 0),
+    base = dataclasses.replace(entry if isinstance(entry, tb.TileChoice) else for_rows(entry, m),
                                rows=tile.rows, num_warps=tile.num_warps, chunk=0)
     pipelines = ((True, 1), (False, 2), (False, 3), (True, 2)) if direction == "fwd" else \
         ((False, 1), (True, 1), (False, 2), (False, 3))

@@ -434,6 +434,24 @@ def test_forward_warp_blocks_only_where_every_row_tensor_has_one_element_size(se
         assert plan.meta["WB_NW"] == blocks
 
 
+def test_forward_warp_blocks_only_on_checked_triton_releases(seed, monkeypatch):
+    """On a Triton release whose lowering was not checked, a tile asking for warp blocks takes the columns in order."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {1024: tb.TileChoice(rows=1, num_warps=4, warp_blocks=True)},
+                                           "bwd": {}})
+    x, w = randn(3, 1024, dtype=torch.bfloat16, gen=g).to(DEV), randn(1024, dtype=torch.bfloat16, gen=g).to(DEV)
+    for releases, blocks in ((tb.WARP_BLOCK_TRITON_RELEASES, 4), (("2.0",), 0)):
+        monkeypatch.setattr(tb, "WARP_BLOCK_TRITON_RELEASES", releases)
+        monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+        want = sn.rms_norm_with_rstd(x, w, casting_mode="llama", backend="torch")
+        got = sn.rms_norm_with_rstd(x, w, casting_mode="llama", backend="triton")
+        assert all(bits_equal(a, b) for a, b in zip(want, got, strict=True))
+        (plan,) = get_backend("triton")._fwd_plans.values()
+        assert plan.meta["WB_NW"] == blocks
+
+
 def test_forward_warp_blocks_in_fp32_rows(seed, monkeypatch):
     """Warp blocks of fp32 rows (4-element pieces) against the reference (y and rstd), llama casting, on strided views:
     rows 1040 apart (16-byte aligned: warp blocks) and 1030 apart (not: the columns in order)."""
@@ -444,7 +462,7 @@ def test_forward_warp_blocks_in_fp32_rows(seed, monkeypatch):
                                            "bwd": {}})
     for stride, blocks in ((1040, 4), (1030, 0)):
         monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
-        x, w = randn(5, stride, gen=g)[:, :1024].to(DEV), randn(1024, gen=g).to(DEV)
+        x, w = randn(5, stride, gen=g).to(DEV)[:, :1024], randn(1024, gen=g).to(DEV)  # .to would compact a view
         want = sn.rms_norm_with_rstd(x, w, casting_mode="llama", backend="torch")
         got = sn.rms_norm_with_rstd(x, w, casting_mode="llama", backend="triton")
         assert all(bits_equal(a, b) for a, b in zip(want, got, strict=True))

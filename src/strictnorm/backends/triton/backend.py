@@ -112,9 +112,12 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "fwd": {128: TileChoice(rows=8, num_warps=2),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
-                   (None, TileChoice(rows=2, num_warps=8))),
-            8192: TileChoice(rows=1, num_warps=8), 32768: TileChoice(rows=1, num_warps=4, chunk=4096, stages=3),
+                   (None, TileChoice(rows=2, num_warps=8, warp_blocks=True))),
+            8192: TileChoice(rows=1, num_warps=8, warp_blocks=True),
+            32768: TileChoice(rows=1, num_warps=4, chunk=4096, stages=3),
             65536: TileChoice(rows=1, num_warps=4, chunk=2048)},
+    # warp blocks (kernels.py) where the same tile in order was slower in run 29, call a (each pair bitwise):
+    # 32768 x 4096 130.2 -> 128.8 us, 8192 x 4096 34.9 -> 34.8, 8192 x 8192 67.6 -> 67.2
     # P = 128: the loop pipelined through 3 stages (run 17, call a: 262144 x 128 60.4 -> 57.1 us at 4 warps), at
     # 2 warps (bench/results/2026-12-01-h200-run18, call a: 57.2 -> 55.5; rows 8 or 32, 8 programs an SM: slower)
     "bwd": {128: TileChoice(rows=16, num_warps=2, stages=3),
@@ -453,14 +456,28 @@ class TritonBackend:
         return self._fold(ak, lay, ak, lay, ak, 0, 0, 1).reshape(rows.shape[1:])
 
 
+# Triton releases whose lowering of the warp blocks' closing tl.sum was checked to be the contract's butterfly (every
+# allowed configuration compiled for sm_90 and read; 3.6 also run on an H200): other releases take the columns in
+# order, since the order rests on how the compiler lays out and reduces the row, which Triton does not promise.
+WARP_BLOCK_TRITON_RELEASES = ("3.6", "3.9")
+
+
+def _triton_release() -> str:
+    import triton
+
+    return ".".join(triton.__version__.split(".")[:2])
+
+
 def _warp_block_piece(x: Tensor, residual: Tensor | None, weight: Tensor | None, wsg: int, out_dtype: torch.dtype,
                       lay: RowLayout, rlay: RowLayout) -> int:
     """Elements of the 16-byte pieces the compiler loads the forward's rows in, where warp blocks may rely on that
-    layout (kernels.py's notes), else 0. Where the rows are 16-byte aligned as the JIT specializes them (N and every
-    row stride divisible by 16, the tensors' starts 16-byte aligned) and every row-long tensor (x, the residual, the
-    weight, y) has one element size, Triton 3.6 and 3.9 lay the rows out as warp blocks assume (compiled for sm_90:
-    mixing a 32-bit weight or y with 16-bit rows changed the layout for some tiles, so such calls take the columns in
-    order); 32-lane warps only (not ROCm's 64)."""
+    layout (kernels.py's notes), else 0. On a Triton release of WARP_BLOCK_TRITON_RELEASES, where the rows are
+    16-byte aligned as the JIT specializes them (N and every row stride divisible by 16, the tensors' starts 16-byte
+    aligned) and every row-long tensor (x, the residual, the weight, y) has one element size, Triton lays the rows
+    out as warp blocks assume (compiled for sm_90: mixing a 32-bit weight or y with 16-bit rows changed the layout
+    for some tiles, so such calls take the columns in order); 32-lane warps only (not ROCm's 64)."""
+    if _triton_release() not in WARP_BLOCK_TRITON_RELEASES:
+        return 0
     size = x.element_size()
     sizes = [t.element_size() for t in (residual, weight) if t is not None] + [out_dtype.itemsize]
     if torch.version.hip or any(v != size for v in sizes):
