@@ -110,14 +110,14 @@ DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 TileEntry = TileChoice | Bounded[TileChoice]
 TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     "fwd": {128: TileChoice(rows=8, num_warps=2),
-            4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True)),
+            4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
                    (None, TileChoice(rows=2, num_warps=8, warp_blocks=True))),
             8192: TileChoice(rows=1, num_warps=8, warp_blocks=True),
             32768: TileChoice(rows=1, num_warps=4, chunk=4096, stages=3),
             65536: TileChoice(rows=1, num_warps=4, chunk=2048)},
     # warp blocks (kernels.py) where the same tile in order was slower in run 29, call a (each pair bitwise):
-    # 32768 x 4096 130.2 -> 128.8 us, 8192 x 4096 34.9 -> 34.8, 8192 x 8192 67.6 -> 67.2
+    # 32768 x 4096 130.2 -> 128.8 us, 8192 x 4096 34.9 -> 34.8, 8192 x 8192 67.6 -> 67.2; call b: 128 x 4096 2.56 -> 2.4
     # P = 128: the loop pipelined through 3 stages (run 17, call a: 262144 x 128 60.4 -> 57.1 us at 4 warps), at
     # 2 warps (bench/results/2026-12-01-h200-run18, call a: 57.2 -> 55.5; rows 8 or 32, 8 programs an SM: slower)
     "bwd": {128: TileChoice(rows=16, num_warps=2, stages=3),
