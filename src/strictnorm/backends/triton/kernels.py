@@ -19,16 +19,17 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
   N = 18432 then takes 18432 lanes instead of 32768 (5120 instead of 8192), the same bits.
 - Rows in column chunks (CHUNK > 0): the aligned chunks of CHUNK lanes are subtrees of the tree over P,
   so canon_sum over P is canon_sum over the NCH = P / CHUNK chunk sums, chunks past N (all padding) +0.0.
-- Warp blocks (the forward's WB_NW > 0, opt-in): canon_sum's levels whose pairs span warps each cost a shared-memory
-  round trip (triton 3.6, 4096 lanes, 8 warps: 10 barriers against tl.sum's 4). The row's columns are loaded
-  permuted (warp_block_columns) so that each warp holds one aligned block of the row, a subtree of the tree: its sum
-  stays in the warp's registers and shuffles, and the blocks' sums meet once, in one tl.sum, which Triton lowers (3.6,
-  3.9) to a shared-memory exchange and a butterfly over the warps (xor NW/2 first): with warp w holding block
-  bitrev(w) that pairs adjacent blocks first, the contract's order. That holds only where the compiler lays the rows
-  out as assumed (16-byte pieces of S elements, 32 lanes, the warps, then repeats): the backend takes warp blocks only
-  for 16-byte-aligned rows whose row-long tensors share one element size (a 32-bit weight or y beside 16-bit rows
-  changed the layout), and a CI test checks the compiled butterfly. Under the interpreter the blocks' sums are
-  un-permuted and summed by canon_sum (the decomposition is checked there).
+- Warp blocks (the forward's WB_NW > 0; the table's tiles of 4096 and 8192 columns): canon_sum's levels whose pairs
+  span warps each cost a shared-memory round trip (triton 3.6, 4096 lanes, 8 warps: 10 barriers against tl.sum's 4).
+  The row's columns are loaded permuted (row_columns) so that each warp holds one aligned block of the row, a subtree
+  of the tree: its sum stays in the warp's registers and shuffles, and the blocks' sums meet once, in one tl.sum,
+  which Triton lowers (3.6, 3.9) to a shared-memory exchange and a butterfly over the warps (xor NW/2 first): with
+  warp w holding block bitrev(w) that pairs adjacent blocks first, the contract's order. That holds only where the
+  compiler lays the rows out as assumed (16-byte pieces of S elements, 32 lanes, the warps, then repeats): the
+  backend takes warp blocks only for 16-byte-aligned rows whose row-long tensors share one element size (a 32-bit
+  weight or y beside 16-bit rows changed the layout), on the Triton releases whose lowering was read
+  (backend.WARP_BLOCK_TRITON_RELEASES), and a CI test checks the compiled butterfly. Under the interpreter the blocks'
+  sums are un-permuted and summed by canon_sum (the decomposition is checked there).
 """
 
 from __future__ import annotations
