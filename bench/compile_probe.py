@@ -105,11 +105,13 @@ _FWD_SIG = {"X": "*bf16", "RES": "*bf16", "Z": "*i16", "W": "*bf16", "Y": "*i16"
 
 
 def warp_block_forwards(n: int, rows: int, warps: int) -> dict:
-    """The forward of `rows` bf16 rows of N (a power of two) a program at `warps` warps, its columns in order and in
-    warp blocks, without and with a residual: {name: {"barriers": count, "xors": [...]}} (see the usage)."""
+    """The forward of `rows` bf16 rows of N a program at `warps` warps (N not a power of two: two column tiles, as
+    TileChoice.split makes them), its columns in order and in warp blocks, without and with a residual:
+    {name: {"barriers": count, "xors": [...]}} (see the usage)."""
     out = {}
+    pa, t = tb.column_tiles(n, True) if n & (n - 1) else (n, 0)
     for blocks in (False, True):
-        tile = tb.RowTile(rows, n, 0, warps, warp_blocks=blocks)
+        tile = tb.RowTile(rows, pa, t, warps, warp_blocks=blocks)
         for res in (False, True):
             const = dict(tile.constexprs(), MODE=0, XDT=1, YDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1, HAS_RES=res,
                          **tile.forward_constexprs(piece=8))

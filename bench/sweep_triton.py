@@ -7,8 +7,9 @@ SWEEP_CHUNKS=1024,2048 adds rows in column chunks of those lanes (rows longer th
 program, SWEEP_PROGRAMS (2,4) programs an SM in the backward, SWEEP_WARPS (1,2,4,8,16) warps, the chunk loops' loads
 in SWEEP_STAGES (1) shared-memory stages); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction; fwd_nr is the
 forward as an inference call asks for it (need_rstd=False), timed and checked beside the others but not tuned apart
-(it takes the forward's table). SWEEP_WARP_BLOCKS=1 tries each forward configuration of one column tile (held whole
-or in chunks) also with the row in warp blocks (TileChoice.warp_blocks; kernels.py's notes), forward directions only.
+(it takes the forward's table). SWEEP_WARP_BLOCKS=1 tries each forward configuration (held whole, in chunks or in
+two column tiles) also with the row in warp blocks (TileChoice.warp_blocks; kernels.py's notes), forward directions
+only.
 SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (the forward's with
 SWEEP_DIRECTIONS=fwd), its warps times SWEEP_WARP_FACTORS (1,2) with its pipelining: the next block prefetched into
 registers, the loop's loads in 2 or 3 shared-memory stages, SWEEP_PROGRAMS (2,4) programs an SM, its rows a program
@@ -70,10 +71,10 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
 
 
 def with_warp_blocks(out: list[tb.TileChoice]) -> list[tb.TileChoice]:
-    """out, and with SWEEP_WARP_BLOCKS=1 each of its choices of one column tile also in warp blocks."""
+    """out, and with SWEEP_WARP_BLOCKS=1 each of its choices also in warp blocks."""
     if os.environ.get("SWEEP_WARP_BLOCKS") != "1":
         return out
-    return out + [dataclasses.replace(c, warp_blocks=True) for c in out if not c.split]
+    return out + [dataclasses.replace(c, warp_blocks=True) for c in out]
 
 
 def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:

@@ -140,7 +140,7 @@ def _bench_scripts(monkeypatch):
 
 
 def test_triton_sweep_tries_warp_blocks_and_keeps_them(tmp_path, monkeypatch):
-    """SWEEP_WARP_BLOCKS=1: each configuration of one column tile also in warp blocks (none of the split ones); a
+    """SWEEP_WARP_BLOCKS=1: each configuration also in warp blocks (held whole, in chunks, in two column tiles); a
     warp-block choice that wins is written with its knob and loads as a warp-block tile."""
     _bench_scripts(monkeypatch)
     import sweep_triton
@@ -153,8 +153,8 @@ def test_triton_sweep_tries_warp_blocks_and_keeps_them(tmp_path, monkeypatch):
     both = sweep_triton.configs(5120, 2048)
     blocks = [c for c in both if c.warp_blocks]
     assert both[:len(plain)] == plain and blocks and len(both) == len(plain) + len(blocks)
-    assert not any(c.split for c in blocks) and any(c.chunk for c in blocks)
-    assert {dataclasses.replace(c, warp_blocks=False) for c in blocks} == {c for c in plain if not c.split}
+    assert any(c.split for c in blocks) and any(c.chunk for c in blocks)
+    assert [dataclasses.replace(c, warp_blocks=False) for c in blocks] == plain
     rows = [dict(M=m, N=4096, direction="fwd", default=False, rows=1, num_warps=8, split=False, w_first=False,
                  warp_blocks=wb, bitwise=True, us=us) for m, wb, us in ((128, False, 2.6), (128, True, 2.4),
                                                                        (8192, False, 35.0), (8192, True, 34.0))]
@@ -342,12 +342,15 @@ def test_compile_probe_compiles_every_kernel_for_sm90():
     assert lines[-1].startswith("fold")
 
 
-@pytest.mark.parametrize(("n", "rows", "warps"), [(2048, 1, 4), (4096, 1, 8), (4096, 2, 8)])
+@pytest.mark.parametrize(("n", "rows", "warps"), [(2048, 1, 4), (4096, 1, 8), (4096, 2, 8), (1152, 1, 2),
+                                                   (18432, 1, 16), (18432, 2, 8)])
 def test_forward_warp_blocks_meet_once_when_compiled(n, rows, warps):
     """The Triton forward in warp blocks compiled for sm_90 by the installed Triton (no GPU; bench/compile_probe.py):
     fewer barriers than with its columns in order, and after the first one the butterfly over the warps' block sums
-    (xor warps/2 first, down to 1) that the contract's order needs with warp w holding block bitrev(w). That the
-    butterfly then gives the reference's bits is checked on GPUs (test_gpu.py's warp-block family)."""
+    (xor warps/2 first, down to 1) that the contract's order needs with warp w holding block bitrev(w); N = 1152 and
+    18432 in two column tiles, whose block sums meet in that one butterfly (a second meeting gave the sum a second
+    layout, and Triton 3.6 moved the whole row through shared memory into it). That the butterfly then gives the
+    reference's bits is checked on GPUs (test_gpu.py's warp-block family)."""
     from pathlib import Path
 
     pytest.importorskip("triton")

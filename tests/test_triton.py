@@ -387,7 +387,7 @@ def test_forward_warp_blocks_give_the_reference_bits(n, warps, qk, persistent, c
     last; under the interpreter the blocks un-permuted and summed by canon_sum): y, z and rstd against the reference,
     with one to eight warps, one to four repeats of a warp's pieces, fused add or per-head weights, the persistent
     grid, rows in column chunks (each chunk in warp blocks; N = 2000: the last chunk part padding). Where the rows are
-    not 16-byte aligned (N = 1000) or N needs two column tiles, no warp blocks."""
+    not 16-byte aligned (N = 1000) or two column tiles are too small for a warp's pieces (N = 40), no warp blocks."""
     from strictnorm.backends.triton import backend as tb
 
     monkeypatch.setattr(tb, "_num_sms", lambda device: 4)
@@ -411,6 +411,28 @@ def test_forward_warp_blocks_give_the_reference_bits(n, warps, qk, persistent, c
         _assert_same(_run("torch", xs, ws, dys, **kws), _run("triton", xs, ws, dys, **kws))
         (plan,) = get_backend("triton")._fwd_plans.values()
         assert plan.meta["WB_NW"] == 0
+
+
+@pytest.mark.parametrize("n, rows, warps, case, tail_piece", [(2304, 1, 4, "qk", 2), (1152, 2, 2, "fused", 0),
+                                                               (1536, 2, 1, "fused", 8), (2304, 4, 2, "qk", 0)])
+def test_forward_warp_blocks_in_two_column_tiles(n, rows, warps, case, tail_piece, seed, monkeypatch):
+    """Two column tiles (TileChoice.split: PA = P / 2 lanes, then T) in warp blocks: the first tile's blocks, and the
+    second's (of whole pieces, or of T / threads elements where one row is a tile), meet in one reduction; with more
+    rows and less than a piece a thread the second tile's columns stay in order. y, z and rstd against the
+    reference, with fused add or per-head weights; the second tile's columns 64 times the first's, so that its own
+    sum's order shows in rstd's bits."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    choice = tb.TileChoice(rows=rows, num_warps=warps, split=True, warp_blocks=True)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {next_pow2(n): choice}, "bwd": {}})
+    monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+    x, w, dy, kw = _per_head_or_fused_case(n, case == "qk", 9, "strict", g)
+    x[..., next_pow2(n) // 2:] *= 64
+    w = w.bfloat16()  # every row-long tensor of one element size (backend._warp_block_piece)
+    _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+    (plan,) = get_backend("triton")._fwd_plans.values()
+    assert (plan.meta["T"] > 0, plan.meta["WB_NW"], plan.meta["WB_ST"]) == (True, warps, tail_piece)
 
 
 def test_forward_warp_blocks_only_where_every_row_tensor_has_one_element_size(seed, monkeypatch):

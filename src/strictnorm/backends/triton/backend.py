@@ -75,8 +75,8 @@ class TileChoice:
     programs_per_sm: int = 4
     prefetch: bool = False
     stages: int = 1
-    # forward, one column tile (held whole or in chunks): the row (each chunk) in warp blocks, each warp's block summed
-    # in the warp and the blocks' sums combined at once (kernels.py, WB_NW; taken only where _warp_block_piece allows)
+    # forward: the row (each chunk; each column tile) in warp blocks, each warp's block summed in the warp and the
+    # blocks' sums combined at once (kernels.py, WB_NW; taken only where _warp_block_piece allows)
     warp_blocks: bool = False
 
 
@@ -176,13 +176,20 @@ class RowTile:
     def forward_constexprs(self, piece: int = 0) -> dict:
         """The forward's weight-first, chunk, persistent-grid, stage and warp-block constexprs (the chunk loops'
         stages, or the persistent grid's; warp blocks of `piece`-element pieces where the tile asks for them and
-        piece > 0, see _warp_block_piece)."""
+        piece > 0, see _warp_block_piece). Of two column tiles, the second takes warp blocks of whole pieces, or of
+        T / threads elements a thread in a one-row tile (the compiler's layout there, compiled for sm_90 by Triton
+        3.6 and 3.9; with more rows it spread the warps over the rows), else its columns in order."""
         persistent = self.forward_persistent
-        blocks = self.warp_blocks and piece > 0 and self.t == 0 and \
-            (self.chunk or self.pa) >= 32 * piece * self.num_warps
+        threads = 32 * self.num_warps
+        blocks = self.warp_blocks and piece > 0 and (self.chunk or self.pa) >= threads * piece
+        tail_piece = 0
+        if blocks and self.t >= threads * piece:
+            tail_piece = piece
+        elif blocks and self.rows == 1 and self.t >= threads:
+            tail_piece = self.t // threads
         return dict(W_FIRST=self.w_first, STAGES=self.stages if self.chunk or persistent else 1,
                     PERSISTENT=persistent, PREFETCH=self.prefetch and persistent, WB_NW=self.num_warps if blocks else 0,
-                    WB_S=piece if blocks else 8, **self.chunk_constexprs())
+                    WB_S=piece if blocks else 8, WB_ST=tail_piece, **self.chunk_constexprs())
 
     def chunk_constexprs(self) -> dict:
         """The column-chunk constexprs (CHUNK = 0: none)."""

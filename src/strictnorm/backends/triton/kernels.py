@@ -29,7 +29,10 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
   backend takes warp blocks only for 16-byte-aligned rows whose row-long tensors share one element size (a 32-bit
   weight or y beside 16-bit rows changed the layout), on the Triton releases whose lowering was read
   (backend.WARP_BLOCK_TRITON_RELEASES), and a CI test checks the compiled butterfly. Under the interpreter the blocks'
-  sums are un-permuted and summed by canon_sum (the decomposition is checked there).
+  sums are un-permuted and summed by canon_sum (the decomposition is checked there). In two column tiles (T > 0)
+  each tile's block sums are taken so, and the two sets meet in one reduction of their join: met apart, the sum had
+  two layouts and Triton 3.6 moved the whole first tile through shared memory into the second for y (37 barriers
+  against 2 at 18432 columns, 8 warps).
 """
 
 from __future__ import annotations
@@ -168,14 +171,20 @@ def row_columns(PA: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
 
 
 @triton.jit
-def canon_sum_warp_blocks(v, ROWS: tl.constexpr, PA: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
-    """canon_sum of rows (ROWS, PA) loaded at row_columns(PA, WB_NW, WB_S) with WB_NW > 0: each warp's block summed
-    within the warp (its pieces, then its repeats), the blocks' sums last."""
+def warp_block_sums(v, ROWS: tl.constexpr, PA: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
+    """The block sums (ROWS, WB_NW) of rows (ROWS, PA) loaded at row_columns(PA, WB_NW, WB_S) with WB_NW > 0, each by
+    canon_sum within its warp (its pieces, then its repeats): warp w's is block bitrev(w)'s."""
     inner: tl.constexpr = 32 * WB_S
     reps: tl.constexpr = PA // (inner * WB_NW)
     s = canon_sum(tl.reshape(v, (ROWS * reps * WB_NW, inner)), ROWS * reps * WB_NW, inner, _log2(inner))
     s = tl.reshape(tl.permute(tl.reshape(s, (ROWS, reps, WB_NW)), (0, 2, 1)), (ROWS * WB_NW, reps))
-    s = tl.reshape(canon_sum(s, ROWS * WB_NW, reps, _log2(reps)), (ROWS, WB_NW))  # warp w: block bitrev(w)
+    return tl.reshape(canon_sum(s, ROWS * WB_NW, reps, _log2(reps)), (ROWS, WB_NW))
+
+
+@triton.jit
+def blocks_meet(s, ROWS: tl.constexpr, WB_NW: tl.constexpr):
+    """The sum of warp_block_sums' (ROWS, WB_NW) in the tree's order: compiled, one tl.sum over the warps (the
+    butterfly, xor WB_NW / 2 first, that the bit-reversed placement needs); interpreted, un-permuted and canon_sum."""
     if COMPILED:  # a constexpr branch: only the one taken is compiled
         total = tl.sum(s, axis=1)
     else:
@@ -185,10 +194,31 @@ def canon_sum_warp_blocks(v, ROWS: tl.constexpr, PA: tl.constexpr, WB_NW: tl.con
 
 
 @triton.jit
+def canon_sum_warp_blocks(v, ROWS: tl.constexpr, PA: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
+    """canon_sum of rows (ROWS, PA) loaded at row_columns(PA, WB_NW, WB_S) with WB_NW > 0: each warp's block summed
+    within the warp, the blocks' sums last."""
+    return blocks_meet(warp_block_sums(v, ROWS, PA, WB_NW, WB_S), ROWS, WB_NW)
+
+
+@triton.jit
 def row_sum(va, vb, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
-            LOG2T: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
-    """canon_sum over a row's column tiles (tiled_canon_sum), or over one tile in warp blocks (WB_NW > 0)."""
-    if WB_NW > 0:
+            LOG2T: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr = 0):
+    """canon_sum over a row's column tiles (tiled_canon_sum), the first in warp blocks where WB_NW > 0, the second
+    (T > 0) too where WB_ST > 0 (its pieces: WB_ST elements)."""
+    if WB_NW > 0 and T > 0 and WB_ST > 0:
+        # both tiles' block sums meet in one reduction (two meetings would give the sum two layouts, and Triton 3.6
+        # then moved the whole row into the second one for y); as tiled_canon_sum: the second half's tree is tile
+        # b's, then adds of +0.0 (its padding)
+        both = tl.join(warp_block_sums(va, ROWS, PA, WB_NW, WB_S), warp_block_sums(vb, ROWS, T, WB_NW, WB_ST))
+        if COMPILED:
+            sa, sb = tl.split(tl.sum(both, axis=1))
+        else:
+            ba, bb = tl.split(both)
+            sa, sb = blocks_meet(ba, ROWS, WB_NW), blocks_meet(bb, ROWS, WB_NW)
+        s = sa + (sb + 0.0)
+    elif WB_NW > 0 and T > 0:
+        s = canon_sum_warp_blocks(va, ROWS, PA, WB_NW, WB_S) + (canon_sum(vb, ROWS, T, LOG2T) + 0.0)
+    elif WB_NW > 0:
         s = canon_sum_warp_blocks(va, ROWS, PA, WB_NW, WB_S)
     else:
         s = tiled_canon_sum(va, vb, ROWS, PA, LOG2PA, T, LOG2T)
@@ -325,15 +355,16 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, W_FIRST: tl.constexpr,
                    CHUNK: tl.constexpr = 0, LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1,
                    LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
-                   PREFETCH: tl.constexpr = False, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8):
+                   PREFETCH: tl.constexpr = False, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
+                   WB_ST: tl.constexpr = 0):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
-    y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0 (one
-    tile, held whole or in chunks; num_warps = WB_NW): the row (each chunk) in warp blocks of WB_S-element pieces (the
-    module's notes). The same bits every way."""
+    y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0
+    (num_warps = WB_NW): the row (each chunk; the first column tile) in warp blocks of WB_S-element pieces (the
+    module's notes), the second column tile too where WB_ST > 0, in pieces of WB_ST. The same bits every way."""
     pid = tl.program_id(0)
     cols_a = row_columns(PA, 0 if CHUNK > 0 else WB_NW, WB_S)
-    cols_b = PA + tl.arange(0, T if T > 0 else 1)
+    cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if WB_ST > 0 else 0, WB_ST if WB_ST > 0 else 8)
     if CHUNK > 0:
         rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
         x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
@@ -345,7 +376,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     elif PERSISTENT:
         _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pid, M, N, R1, G, eps, offset,
                         cols_a, cols_b, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES,
-                        PREFETCH, WB_NW, WB_S)
+                        PREFETCH, WB_NW, WB_S, WB_ST)
     else:
         xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b, ROWS, T,
                                     HAS_RES)
@@ -354,7 +385,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
             wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W,
                                       PER_HEAD)
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S, WB_ST)
 
 
 @triton.jit
@@ -362,7 +393,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                     cols_b, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
                     LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
                     HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr,
-                    PREFETCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr):
+                    PREFETCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr):
     """Rows held whole, programs striding over the blocks: a shared weight loaded once a program; PREFETCH: the next
     block's rows loaded into registers before this block's sum (their loads in flight while it computes and
     stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory."""
@@ -383,7 +414,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                                         T, HAS_RES)
         # per-head weights: loaded for each block, after its sum
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, WB_NW, WB_S)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, WB_NW, WB_S, WB_ST)
 
 
 @triton.jit
@@ -426,7 +457,8 @@ def _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS: tl.constexp
 def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b,
               ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr, LOG2T: tl.constexpr,
               MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-              HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8):
+              HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
+              WB_ST: tl.constexpr = 0):
     """y and rstd of block blk's rows held whole, from their loaded column tiles. W_GIVEN: wf_a and wf_b are the
     effective weight; else it is loaded after the rows' sum."""
     rows = _block_rows(blk, ROWS)
@@ -434,7 +466,7 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
     xfb = xfa
     if T > 0:
         xfb = _fwd_widen(xb, rb, Z, rows, M, N, cols_b, XDT, HAS_RES)
-    rstd = _rstd(row_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S), N, eps, ROWS)
+    rstd = _rstd(row_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST), N, eps, ROWS)
     tl.store(RSTD + rows, rstd, mask=rows < M)
     if not W_GIVEN:
         wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD)
