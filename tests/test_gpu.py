@@ -165,13 +165,13 @@ def test_triton_direct_launches_give_the_jit_bits(n, seed):
 
 
 # The Triton forward in warp blocks (kernels.py's notes): rows, warps, the repeats of a warp's pieces (1 to 4), the
-# W_FIRST / persistent / column-chunk variants, two column tiles (split: the second tile's pieces whole, smaller, or
-# its columns in order); every dtype and casting mode, the fused add, per-head weights.
+# W_FIRST / persistent / column-chunk variants, two column tiles (split: the second tile's pieces whole or
+# smaller); every dtype and casting mode, the fused add, per-head weights.
 WARP_BLOCK_TILES = [(512, 1, 2, {}), (1024, 2, 4, {}), (4096, 1, 8, {"w_first": True}), (4096, 2, 8, {}),
                     (4096, 1, 4, {"prefetch": True, "stages": 2, "programs_per_sm": 2}), (5120, 1, 8, {}),
                     (8192, 1, 8, {}), (8192, 1, 16, {}), (16384, 1, 16, {}),
                     (18432, 1, 4, {"chunk": 4096, "stages": 3}), (18432, 2, 8, {"chunk": 2048}),
-                    (18432, 1, 16, {"split": True}), (18432, 2, 8, {"split": True}), (18432, 2, 16, {"split": True}),
+                    (18432, 1, 16, {"split": True}), (18432, 2, 8, {"split": True}),
                     (18432, 1, 8, {"split": True, "prefetch": True, "programs_per_sm": 2}),
                     (1152, 1, 2, {"split": True})]
 WARP_BLOCK_INPUTS = ["bf16 llama", "bf16 gemma", "fp16 none", "fp32 llama", "bf16 fused", "bf16 per-head"]

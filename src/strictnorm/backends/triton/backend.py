@@ -176,9 +176,9 @@ class RowTile:
     def forward_constexprs(self, piece: int = 0) -> dict:
         """The forward's weight-first, chunk, persistent-grid, stage and warp-block constexprs (the chunk loops'
         stages, or the persistent grid's; warp blocks of `piece`-element pieces where the tile asks for them and
-        piece > 0, see _warp_block_piece). Of two column tiles, the second takes warp blocks of whole pieces, or of
-        T / threads elements a thread in a one-row tile (the compiler's layout there, compiled for sm_90 by Triton
-        3.6 and 3.9; with more rows it spread the warps over the rows), else its columns in order."""
+        piece > 0, see _warp_block_piece). Two column tiles take warp blocks where the second's are of whole pieces,
+        or of T / threads elements a thread in a one-row tile (the compiler's layout there, compiled for sm_90 by
+        Triton 3.6 and 3.9; with more rows it spread the warps over the rows); else neither does."""
         persistent = self.forward_persistent
         threads = 32 * self.num_warps
         blocks = self.warp_blocks and piece > 0 and (self.chunk or self.pa) >= threads * piece
@@ -187,6 +187,7 @@ class RowTile:
             tail_piece = piece
         elif blocks and self.rows == 1 and self.t >= threads:
             tail_piece = self.t // threads
+        blocks = blocks and (self.t == 0 or tail_piece > 0)
         return dict(W_FIRST=self.w_first, STAGES=self.stages if self.chunk or persistent else 1,
                     PERSISTENT=persistent, PREFETCH=self.prefetch and persistent, WB_NW=self.num_warps if blocks else 0,
                     WB_S=piece if blocks else 8, WB_ST=tail_piece, **self.chunk_constexprs())

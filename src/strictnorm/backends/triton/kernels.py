@@ -203,9 +203,9 @@ def canon_sum_warp_blocks(v, ROWS: tl.constexpr, PA: tl.constexpr, WB_NW: tl.con
 @triton.jit
 def row_sum(va, vb, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
             LOG2T: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr = 0):
-    """canon_sum over a row's column tiles (tiled_canon_sum), the first in warp blocks where WB_NW > 0, the second
-    (T > 0) too where WB_ST > 0 (its pieces: WB_ST elements)."""
-    if WB_NW > 0 and T > 0 and WB_ST > 0:
+    """canon_sum over a row's column tiles (tiled_canon_sum), or in warp blocks where WB_NW > 0: one tile, or two
+    (T > 0) with the second's pieces WB_ST elements."""
+    if WB_NW > 0 and T > 0:
         # both tiles' block sums meet in one reduction (two meetings would give the sum two layouts, and Triton 3.6
         # then moved the whole row into the second one for y); as tiled_canon_sum: the second half's tree is tile
         # b's, then adds of +0.0 (its padding)
@@ -216,8 +216,6 @@ def row_sum(va, vb, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, 
             ba, bb = tl.split(both)
             sa, sb = blocks_meet(ba, ROWS, WB_NW), blocks_meet(bb, ROWS, WB_NW)
         s = sa + (sb + 0.0)
-    elif WB_NW > 0 and T > 0:
-        s = canon_sum_warp_blocks(va, ROWS, PA, WB_NW, WB_S) + (canon_sum(vb, ROWS, T, LOG2T) + 0.0)
     elif WB_NW > 0:
         s = canon_sum_warp_blocks(va, ROWS, PA, WB_NW, WB_S)
     else:
@@ -361,10 +359,10 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
     y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0
     (num_warps = WB_NW): the row (each chunk; the first column tile) in warp blocks of WB_S-element pieces (the
-    module's notes), the second column tile too where WB_ST > 0, in pieces of WB_ST. The same bits every way."""
+    module's notes), the second column tile (T > 0) in pieces of WB_ST. The same bits every way."""
     pid = tl.program_id(0)
     cols_a = row_columns(PA, 0 if CHUNK > 0 else WB_NW, WB_S)
-    cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if WB_ST > 0 else 0, WB_ST if WB_ST > 0 else 8)
+    cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if T > 0 else 0, WB_ST if T > 0 else 8)
     if CHUNK > 0:
         rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
         x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
