@@ -209,11 +209,10 @@ def row_sum(va, vb, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, 
         # both tiles' block sums meet in one reduction (two meetings would give the sum two layouts, and Triton 3.6
         # then moved the whole row into the second one for y); as tiled_canon_sum: the second half's tree is tile
         # b's, then adds of +0.0 (its padding)
-        both = tl.join(warp_block_sums(va, ROWS, PA, WB_NW, WB_S), warp_block_sums(vb, ROWS, T, WB_NW, WB_ST))
+        ba, bb = warp_block_sums(va, ROWS, PA, WB_NW, WB_S), warp_block_sums(vb, ROWS, T, WB_NW, WB_ST)
         if COMPILED:
-            sa, sb = tl.split(tl.sum(both, axis=1))
+            sa, sb = tl.split(tl.sum(tl.join(ba, bb), axis=1))
         else:
-            ba, bb = tl.split(both)
             sa, sb = blocks_meet(ba, ROWS, WB_NW), blocks_meet(bb, ROWS, WB_NW)
         s = sa + (sb + 0.0)
     elif WB_NW > 0:
@@ -362,7 +361,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     module's notes), the second column tile (T > 0) in pieces of WB_ST. The same bits every way."""
     pid = tl.program_id(0)
     cols_a = row_columns(PA, 0 if CHUNK > 0 else WB_NW, WB_S)
-    cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if T > 0 else 0, WB_ST if T > 0 else 8)
+    cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if T > 0 else 0, WB_ST)
     if CHUNK > 0:
         rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
         x_offs, g = row_offsets(rows, R1, G, xs0, xs1, xsg)
