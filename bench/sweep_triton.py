@@ -16,6 +16,7 @@ registers, the loop's loads in 2 or 3 shared-memory stages, SWEEP_PROGRAMS (2,4)
 times SWEEP_ROW_FACTORS (1). Every result is
 checked against the torch reference's bits (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and
 timed kernel-only as in strictnorm.bench.
+SWEEP_MAX_TILE (16384) bounds the lanes of a program of several rows.
 SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the time: about 2 s per configuration and direction on
 an H200 machine). Run on the GPU machine:
     python3 bench/sweep_triton.py [out.json [tuning.json]]
@@ -39,7 +40,7 @@ from strictnorm.reference import next_pow2
 
 SHAPES = shapes_from_env(NORM_SHAPES)
 DIRECTIONS = os.environ.get("SWEEP_DIRECTIONS", "fwd,bwd").split(",")
-MAX_TILE = 16384  # lanes a program (rows x padded row) beyond one row
+MAX_TILE = int(os.environ.get("SWEEP_MAX_TILE", "16384"))  # lanes a program (rows x padded row) beyond one row
 MAX_LANES_PER_THREAD = 64
 
 
