@@ -586,22 +586,36 @@ def test_staged_only_where_it_applies_and_fits():
 def test_default_dw_fold_of_4096_to_8192_columns(tmp_path, monkeypatch):
     """Without a FoldTuning, the dW fold of 4096 to 8192 columns (one group) takes the ring of 32-column CTAs with its
     stages converted where its CTAs outnumber the SMs (128 rows a stage in 96 KB) or its rows are fewer than 8192
-    (256 rows in 200 KB), fold_stream elsewhere, per-head groups and other widths unchanged (H200, run 27); each
-    compiles for sm_90."""
-    from strictnorm.backends.cuda.backend import FoldTuning, default_dw_ring
+    (256 rows in 200 KB), fold_stream elsewhere, per-head groups and other widths unchanged (H200, run 27); where
+    the 32-column CTAs outnumber the SMs, fold_stream from 2048 rows in 16-column CTAs where those are at most three
+    an SM, else from 4096 rows in 64-column CTAs of 8 converting warps and padded buffers (run 30); each compiles for
+    sm_90."""
+    from strictnorm.backends.cuda.backend import FoldTuning, default_dw_ring, default_stream
 
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     h200, bf16 = 227 * 1024, torch.bfloat16
+    for n, rows, cols, stage, warps, pad in ((5120, 2048, 16, 64, 4, 0), (6144, 65536, 16, 64, 4, 0),
+                                             (6336, 4096, 16, 64, 4, 0), (6352, 4096, 64, 32, 8, 8),
+                                             (7168, 4096, 64, 32, 8, 8), (8192, 32768, 64, 32, 8, 8)):
+        assert default_dw_ring(n, rows, 1, 132, h200) is None, (n, rows)
+        assert default_stream(n, 1, 132, 1, rows) == FoldTuning(stream=True, cols=cols, rows_per_stage=stage,
+                                                                convert_warps=warps, pad_groups=bool(pad))
+        fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=rows, smem_optin=h200)
+        assert fl.kernel == "fold_stream" and fl.grid_x == -(-n // cols), (n, rows)
+        assert (fl.defines["COLS"], fl.defines["STREAM_ROWS"], fl.defines["CONVERT_WARPS"]) == (cols, stage, warps)
+        assert fl.defines.get("GROUP_PAD", 0) == pad
+        assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"
     for n, rows, stage, smem in ((4096, 2048, 256, 200 * 1024), (4096, 1, 256, 200 * 1024),
-                                 (4096, 8191, 256, 200 * 1024), (8192, 8192, 128, 96 * 1024),
-                                 (8192, 1024, 128, 96 * 1024), (5120, 65536, 128, 96 * 1024)):
+                                 (4096, 8191, 256, 200 * 1024), (8192, 4095, 128, 96 * 1024),
+                                 (8192, 1024, 128, 96 * 1024), (5120, 2047, 128, 96 * 1024)):
         assert default_dw_ring(n, rows, 1, 132, h200) == FoldTuning(cols=32, rows_per_stage=stage, smem_bytes=smem)
         fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=rows, smem_optin=h200)
         assert fl.kernel == "fold_ring" and fl.grid_x == -(-n // 32) and fl.shmem <= smem, (n, rows)
         assert (fl.defines["COLS"], fl.defines["ROWS_PER_STAGE"]) == (32, stage)
         assert nvrtc.compile_cubin("fold.cu", "sm_90", fl.defines, use_cache=False)[:4] == b"\x7fELF"
-    for n, rows, groups in ((4096, 8192, 1), (4096, 32768, 1), (4096, 2048, 2), (2048, 2048, 1), (18432, 2048, 1)):
+    for n, rows, groups in ((4096, 8192, 1), (4096, 32768, 1), (4096, 2048, 2), (2048, 2048, 1), (18432, 2048, 1),
+                            (8192, 8192, 2)):
         assert default_dw_ring(n, rows, groups, 132, h200) is None, (n, rows, groups)
         fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=rows, groups=groups, smem_optin=h200)
-        assert fl.kernel == "fold_stream", (n, rows, groups)
+        assert fl.kernel == "fold_stream" and fl.defines["COLS"] in (16, 32), (n, rows, groups)
     assert default_dw_ring(4096, 2048, 1, 132, 99 * 1024) is None  # e.g. sm_89: no 200 KB a block

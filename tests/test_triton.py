@@ -325,6 +325,30 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
     assert tb.row_tile(30000, "fwd") == tb.RowTile(2, 32768, 0, 16)  # N > 3/4 P: one tile
     assert tb.row_tile(18432, "bwd") == tb.RowTile(1, 16384, 2048, 32)  # the defaults
     assert tb.row_tile(4096, "fwd") == tb.RowTile(1, 4096, 0, 8)
+    # a file's "fwd" entry drops the built-in "fwd_wb" entry of its P (which would shadow it), not the others'
+    wb = tb.TileChoice(rows=1, num_warps=16, split=True, warp_blocks=True)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "fwd_wb": {32768: wb, 8192: wb}, "bwd": {}})
+    tb._load_tuning_file()
+    assert tb.TILE_TABLE["fwd_wb"] == {8192: wb}
+    assert tb.forward_tile(18432, 2048, 8) == tb.RowTile(2, 16384, 2048, 16)
+
+
+def test_forward_warp_block_entry_only_where_its_warp_blocks_apply(monkeypatch):
+    """TILE_TABLE["fwd_wb"] gives the forward's tile where that tile takes warp blocks (16-byte pieces known, the
+    second column tile of whole pieces or one row's T / threads elements) and splits where its choice asks for two
+    column tiles; elsewhere the "fwd" entry (P = 32768: 18432 columns split in warp blocks; 16400 (T = 16 lanes, fewer
+    than the threads), 30000 (no split) and unaligned rows in column chunks)."""
+    from strictnorm.backends.triton import backend as tb
+
+    assert tb.forward_tile(18432, 2048, 8) == tb.RowTile(1, 16384, 2048, 16, warp_blocks=True)
+    assert tb.forward_tile(18432, 2048, 8).forward_constexprs(8)["WB_ST"] == 4
+    assert tb.forward_tile(20480, None, 8) == tb.RowTile(1, 16384, 4096, 16, warp_blocks=True)
+    for n, piece in ((16400, 8), (30000, 8), (18432, 0), (24576 + 16, 8)):
+        assert tb.forward_tile(n, 2048, piece) == tb.row_tile(n, "fwd", 2048), (n, piece)
+        assert tb.forward_tile(n, 2048, piece).chunk == 4096
+    assert tb.forward_tile(4096, 4096, 8) == tb.row_tile(4096, "fwd", 4096)  # no "fwd_wb" entry
+    monkeypatch.setattr(tb, "TILE_TABLE", {**tb.TILE_TABLE, "fwd_wb": {}})
+    assert tb.forward_tile(18432, 2048, 8) == tb.row_tile(18432, "fwd", 2048)
 
 
 def test_backward_tile_depends_on_in_kernel_partials():

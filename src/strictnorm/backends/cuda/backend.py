@@ -235,6 +235,9 @@ def default_stream(n: int, groups: int, num_sms: int, what: int, rows: int) -> F
             return None
         return FoldTuning(stream=True, cols=8, rows_per_stage=512 if rows >= long_stages else 128,
                           convert_warps=_STREAM_NARROW[1], isolate=True)
+    wide = _dw_stream_past_the_sms(n, rows, num_sms) if groups == 1 else None
+    if wide is not None:
+        return wide
     cols = (32 if n <= 8192 else 16) if n >= 4096 else _stream_cols(n, groups, num_sms)
     if cols == 8:
         return FoldTuning(stream=True, cols=8, rows_per_stage=_STREAM_NARROW[0], convert_warps=_STREAM_NARROW[1],
@@ -300,9 +303,28 @@ def _ring_shape(n: int, a_size: int, b_size: int, what: int, num_sms: int, tunin
 # 1024 x 4096 11.9 -> 10.1 us, 2048 x 4096 20.1 -> 16.5, 4096 x 4096 33.5 -> 29.1, 2048 x 5120 29.2 -> 25.4,
 # 2048 x 8192 32.2 -> 28.8, 8192 x 8192 97.0 -> 93.8, level at 8192 x 5120 (88.6 against 89.2). fold_stream kept
 # where the CTAs are one an SM and the rows many: 8192 x 4096 55.1 (the ring 54.0), 32768 x 4096 190.5 (206.5).
+# Since run 30 (call a, every configuration bitwise against the default) the ring's many-CTA case gives way to
+# fold_stream from 2048 rows: 16 columns x 64 rows a stage with 4 converting warps where those CTAs are at most three
+# an SM (2048 x 5120 25.5 -> 23.2 us, 8192 x 5120 88.6 -> 69.2, 2048 x 6144 26.2 -> 25.2, 32768 x 6144 345.1 -> 272.8;
+# run 29, call e: 4096-16384 x 6144 14-22%), else from 4096 rows 64 x 32 with 8 converters and padded buffers
+# (4096 x 7168 50.3 -> 48.8, 16384 x 7168 177.3 -> 164.3, 8192 x 8192 94.6 -> 88.8; run 29: 16384 and 32768 x 8192
+# 6-7%). 16 x 64 lost at 7168 and 8192 columns (4096 x 7168 62.4, 8192 x 8192 128.9), 64 x 32 at 5120 and 6144, and
+# both to the ring at 2048 x 8192 (28.5 against 39.4 and 30.0).
 _DW_RING_COLS = (4096, 8192)  # the columns it applies to
 _DW_RING_FEW_ROWS = 8192  # fewer rows than this: the 200 KB ring
 _DW_RING_FEW, _DW_RING_MANY_CTAS = (256, 200 * 1024), (128, _RING_ROOMY)  # (rows a stage, shared bytes)
+_DW_STREAM_NARROW = FoldTuning(stream=True, cols=16, rows_per_stage=64, convert_warps=4)  # from 2048 rows
+_DW_STREAM_WIDE = FoldTuning(stream=True, cols=64, rows_per_stage=32, convert_warps=8, pad_groups=True)  # from 4096
+
+
+def _dw_stream_past_the_sms(n: int, rows: int, num_sms: int) -> FoldTuning | None:
+    """fold_stream's tuning for the dW fold of 4096 to 8192 columns whose 32-column CTAs outnumber the SMs, where it
+    beat the ring, else None."""
+    if not _DW_RING_COLS[0] <= n <= _DW_RING_COLS[1] or -(-n // 32) <= num_sms:
+        return None
+    if -(-n // 16) <= 3 * num_sms:
+        return _DW_STREAM_NARROW if rows >= 2048 else None
+    return _DW_STREAM_WIDE if rows >= 4096 else None
 
 
 def default_dw_ring(n: int, rows: int, groups: int, num_sms: int, smem_optin: int) -> FoldTuning | None:
@@ -310,6 +332,8 @@ def default_dw_ring(n: int, rows: int, groups: int, num_sms: int, smem_optin: in
     if groups != 1 or not _DW_RING_COLS[0] <= n <= _DW_RING_COLS[1]:
         return None
     if -(-n // 32) > num_sms:
+        if _dw_stream_past_the_sms(n, rows, num_sms):
+            return None
         stage, smem = _DW_RING_MANY_CTAS
     elif rows < _DW_RING_FEW_ROWS:
         stage, smem = _DW_RING_FEW

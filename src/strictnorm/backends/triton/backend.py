@@ -125,6 +125,11 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
             8192: TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3),
             32768: TileChoice(rows=2, num_warps=8, chunk=4096, programs_per_sm=1, stages=3),
             65536: TileChoice(rows=2, num_warps=8, chunk=2048, programs_per_sm=2, stages=3)},
+    # the forward where the entry's tile takes warp blocks (and, where it asks for two column tiles, N splits in two),
+    # else the "fwd" entry (in order its tile would be slower). P = 32768: the row in a tile of 16384 lanes and one
+    # of 2048 or less, both in warp blocks, 16 warps (run 30, call a, every configuration bitwise: 2048 x 18432 52.3
+    # -> 42.6 us; the same tile in order 79.6, held whole in warp blocks 65.9)
+    "fwd_wb": {32768: TileChoice(rows=1, num_warps=16, split=True, warp_blocks=True)},
     # the backward where the kernel adds no dW partials (dw="strict", per-head weights, no weight gradient); a P not
     # listed takes the "bwd" entry. At P = 32768 the held rows' run-14 entry: without partials it was faster than
     # the chunks (2048 x 18432 strict backward 151.2 us with it in run 14, 161.7 with the chunks in run 15, call c)
@@ -133,7 +138,13 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
 
 
 def _load_tuning_file() -> None:
+    """STRICTNORM_TRITON_TUNING's entries; a file's "fwd" entry for P replaces P's "fwd_wb" too unless the file
+    lists that (a built-in warp-block entry would otherwise shadow the tuned one)."""
+    forward, blocked = dict(TILE_TABLE["fwd"]), dict(TILE_TABLE.get("fwd_wb", {}))
     load_tuning_file("STRICTNORM_TRITON_TUNING", TILE_TABLE, TileChoice)
+    for p, entry in TILE_TABLE["fwd"].items():
+        if entry is not forward.get(p) and p in blocked and TILE_TABLE["fwd_wb"][p] is blocked[p]:
+            del TILE_TABLE["fwd_wb"][p]
 
 
 _load_tuning_file()
@@ -213,7 +224,25 @@ def row_tile(n: int, direction: str, rows: int | None = None) -> RowTile:
     p = next_pow2(n)
     if direction == "bwd_dx" and p not in TILE_TABLE.get("bwd_dx", {}):
         direction = "bwd"
-    choice = TILE_TABLE[direction].get(p) or TileChoice(split=DEFAULT_SPLIT[direction])
+    return _tile_of(n, TILE_TABLE[direction].get(p) or TileChoice(split=DEFAULT_SPLIT[direction]), rows)
+
+
+def forward_tile(n: int, rows: int | None, piece: int) -> RowTile:
+    """The forward's tile: TILE_TABLE["fwd_wb"]'s where it lists N's padded length and that tile takes warp blocks
+    of `piece`-element pieces (_warp_block_piece) in the column tiles its choice asks for (two where it splits),
+    else row_tile's "fwd"."""
+    entry = TILE_TABLE.get("fwd_wb", {}).get(next_pow2(n))
+    if entry is not None:
+        choice = entry if isinstance(entry, TileChoice) else for_rows(entry, rows)
+        tile = _tile_of(n, choice, rows)
+        if tile.forward_constexprs(piece)["WB_NW"] and (tile.t or not choice.split):
+            return tile
+    return row_tile(n, "fwd", rows)
+
+
+def _tile_of(n: int, choice: TileEntry, rows: int | None) -> RowTile:
+    """The tile a TILE_TABLE entry gives `rows` rows of N columns."""
+    p = next_pow2(n)
     if not isinstance(choice, TileChoice):
         choice = for_rows(choice, rows)
     pa, t = column_tiles(n, choice.split)
@@ -348,13 +377,13 @@ class TritonBackend:
         views, lay, w = ForwardPlan.of(v, x, weight, residual), v.lay, v.weight
         if lay.rows == 0:
             return _Plan(views, (), 0, (), {})
-        tile = row_tile(lay.n, "fwd", lay.rows)
         wsg = w.stride(0) if views.per_head else 0
+        piece = _warp_block_piece(x, residual, w, wsg, spec.out_dtype, lay, views.rlay)
+        tile = forward_tile(lay.n, lay.rows, piece)
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
-                    **tile.forward_constexprs(_warp_block_piece(x, residual, w, wsg, spec.out_dtype, lay, views.rlay)),
-                    **tile.meta())
+                    **tile.forward_constexprs(piece), **tile.meta())
         nprog = _programs(_cdiv(lay.rows, tile.rows), tile, x.device, tile.forward_persistent)
         return _Plan(views, (nprog,), wsg,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,
