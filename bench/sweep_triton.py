@@ -177,6 +177,15 @@ def _write(ceiling: float, results: list[dict]) -> None:
             json.dump(best_tunings(results), f, indent=1)
 
 
+def _tile(n: int, m: int, direction: str, case: Case) -> tb.RowTile:
+    """The tile the backend takes for the case's M x N in `direction` (the forward's warp-block entry where its
+    warp blocks apply: the case's rows are contiguous, so 16-byte aligned where N % 16 == 0)."""
+    if direction == "bwd":
+        return tb.row_tile(n, "bwd", m)
+    aligned = n % 16 == 0 and tb._triton_release() in tb.WARP_BLOCK_TRITON_RELEASES
+    return tb.forward_tile(n, m, 16 // case.x.element_size() if aligned else 0)
+
+
 def main() -> None:
     sw = Sweep.make("triton", iters=9, device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     timer, ceiling, triton = sw.timer, sw.ceiling, sw.backend
@@ -188,7 +197,7 @@ def main() -> None:
             for direction in DIRECTIONS:
                 if choice is not None and choice.warp_blocks and direction == "bwd":
                     continue  # a forward knob: the backward's kernel is the one measured without it
-                tile = tb.row_tile(n, "fwd" if direction == "fwd_nr" else direction, m)
+                tile = _tile(n, m, direction, case)
                 row = dict(M=m, N=n, direction=direction, default=choice is None, rows=tile.rows,
                            num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk,
                            programs_per_sm=tile.programs_per_sm, prefetch=tile.prefetch, stages=tile.stages,
