@@ -11,9 +11,10 @@ machine with the same triton version gets. Usage: python bench/compile_probe.py 
 table's entry for that row count; default its unbounded one)
 
     python bench/compile_probe.py --warp-blocks N ROWS WARPS
-prints, as JSON, the forward of bf16 rows (with and without a residual) compiled with the row's columns in order and
+prints, as JSON, the forward of bf16 rows (with and without a residual) and the backward (with and without the
+residual's gradient; the fast dW's partials where rows of N take them) compiled with the row's columns in order and
 in warp blocks (kernels.py's notes): each one's bar.sync count and the xor distances of the shuffles after its first
-barrier, where the warp-block forward's blocks' sums meet ([WARPS/2, ..., 1]: the butterfly its order needs).
+barrier, where the warp-block kernel's blocks' sums meet ([WARPS/2, ..., 1]: the butterfly its order needs).
 """
 
 from __future__ import annotations
@@ -99,40 +100,46 @@ def _stats(c) -> str:
             f"{_resources(c.asm['cubin'])}  {loads}")
 
 
+_BWD_SIG = {"DY": "*bf16", "Z": "*bf16", "W": "*bf16", "RSTD": "*fp32", "DRES": "*bf16", "DX": "*i16",
+            "DW_PART": "*fp32", **{s: "i64" for s in ("ds0", "ds1", "dsg", "zs0", "zs1", "zsg", "wsg", "es0", "es1",
+                                                      "esg", "xs0", "xs1", "xsg")},
+            **{s: "i32" for s in ("M", "N", "R1", "G")}, "offset": "fp32"}
 _FWD_SIG = {"X": "*bf16", "RES": "*bf16", "Z": "*i16", "W": "*bf16", "Y": "*i16", "RSTD": "*fp32",
             **{s: "i64" for s in ("xs0", "xs1", "xsg", "rs0", "rs1", "rsg", "wsg")},
             **{s: "i32" for s in ("M", "N", "R1", "G")}, "eps": "fp32", "offset": "fp32"}
 
 
-def warp_block_forwards(n: int, rows: int, warps: int) -> dict:
-    """The forward of `rows` bf16 rows of N a program at `warps` warps (N not a power of two: two column tiles, as
-    TileChoice.split makes them), its columns in order and in warp blocks, without and with a residual:
-    {name: {"barriers": count, "xors": [...]}} (see the usage)."""
+def warp_block_kernels(n: int, rows: int, warps: int) -> dict:
+    """The forward and backward of `rows` bf16 rows of N a program at `warps` warps (N not a power of two: two column
+    tiles, as TileChoice.split makes them), their columns in order and in warp blocks, without and with a residual
+    (its gradient): {name: {"barriers": count, "xors": [...]}}, names "in order", "blocks", "backward blocks", ...,
+    with " + residual" (see the usage)."""
     out = {}
     pa, t = tb.column_tiles(n, True) if n & (n - 1) else (n, 0)
     for blocks in (False, True):
         tile = tb.RowTile(rows, pa, t, warps, warp_blocks=blocks)
         for res in (False, True):
-            const = dict(tile.constexprs(), MODE=0, XDT=1, YDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1, HAS_RES=res,
-                         **tile.forward_constexprs(piece=8))
-            ptx = _compile(k.rms_fwd_kernel, _FWD_SIG, const, warps)[0].asm["ptx"]
-            after = (ptx.split("bar.sync", 1) + [""])[1]
-            out[("blocks" if blocks else "in order") + (" + residual" if res else "")] = {
-                "barriers": ptx.count("bar.sync"),
-                "xors": [int(v) for v in re.findall(r"shfl\.sync\.bfly\.b32\s+%r\d+, %r\d+, (\d+),", after)]}
+            name = ("blocks" if blocks else "in order") + (" + residual" if res else "")
+            common = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1)
+            fwd = dict(common, YDT=1, HAS_RES=res, **tile.forward_constexprs(piece=8))
+            bwd = dict(common, HAS_DRES=res, DW_PARTIALS=pa + t <= 8192, **tile.backward_constexprs(piece=8),
+                       **tile.chunk_constexprs())
+            for label, fn, sig, const in (("", k.rms_fwd_kernel, _FWD_SIG, fwd),
+                                          ("backward ", k.rms_bwd_kernel, _BWD_SIG, bwd)):
+                ptx = _compile(fn, sig, const, warps)[0].asm["ptx"]
+                after = (ptx.split("bar.sync", 1) + [""])[1]
+                out[label + name] = {
+                    "barriers": ptx.count("bar.sync"),
+                    "xors": [int(v) for v in re.findall(r"shfl\.sync\.bfly\.b32\s+%r\d+, %r\d+, (\d+),", after)]}
     return out
 
 
 def main(args: list[str]) -> None:
     if args[:1] == ["--warp-blocks"]:
-        print(json.dumps(warp_block_forwards(*(int(v) for v in args[1:4]))))
+        print(json.dumps(warp_block_kernels(*(int(v) for v in args[1:4]))))
         return
     ptr16, ptr32 = "*bf16", "*fp32"
-    fwd_sig = _FWD_SIG
-    bwd_sig = {"DY": ptr16, "Z": ptr16, "W": ptr16, "RSTD": ptr32, "DRES": ptr16, "DX": "*i16", "DW_PART": ptr32,
-               **{s: "i64" for s in ("ds0", "ds1", "dsg", "zs0", "zs1", "zsg", "wsg", "es0", "es1", "esg",
-                                     "xs0", "xs1", "xsg")},
-               **{s: "i32" for s in ("M", "N", "R1", "G")}, "offset": "fp32"}
+    fwd_sig, bwd_sig = _FWD_SIG, _BWD_SIG
     fold_sig = {"A": ptr16, "B": ptr16, "RSTD": ptr32, "OUT": ptr32,
                 **{s: "i64" for s in ("as0", "as1", "asg", "bs0", "bs1", "bsg")},
                 **{s: "i32" for s in ("ROWS_PER_GROUP", "N", "R1", "G", "GROUP_STEP")}}

@@ -184,7 +184,8 @@ class Sweep:
 def measure(timer: Timer, backend, case: Case, direction: str, ceiling: float) -> dict:
     """A backend's kernel-only time on one case and direction, and whether it gave the reference's bits (y and
     rstd; dx, and for the fast dW the same bits twice); an error's message instead where it raised. Direction
-    "fwd_nr": the forward of an inference call (need_rstd=False: a backend may skip rstd, 4 bytes a row)."""
+    "fwd_nr": the forward of an inference call (need_rstd=False: a backend may skip rstd, 4 bytes a row); "bwd_dx":
+    the backward without a weight gradient (dx alone: the dx pass a strict dW's fold runs after)."""
     c, row = case, {}
     try:
         if direction == "fwd":
@@ -195,6 +196,9 @@ def measure(timer: Timer, backend, case: Case, direction: str, ceiling: float) -
             fn = lambda: backend.rms_norm_fwd(c.x, c.w, None, c.spec, need_rstd=False)  # noqa: E731
             y, rstd, _ = fn()
             row["bitwise"] = bool(torch.equal(y, c.y) and (rstd is None or torch.equal(rstd, c.rstd)))
+        elif direction == "bwd_dx":
+            fn = lambda: backend.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "fast", False, None)  # noqa: E731
+            row["bitwise"] = bool(torch.equal(fn()[0], c.dx))
         else:
             fn = lambda: backend.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "fast", True, None)  # noqa: E731
             dx, dw = fn()

@@ -5,11 +5,11 @@ program, warps, and whether rows well below their padded length take two column 
 plans. SWEEP_WFIRST=1 tries each configuration also with the forward's weight loaded before the row sum;
 SWEEP_CHUNKS=1024,2048 adds rows in column chunks of those lanes (rows longer than a chunk; one or two rows a
 program, SWEEP_PROGRAMS (2,4) programs an SM in the backward, SWEEP_WARPS (1,2,4,8,16) warps, the chunk loops' loads
-in SWEEP_STAGES (1) shared-memory stages); SWEEP_DIRECTIONS=fwd (or bwd) measures one direction; fwd_nr is the
-forward as an inference call asks for it (need_rstd=False), timed and checked beside the others but not tuned apart
-(it takes the forward's table). SWEEP_WARP_BLOCKS=1 tries each forward configuration (held whole, in chunks or in
-two column tiles) also with the row in warp blocks (TileChoice.warp_blocks; kernels.py's notes), forward directions
-only.
+in SWEEP_STAGES (1) shared-memory stages); SWEEP_DIRECTIONS=fwd (or bwd, or bwd_dx: dx alone, its "bwd_dx" entry)
+measures one direction; fwd_nr is the forward as an inference call asks for it (need_rstd=False), timed and
+checked beside the others but not tuned apart (it takes the forward's table). SWEEP_WARP_BLOCKS=1 tries each
+configuration (held whole, in chunks or in two column tiles) also with the row in warp blocks
+(TileChoice.warp_blocks; kernels.py's notes; the backward's only where its rows are held whole).
 SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (the forward's with
 SWEEP_DIRECTIONS=fwd), its warps times SWEEP_WARP_FACTORS (1,2) with its pipelining: the next block prefetched into
 registers, the loop's loads in 2 or 3 shared-memory stages, SWEEP_PROGRAMS (2,4) programs an SM, its rows a program
@@ -82,9 +82,12 @@ def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:
     """The choice for M x N of the direction swept (the backward's, or the forward's with SWEEP_DIRECTIONS=fwd), with
     its warps and twice them, each with every pipelining (TileChoice: programs_per_sm, prefetch, stages; in the
     forward each makes the grid persistent, so without either it is the choice itself and is not repeated)."""
-    direction = "fwd" if DIRECTIONS == ["fwd"] else "bwd"
+    direction = DIRECTIONS[0] if DIRECTIONS in (["fwd"], ["bwd_dx"]) else "bwd"
     p = next_pow2(n)
-    entry = ORIGINAL_TABLE[direction].get(p) or tb.TileChoice(split=tb.DEFAULT_SPLIT[direction])
+    entry = ORIGINAL_TABLE[direction].get(p)
+    if entry is None and direction == "bwd_dx":  # not listed: the "bwd" entry (backend.row_tile)
+        entry = ORIGINAL_TABLE["bwd"].get(p)
+    entry = entry or tb.TileChoice(split=tb.DEFAULT_SPLIT["fwd" if direction == "fwd" else "bwd"])
     tile = tb.row_tile(n, direction, m)
     base = dataclasses.replace(entry if isinstance(entry, tb.TileChoice) else for_rows(entry, m),
                                rows=tile.rows, num_warps=tile.num_warps, chunk=0)
@@ -130,7 +133,7 @@ def best_tunings(results: list[dict]) -> dict:
     fastest (over the shapes of that length where it ran bitwise at all), as STRICTNORM_TRITON_TUNING reads it;
     where a shape with fewer rows than the length's largest runs its fastest configuration BOUND_GAIN times faster
     than that one, the entry is bounded: [[M, its fastest], ..., [null, the least mean slowdown]]."""
-    best: dict[str, dict[str, dict]] = {"fwd": {}, "bwd": {}}
+    best: dict[str, dict[str, dict]] = {"fwd": {}, "bwd": {}, "bwd_dx": {}}
     for direction in best:
         # the backend's own choice is measured twice (as itself and as one of configs()): once counts
         ok = [r for r in results if r["direction"] == direction and r.get("bitwise") and "us" in r and not r["default"]]
@@ -180,8 +183,8 @@ def _write(ceiling: float, results: list[dict]) -> None:
 def _tile(n: int, m: int, direction: str, case: Case) -> tb.RowTile:
     """The tile the backend takes for the case's M x N in `direction` (the forward's warp-block entry where its
     warp blocks apply: the case's rows are contiguous, so 16-byte aligned where N % 16 == 0)."""
-    if direction == "bwd":
-        return tb.row_tile(n, "bwd", m)
+    if direction.startswith("bwd"):
+        return tb.row_tile(n, direction, m)
     aligned = n % 16 == 0 and tb._triton_release() in tb.WARP_BLOCK_TRITON_RELEASES
     return tb.forward_tile(n, m, 16 // case.x.element_size() if aligned else 0)
 
@@ -195,8 +198,8 @@ def main() -> None:
         for choice in [None] + configs(n, m):
             use(choice, n, triton)
             for direction in DIRECTIONS:
-                if choice is not None and choice.warp_blocks and direction == "bwd":
-                    continue  # a forward knob: the backward's kernel is the one measured without it
+                if choice is not None and choice.warp_blocks and choice.chunk and direction.startswith("bwd"):
+                    continue  # the backward's chunks take no warp blocks: its kernel is the one measured without
                 tile = _tile(n, m, direction, case)
                 row = dict(M=m, N=n, direction=direction, default=choice is None, rows=tile.rows,
                            num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk,
@@ -212,7 +215,7 @@ def main() -> None:
           "the backend's own choice")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
-        for direction in ("fwd", "fwd_nr", "bwd"):
+        for direction in ("fwd", "fwd_nr", "bwd", "bwd_dx"):
             ok = [r for r in results if (r["M"], r["N"], r["direction"]) == (m, n, direction) and "us" in r]
             if ok:
                 b = min(ok, key=lambda r: r["us"])

@@ -186,7 +186,8 @@ def test_triton_sweep_choice_loads_as_tiles(tmp_path, monkeypatch):
                row(128, 1, 4, 2.0, bitwise=False), row(32768, 1, 4, 100.0, bitwise=False),
                row(128, 1, 16, 2.9, w_first=True)]  # fastest at 128 rows, not measured at 32768
     best = sweep_triton.best_tunings(results)
-    assert best == {"fwd": {"4096": {"rows": 1, "num_warps": 8, "split": False, "w_first": False}}, "bwd": {}}
+    assert best == {"fwd": {"4096": {"rows": 1, "num_warps": 8, "split": False, "w_first": False}}, "bwd": {},
+                    "bwd_dx": {}}
     results.append(row(32768, 1, 16, 129.5, w_first=True))
     best = sweep_triton.best_tunings(results)
     assert best["fwd"]["4096"] == {"rows": 1, "num_warps": 16, "split": False, "w_first": True}
@@ -344,8 +345,9 @@ def test_compile_probe_compiles_every_kernel_for_sm90():
 
 @pytest.mark.parametrize(("n", "rows", "warps"), [(2048, 1, 4), (4096, 1, 8), (4096, 2, 8), (1152, 1, 2),
                                                    (18432, 1, 16), (18432, 2, 8)])
-def test_forward_warp_blocks_meet_once_when_compiled(n, rows, warps):
-    """The Triton forward in warp blocks compiled for sm_90 by the installed Triton (no GPU; bench/compile_probe.py):
+def test_warp_blocks_meet_once_when_compiled(n, rows, warps):
+    """The Triton forward and backward in warp blocks compiled for sm_90 by the installed Triton (no GPU;
+    bench/compile_probe.py):
     fewer barriers than with its columns in order, and after the first one the butterfly over the warps' block sums
     (xor warps/2 first, down to 1) that the contract's order needs with warp w holding block bitrev(w); N = 1152 and
     18432 in two column tiles, whose block sums meet in that one butterfly (a second meeting gave the sum a second
@@ -362,9 +364,11 @@ def test_forward_warp_blocks_meet_once_when_compiled(n, rows, warps):
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout)
     butterfly = [warps >> i for i in range(1, warps.bit_length())]
-    for res in ("", " + residual"):
-        assert got["blocks" + res]["barriers"] < got["in order" + res]["barriers"]
-        assert got["blocks" + res]["xors"][:len(butterfly)] == butterfly
+    for kernel in ("", "backward "):
+        for res in ("", " + residual"):
+            blocks, in_order = got[f"{kernel}blocks{res}"], got[f"{kernel}in order{res}"]
+            assert blocks["barriers"] < in_order["barriers"], (kernel, res)
+            assert blocks["xors"][:len(butterfly)] == butterfly, (kernel, res)
 
 
 def test_compile_probe_counts_loads_that_reuse_a_register(monkeypatch):

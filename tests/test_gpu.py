@@ -213,6 +213,67 @@ def test_triton_forward_warp_blocks_bitwise(n, rows, warps, knobs, inputs, seed,
     assert tb._fwd_plans and all(p.meta["WB_NW"] == warps for p in tb._fwd_plans.values())
 
 
+# The Triton backward in warp blocks (rows held whole): the table's tiles at 4096 (prefetched, 2 programs an SM),
+# 8192 (3 stages) and 18432 (two column tiles, 16 warps, 2 stages: the "bwd_dx" entry), and others.
+BACKWARD_WARP_BLOCK_TILES = [(4096, 1, 8, {"prefetch": True, "programs_per_sm": 2}), (4096, 2, 8, {}),
+                             (8192, 1, 8, {"stages": 3, "programs_per_sm": 2}), (8192, 1, 16, {}),
+                             (18432, 1, 16, {"split": True, "stages": 2, "programs_per_sm": 2}),
+                             (18432, 2, 8, {"split": True}), (1152, 1, 2, {"split": True})]
+BACKWARD_WARP_BLOCK_INPUTS = ["fp32 llama fast", "fp32 gemma strict", "bf16 llama fast", "fp16 none strict",
+                              "fp32 fused fast", "fp32 per-head strict"]
+
+
+@pytest.mark.parametrize("n, rows, warps, knobs", BACKWARD_WARP_BLOCK_TILES)
+@pytest.mark.parametrize("inputs", BACKWARD_WARP_BLOCK_INPUTS)
+def test_triton_backward_warp_blocks_bitwise(n, rows, warps, knobs, inputs, seed, monkeypatch):
+    """The Triton backward with its rows in warp blocks against the reference's bits: dx, the residual's gradient and
+    the strict dW; the fast dW (its partials at permuted columns) the same bits as the same tile's with the columns
+    in order. 255 and 4097 rows; fp32 rows where the row sum's last bit shows in dx. The plan really takes warp
+    blocks."""
+    from strictnorm.backends.triton import backend as tbm
+
+    tb = get_backend("triton")
+    kind, mode, dw = inputs.split()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kind]
+    casting = mode if mode in ("llama", "gemma", "none") else "gemma"
+    kw = dict(offset=1.0 if casting == "gemma" else 0.0, casting_mode=casting, dw=dw)
+    for m in (255, 4097):
+        g = torch.Generator(device=DEV).manual_seed(seed + m)
+        x, dy, res, dres = (torch.randn(m, n, device=DEV, generator=g).to(dtype) for _ in range(4))
+        w = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).to(dtype)  # one element size (_warp_block_piece)
+        runs = {}
+        for backend, blocks in (("torch", False), ("triton", False), ("triton", True)):
+            choice = tbm.TileChoice(rows=rows, num_warps=warps, warp_blocks=blocks, **knobs)
+            p = 1 << (n - 1).bit_length()
+            monkeypatch.setattr(tbm, "TILE_TABLE", {**tbm.TILE_TABLE, "bwd": {**tbm.TILE_TABLE["bwd"], p: choice},
+                                                    "bwd_dx": {**tbm.TILE_TABLE["bwd_dx"], p: choice}})
+            monkeypatch.setattr(tb, "_bwd_plans", {})
+            xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            if mode == "fused":
+                rs = res.clone().requires_grad_(True)
+                y, z = sn.fused_add_rms_norm(xs, rs, ws, backend=backend, **kw)
+                torch.autograd.backward([y, z], [dy, dres])
+                runs[backend, blocks] = (xs.grad, rs.grad, ws.grad)
+            elif mode == "per-head":
+                xh, dyh = (t.view(m, 1, 1, n).expand(m, 1, 2, n).contiguous() for t in (xs.detach(), dy))
+                wh = torch.stack([w, w.flip(0)]).requires_grad_(True)
+                xh.requires_grad_(True)
+                sn.qk_norm(xh, wh, backend=backend, **kw).backward(dyh)
+                runs[backend, blocks] = (xh.grad, wh.grad)
+            else:
+                y, _ = sn.rms_norm_with_rstd(xs, ws, backend=backend, **kw)
+                y.backward(dy)
+                runs[backend, blocks] = (xs.grad, ws.grad)
+            if blocks:
+                assert tb._bwd_plans and all(pl.meta["WB_NW"] == warps for pl in tb._bwd_plans.values())
+        want, in_order, got = runs["torch", False], runs["triton", False], runs["triton", True]
+        last = len(got) - (dw == "fast")  # the fast dW: against the same tile in order
+        for a, b in zip(want[:last], got[:last], strict=True):
+            assert bits_equal(a, b), f"{m}x{n} {inputs}"
+        for a, b in zip(in_order, got, strict=True):
+            assert bits_equal(a, b), f"{m}x{n} {inputs} (in order)"
+
+
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dw", ["fast", "strict"])
 def test_cuda_graph_replay_with_new_inputs(backend, dw, seed):

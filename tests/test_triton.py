@@ -460,6 +460,41 @@ def test_forward_warp_blocks_in_two_column_tiles(n, rows, warps, case, tail_piec
     assert (plan.meta["T"] > 0, plan.meta["WB_NW"], plan.meta["WB_ST"]) == (True, blocks, tail_piece)
 
 
+@pytest.mark.parametrize("n, rows, warps, split, case, dw, tail_piece", [
+    (1024, 2, 4, False, "fused fp32", "fast", 0), (1536, 2, 1, True, "fused fp32", "fast", 4),
+    (2304, 1, 4, True, "qk fp32", "strict", 2), (1024, 1, 4, False, "qk", "fast", 0),
+    (1000, 1, 4, False, "fused", "strict", 0), (2304, 1, 2, True, "fused", "strict", 4)])
+def test_backward_warp_blocks(n, rows, warps, split, case, dw, tail_piece, seed, monkeypatch):
+    """The backward's rows held whole in warp blocks (TileChoice.warp_blocks in its table entry; two column tiles
+    as in the forward): dx, the residual's gradient and the strict dW against the reference, the fast dW (partials
+    a program, at permuted columns) the same bits as with the columns in order; rows not 16-byte aligned (1000
+    columns) take the columns in order. The second column tile's columns 64 times the first's. fp32 rows: the row
+    sum's last bit shows in dx (a bf16 dx rounds most of it away)."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    x, w, dy, kw = _per_head_or_fused_case(n, case.startswith("qk"), 9, dw, g)
+    x[..., next_pow2(n) // 2:] *= 64
+    dtype = torch.float32 if case.endswith("fp32") else torch.bfloat16
+    x, dy, w = x.to(dtype), dy.to(dtype), w.to(dtype)  # every row-long tensor of one element size
+    kw.update({k: kw[k].to(dtype) for k in ("res", "dres") if k in kw})
+    triton = get_backend("triton")
+    outs = {}
+    for blocks in (True, False):
+        choice = tb.TileChoice(rows=rows, num_warps=warps, split=split, warp_blocks=blocks, programs_per_sm=1,
+                               prefetch=rows == 2)
+        monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {next_pow2(n): choice}})
+        monkeypatch.setattr(triton, "_fwd_plans", {})
+        monkeypatch.setattr(triton, "_bwd_plans", {})
+        outs[blocks] = _run("triton", x, w, dy, **kw)
+        (plan,) = triton._bwd_plans.values()
+        taken = warps if blocks and n % 16 == 0 else 0
+        assert (plan.meta["WB_NW"], plan.meta["WB_ST"]) == (taken, tail_piece if taken and split else 0)
+        assert plan.meta["WB_S"] == (16 // x.element_size() if taken else 8)
+    _assert_same(_run("torch", x, w, dy, **kw), outs[True], skip=("dw",) if dw == "fast" else ())
+    _assert_same(outs[False], outs[True])
+
+
 def test_forward_warp_blocks_only_where_every_row_tensor_has_one_element_size(seed, monkeypatch):
     """Warp blocks rely on the compiler's layout of the rows, which a 32-bit weight or y beside 16-bit rows (or the
     other way) can change: such calls take the columns in order, with the same bits."""

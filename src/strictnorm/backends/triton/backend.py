@@ -175,22 +175,18 @@ class RowTile:
         """The constexprs and the launch options."""
         return {**self.constexprs(), **_launch_opts(self.num_warps)}
 
-    def backward_constexprs(self) -> dict:
-        """The backward's prefetch and pipeline-stage constexprs."""
-        return dict(PREFETCH=self.prefetch, STAGES=self.stages)
+    def backward_constexprs(self, piece: int = 0) -> dict:
+        """The backward's prefetch, pipeline-stage and warp-block constexprs (warp blocks as the forward's, for rows
+        held whole only)."""
+        return dict(PREFETCH=self.prefetch, STAGES=self.stages,
+                    **self.warp_block_constexprs(0 if self.chunk else piece))
 
-    @property
-    def forward_persistent(self) -> bool:
-        """Whether the forward's programs stride over the blocks (rows held whole, prefetched or pipelined)."""
-        return not self.chunk and (self.prefetch or self.stages > 1)
-
-    def forward_constexprs(self, piece: int = 0) -> dict:
-        """The forward's weight-first, chunk, persistent-grid, stage and warp-block constexprs (the chunk loops'
-        stages, or the persistent grid's; warp blocks of `piece`-element pieces where the tile asks for them and
-        piece > 0, see _warp_block_piece). Two column tiles take warp blocks where the second's are of whole pieces,
-        or of T / threads elements a thread in a one-row tile (the compiler's layout there, compiled for sm_90 by
-        Triton 3.6 and 3.9; with more rows it spread the warps over the rows); else neither does."""
-        persistent = self.forward_persistent
+    def warp_block_constexprs(self, piece: int) -> dict:
+        """WB_NW, WB_S, WB_ST: warp blocks of `piece`-element pieces where the tile asks for them and piece > 0 (see
+        _warp_block_piece), the row (or each chunk) at least one piece a thread. Two column tiles take warp blocks
+        where the second's are of whole pieces, or of T / threads elements a thread in a one-row tile (the
+        compiler's layout there, compiled for sm_90 by Triton 3.6 and 3.9; with more rows it spread the warps over
+        the rows); else neither does."""
         threads = 32 * self.num_warps
         blocks = self.warp_blocks and piece > 0 and (self.chunk or self.pa) >= threads * piece
         tail_piece = 0
@@ -199,9 +195,20 @@ class RowTile:
         elif blocks and self.rows == 1 and self.t >= threads:
             tail_piece = self.t // threads
         blocks = blocks and (self.t == 0 or tail_piece > 0)
+        return dict(WB_NW=self.num_warps if blocks else 0, WB_S=piece if blocks else 8, WB_ST=tail_piece)
+
+    @property
+    def forward_persistent(self) -> bool:
+        """Whether the forward's programs stride over the blocks (rows held whole, prefetched or pipelined)."""
+        return not self.chunk and (self.prefetch or self.stages > 1)
+
+    def forward_constexprs(self, piece: int = 0) -> dict:
+        """The forward's weight-first, chunk, persistent-grid, stage and warp-block constexprs (the chunk loops'
+        stages, or the persistent grid's; warp_block_constexprs)."""
+        persistent = self.forward_persistent
         return dict(W_FIRST=self.w_first, STAGES=self.stages if self.chunk or persistent else 1,
-                    PERSISTENT=persistent, PREFETCH=self.prefetch and persistent, WB_NW=self.num_warps if blocks else 0,
-                    WB_S=piece if blocks else 8, WB_ST=tail_piece, **self.chunk_constexprs())
+                    PERSISTENT=persistent, PREFETCH=self.prefetch and persistent,
+                    **self.warp_block_constexprs(piece), **self.chunk_constexprs())
 
     def chunk_constexprs(self) -> dict:
         """The column-chunk constexprs (CHUNK = 0: none)."""
@@ -378,7 +385,8 @@ class TritonBackend:
         if lay.rows == 0:
             return _Plan(views, (), 0, (), {})
         wsg = w.stride(0) if views.per_head else 0
-        piece = _warp_block_piece(x, residual, w, wsg, spec.out_dtype, lay, views.rlay)
+        layouts = (lay,) if residual is None else (lay, views.rlay)
+        piece = _warp_block_piece([t for t in (x, residual, w) if t is not None], layouts, wsg, spec.out_dtype)
         tile = forward_tile(lay.n, lay.rows, piece)
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
@@ -444,10 +452,13 @@ class TritonBackend:
             fold_sms = get_backend("cuda").shared_fold_sms(n, dx_out is None)
         nprog = _programs(_cdiv(rows, tile.rows), tile, z.device, partials or tile.prefetch or tile.stages > 1,
                           sms_left=fold_sms)
+        wsg = w.stride(0) if views.per_head else 0
+        layouts = (lay, views.dlay, views.xlay) + ((views.elay,) if dres is not None else ())
+        piece = _warp_block_piece([t for t in (z, dy, w, dres, dx_out) if t is not None], layouts, wsg, z.dtype)
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
-                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(),
+                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(piece),
                     **tile.chunk_constexprs(), **tile.meta())
-        return _Plan(views, (nprog,), w.stride(0) if views.per_head else 0, (rows, n, lay.r1, lay.g, spec.offset),
+        return _Plan(views, (nprog,), wsg, (rows, n, lay.r1, lay.g, spec.offset),
                      meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms)
 
     # ---- strict fold ---------------------------------------------------------------------------
@@ -505,23 +516,20 @@ def _triton_release() -> str:
     return ".".join(triton.__version__.split(".")[:2])
 
 
-def _warp_block_piece(x: Tensor, residual: Tensor | None, weight: Tensor | None, wsg: int, out_dtype: torch.dtype,
-                      lay: RowLayout, rlay: RowLayout) -> int:
-    """Elements of the 16-byte pieces the compiler loads the forward's rows in, where warp blocks may rely on that
+def _warp_block_piece(tensors: list[Tensor], layouts: tuple[RowLayout, ...], wsg: int, out_dtype: torch.dtype) -> int:
+    """Elements of the 16-byte pieces the compiler loads a row kernel's rows in, where warp blocks may rely on that
     layout (kernels.py's notes), else 0. On a Triton release of WARP_BLOCK_TRITON_RELEASES, where the rows are
-    16-byte aligned as the JIT specializes them (N and every row stride divisible by 16, the tensors' starts 16-byte
-    aligned) and every row-long tensor (x, the residual, the weight, y) has one element size, Triton lays the rows
-    out as warp blocks assume (compiled for sm_90: mixing a 32-bit weight or y with 16-bit rows changed the layout
-    for some tiles, so such calls take the columns in order); 32-lane warps only (not ROCm's 64)."""
+    16-byte aligned as the JIT specializes them (N and every row stride of `layouts` divisible by 16, the tensors'
+    starts 16-byte aligned) and every row-long tensor (`tensors`: the forward's x, residual and weight, the
+    backward's z, dy, weight, residual gradient and given dx; the output of out_dtype) has one element size, Triton
+    lays the rows out as warp blocks assume (compiled for sm_90: mixing a 32-bit weight or y with 16-bit rows changed
+    the layout for some tiles, so such calls take the columns in order); 32-lane warps only (not ROCm's 64)."""
     if _triton_release() not in WARP_BLOCK_TRITON_RELEASES:
         return 0
-    size = x.element_size()
-    sizes = [t.element_size() for t in (residual, weight) if t is not None] + [out_dtype.itemsize]
-    if torch.version.hip or any(v != size for v in sizes):
+    size = tensors[0].element_size()
+    if torch.version.hip or any(t.element_size() != size for t in tensors) or out_dtype.itemsize != size:
         return 0
-    layouts = (lay,) if residual is None else (lay, rlay)
-    tensors = [t for t in (x, residual, weight) if t is not None]
-    if lay.n % 16 or wsg % 16 or any(v % 16 for layout in layouts for v in layout.args()) or any(
+    if layouts[0].n % 16 or wsg % 16 or any(v % 16 for layout in layouts for v in layout.args()) or any(
             t.data_ptr() % 16 for t in tensors):
         return 0
     return 16 // size

@@ -584,10 +584,11 @@ def _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1,
               pid, nprog, M, N, R1, G, offset, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr,
               T: tl.constexpr, LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
               PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr, PREFETCH: tl.constexpr,
-              STAGES: tl.constexpr):
-    """The backward of rows held whole, in one or two column tiles (rms_bwd_kernel)."""
-    cols_a = tl.arange(0, PA)
-    cols_b = PA + tl.arange(0, T if T > 0 else 1)
+              STAGES: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr):
+    """The backward of rows held whole, in one or two column tiles (rms_bwd_kernel), in warp blocks where WB_NW > 0
+    (as the forward's: row_columns, row_sum)."""
+    cols_a = row_columns(PA, WB_NW, WB_S)
+    cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if T > 0 else 0, WB_ST)
     wf_a = tl.zeros((1, PA), tl.float32)
     wf_b = tl.zeros((1, T if T > 0 else 1), tl.float32)
     if not PER_HEAD:
@@ -623,7 +624,8 @@ def _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1,
             xb, dyb, xhb, grb = _bwd_input(zb, db, W, wsg, wf_b, g, rows, rstd, M, N, cols_b, offset, MODE, XDT,
                                            HAS_W, PER_HEAD)
             pb = xhb * grb
-        c = tl.div_rn(tiled_canon_sum(xha * gra, pb, ROWS, PA, LOG2PA, T, LOG2T), tl.full((ROWS,), N, tl.float32))
+        c = tl.div_rn(row_sum(xha * gra, pb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST),
+                      tl.full((ROWS,), N, tl.float32))
         _bwd_output(xha, gra, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols_a, XDT, HAS_DRES)
         if DW_PARTIALS:
             dw_a += dya * normalized_as_used(xa, rstd, MODE, XDT)
@@ -645,13 +647,15 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
                    LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
                    PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr,
                    PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1, CHUNK: tl.constexpr = 0,
-                   LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1, LOG2NCH: tl.constexpr = 0):
+                   LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1, LOG2NCH: tl.constexpr = 0,
+                   WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8, WB_ST: tl.constexpr = 0):
     """dx for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T), or in column
     chunks of CHUNK lanes (CHUNK > 0, T = 0: _bwd_chunked). With DW_PARTIALS, each program also sums its rows' dW
     contributions (shared weight only) into DW_PART[pid].
     PREFETCH: the next block's rows loaded into registers before this block's sums (its loads in flight while this
     block computes and stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory, that many
-    stages. Neither changes a value."""
+    stages. WB_NW > 0 (num_warps = WB_NW; rows held whole): the row in warp blocks, as in rms_fwd_kernel. None changes
+    a value."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CHUNK > 0:
@@ -661,7 +665,7 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
     else:
         _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
                   pid, nprog, M, N, R1, G, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, HAS_W, PER_HEAD, HAS_DRES,
-                  DW_PARTIALS, PREFETCH, STAGES)
+                  DW_PARTIALS, PREFETCH, STAGES, WB_NW, WB_S, WB_ST)
 
 
 @triton.jit(do_not_specialize=["ROWS_PER_GROUP", "GROUP_STEP"])
