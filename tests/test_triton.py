@@ -351,6 +351,23 @@ def test_forward_warp_block_entry_only_where_its_warp_blocks_apply(monkeypatch):
     assert tb.forward_tile(18432, 2048, 8) == tb.row_tile(18432, "fwd", 2048)
 
 
+def test_pipeline_stages_fit_the_shared_memory():
+    """Rows held whole keep stages - 1 blocks of their loads in shared memory: a tile asking for more stages than the
+    device's opt-in shared memory holds gets fewer (H200: 227 KB a block; 3 stages of one row of bf16 z and dy fit
+    at 18432 columns in two tiles, 148 KB, not at 30000 in one, 263 KB); chunks and an unknown limit are left
+    alone."""
+    from strictnorm.backends.triton import backend as tb
+
+    h200 = 227 * 1024
+    split, whole = tb.RowTile(1, 16384, 2048, 16, stages=3), tb.RowTile(1, 32768, 0, 16, stages=3)
+    assert tb.stages_that_fit(split, 4, h200).stages == 3 and tb.stages_that_fit(whole, 4, h200).stages == 2
+    assert tb.stages_that_fit(whole, 4, 0).stages == 3
+    held = tb.RowTile(1, 65536, 0, 16, stages=3)
+    assert tb.stages_that_fit(held, 4, h200).stages == 1 and tb.stages_that_fit(held, 2, h200).stages == 2
+    chunked = tb.RowTile(2, 32768, 0, 8, chunk=4096, stages=3)
+    assert tb.stages_that_fit(chunked, 4, h200) == chunked
+
+
 def test_backward_tile_depends_on_in_kernel_partials():
     """The backward's tile comes from TILE_TABLE["bwd"] where the kernel adds the fast dW's partials, else from
     "bwd_dx" where it lists the padded length (the strict dW, no weight gradient, per-head weights), else from "bwd":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -133,6 +133,8 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # the backward where the kernel adds no dW partials (dw="strict", per-head weights, no weight gradient); a P not
     # listed takes the "bwd" entry. At P = 32768 the held rows' run-14 entry: without partials it was faster than
     # the chunks (2048 x 18432 strict backward 151.2 us with it in run 14, 161.7 with the chunks in run 15, call c)
+    # (Run 30, call e: in warp blocks with 3 stages the dx pass alone at 2048 x 18432 took 61.2 us against this
+    # entry's 86.5, every configuration bitwise; not yet taken: the suite and the bench have not run with it.)
     "bwd_dx": {32768: TileChoice(rows=1, num_warps=16, split=True, programs_per_sm=2, stages=2)},
 }
 
@@ -387,7 +389,9 @@ class TritonBackend:
         wsg = w.stride(0) if views.per_head else 0
         layouts = (lay,) if residual is None else (lay, views.rlay)
         piece = _warp_block_piece([t for t in (x, residual, w) if t is not None], layouts, wsg, spec.out_dtype)
-        tile = forward_tile(lay.n, lay.rows, piece)
+        tile = stages_that_fit(forward_tile(lay.n, lay.rows, piece),
+                               x.element_size() + (residual.element_size() if residual is not None else 0),
+                               _smem_optin(x.device))
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
@@ -445,7 +449,8 @@ class TritonBackend:
         # keep them in global memory instead (kernels.py, _bwd_chunked); rows held whole take the fold, which is
         # deterministic too, for dw="fast".
         wants_partials = need_dw and dw_mode == "fast" and not views.per_head
-        tile = row_tile(n, "bwd" if wants_partials else "bwd_dx", rows)
+        tile = stages_that_fit(row_tile(n, "bwd" if wants_partials else "bwd_dx", rows),
+                               z.element_size() + dy.element_size(), _smem_optin(z.device))
         partials = wants_partials and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0)
         fold_sms = 0
         if need_dw and not partials and self.share_sms_with_fold and self._cuda_available(z):
@@ -544,6 +549,24 @@ def _programs(blocks: int, tile: RowTile, device: torch.device, persistent: bool
     sms_left, one at least), striding."""
     sms = max(1, _num_sms(device) - sms_left)
     return min(blocks, sms * tile.programs_per_sm) if persistent else blocks
+
+
+def stages_that_fit(tile: RowTile, bytes_per_lane: int, limit: int) -> RowTile:
+    """tile with no more pipeline stages than `limit` bytes of shared memory a block hold, for rows held whole:
+    Triton keeps stages - 1 blocks of the loop's loads (rows x lanes x bytes_per_lane: z and dy, or x and the
+    residual) in shared memory (compiled for sm_90 with triton 3.6: the backward at 18432 columns in 3 stages 148 KB,
+    at 30000 columns 263 KB, past the H200's 227 KB a block, while 2 stages take 131 KB)."""
+    if tile.chunk or tile.stages <= 1 or limit <= 0:
+        return tile
+    per_stage = tile.rows * (tile.pa + tile.t) * bytes_per_lane
+    return replace(tile, stages=max(1, min(tile.stages, 1 + (limit - 1024) // per_stage)))
+
+
+def _smem_optin(device: torch.device) -> int:
+    """The opt-in shared memory a block may use on a CUDA device (0 elsewhere: no bound known)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 def _num_sms(device: torch.device) -> int:
