@@ -19,7 +19,8 @@ Exactness notes, each found the hard way (../docs/contract.md, "Implementing a b
   N = 18432 then takes 18432 lanes instead of 32768 (5120 instead of 8192), the same bits.
 - Rows in column chunks (CHUNK > 0): the aligned chunks of CHUNK lanes are subtrees of the tree over P,
   so canon_sum over P is canon_sum over the NCH = P / CHUNK chunk sums, chunks past N (all padding) +0.0.
-- Warp blocks (the forward's WB_NW > 0; the table's tiles of 4096 and 8192 columns): canon_sum's levels whose pairs
+- Warp blocks (WB_NW > 0; the forward's table tiles of 4096, 8192 and split 32768 columns; the backward's rows held
+  whole, opt-in): canon_sum's levels whose pairs
   span warps each cost a shared-memory round trip (triton 3.6, 4096 lanes, 8 warps: 10 barriers against tl.sum's 4).
   The row's columns are loaded permuted (row_columns) so that each warp holds one aligned block of the row, a subtree
   of the tree: its sum stays in the warp's registers and shuffles, and the blocks' sums meet once, in one tl.sum,
