@@ -99,6 +99,18 @@ def test_triton_fast_dw_of_long_rows(m, n, seed):
     assert bits_equal(got[3], _fwd_bwd("triton", x, w, dy, "gemma", "fast", 1.0)[3])
 
 
+@pytest.mark.parametrize("n, dtype", [(30000, torch.float32), (30000, torch.bfloat16), (24592, torch.float32)])
+def test_triton_backward_of_rows_past_three_quarters_of_their_padded_length(n, dtype, seed):
+    """Rows of more than 3/4 of P = 32768 lanes held whole in one tile: the strict backward's dx pass, its pipeline
+    stages bounded by the shared memory (backend.stages_that_fit: fp32 z and dy of 32768 lanes need 256 KB a stage,
+    more than a block may have), bitwise against the reference (dx and the strict dW), and the fast backward's dx."""
+    x, w, dy = _data(257, n, dtype, dtype, seed)
+    want = _fwd_bwd("torch", x, w, dy, "gemma", "strict", 1.0)
+    for a, b in zip(want, _fwd_bwd("triton", x, w, dy, "gemma", "strict", 1.0), strict=True):
+        assert bits_equal(a, b), f"{n} {dtype}"
+    assert bits_equal(want[2], _fwd_bwd("triton", x, w, dy, "gemma", "fast", 1.0)[2])
+
+
 @pytest.mark.parametrize("n", [128, 4096, 8192])
 def test_strict_dw_large_rows_cuda_vs_triton_fold(n, seed):
     """Two independent strict-fold implementations must agree at row counts the reference loop can't do."""
