@@ -33,6 +33,7 @@ import sys
 import torch
 from sweep_cuda import Case, Sweep, measure, shapes_from_env
 
+from strictnorm.backends.layout import row_layout
 from strictnorm.backends.triton import backend as tb
 from strictnorm.backends.tuning import for_rows
 from strictnorm.bench import NORM_SHAPES
@@ -181,12 +182,13 @@ def _write(ceiling: float, results: list[dict]) -> None:
 
 
 def _tile(n: int, m: int, direction: str, case: Case) -> tb.RowTile:
-    """The tile the backend takes for the case's M x N in `direction` (the forward's warp-block entry where its
-    warp blocks apply: the case's rows are contiguous, so 16-byte aligned where N % 16 == 0)."""
+    """The tile the backend takes for the case's M x N in `direction`, as its plans choose it (the forward's
+    warp-block entry where its warp blocks apply; the stages the device's shared memory holds)."""
+    limit = tb._smem_optin(case.x.device)
     if direction.startswith("bwd"):
-        return tb.row_tile(n, direction, m)
-    aligned = n % 16 == 0 and tb._triton_release() in tb.WARP_BLOCK_TRITON_RELEASES
-    return tb.forward_tile(n, m, 16 // case.x.element_size() if aligned else 0)
+        return tb.stages_that_fit(tb.row_tile(n, direction, m), 2 * case.x.element_size(), limit)
+    piece = tb._warp_block_piece([case.x, case.w], (row_layout(case.x)[1],), 0, case.x.dtype)
+    return tb.stages_that_fit(tb.forward_tile(n, m, piece), case.x.element_size(), limit)
 
 
 def main() -> None:

@@ -233,7 +233,7 @@ def row_tile(n: int, direction: str, rows: int | None = None) -> RowTile:
     p = next_pow2(n)
     if direction == "bwd_dx" and p not in TILE_TABLE.get("bwd_dx", {}):
         direction = "bwd"
-    return _tile_of(n, TILE_TABLE[direction].get(p) or TileChoice(split=DEFAULT_SPLIT[direction]), rows)
+    return _tile_of(n, _for_rows(TILE_TABLE[direction].get(p) or TileChoice(split=DEFAULT_SPLIT[direction]), rows))
 
 
 def forward_tile(n: int, rows: int | None, piece: int) -> RowTile:
@@ -242,18 +242,21 @@ def forward_tile(n: int, rows: int | None, piece: int) -> RowTile:
     else row_tile's "fwd"."""
     entry = TILE_TABLE.get("fwd_wb", {}).get(next_pow2(n))
     if entry is not None:
-        choice = entry if isinstance(entry, TileChoice) else for_rows(entry, rows)
-        tile = _tile_of(n, choice, rows)
-        if tile.forward_constexprs(piece)["WB_NW"] and (tile.t or not choice.split):
+        choice = _for_rows(entry, rows)
+        tile = _tile_of(n, choice)
+        if tile.warp_block_constexprs(piece)["WB_NW"] and (tile.t or not choice.split):
             return tile
     return row_tile(n, "fwd", rows)
 
 
-def _tile_of(n: int, choice: TileEntry, rows: int | None) -> RowTile:
-    """The tile a TILE_TABLE entry gives `rows` rows of N columns."""
+def _for_rows(entry: TileEntry, rows: int | None) -> TileChoice:
+    """A TILE_TABLE entry's choice for `rows` rows (None: its unbounded one)."""
+    return entry if isinstance(entry, TileChoice) else for_rows(entry, rows)
+
+
+def _tile_of(n: int, choice: TileChoice) -> RowTile:
+    """The tile a choice gives rows of N columns."""
     p = next_pow2(n)
-    if not isinstance(choice, TileChoice):
-        choice = for_rows(choice, rows)
     pa, t = column_tiles(n, choice.split)
     tile_rows = choice.rows or max(1, _TILE_ELEMS // p)
     lanes = tile_rows * (pa + t)
