@@ -419,6 +419,25 @@ def test_forward_weight_first_and_column_chunks_give_the_reference_bits(n, split
     _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
 
 
+def test_register_bound_reaches_the_launch_options_and_keeps_the_bits(seed, monkeypatch):
+    """TileChoice.max_registers becomes Triton's maxnreg in both directions' launch options (absent where 0); the
+    interpreter drops it, so here the plan's options and the bits are checked (the bound's effect on the GPU:
+    test_gpu's warp-block tiles)."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    bounded = tb.TileChoice(rows=2, num_warps=2, split=True, max_registers=64)
+    assert "maxnreg" not in tb._tile_of(600, tb.TileChoice(rows=2)).meta()
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {1024: bounded}, "bwd": {1024: bounded}})
+    backend = get_backend("triton")
+    monkeypatch.setattr(backend, "_fwd_plans", {})
+    monkeypatch.setattr(backend, "_bwd_plans", {})
+    x, w, dy, kw = _per_head_or_fused_case(600, False, 5, "strict", g)
+    _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+    plans = [*backend._fwd_plans.values(), *backend._bwd_plans.values()]
+    assert len(plans) >= 2 and all(p.meta["maxnreg"] == 64 and p.meta["T"] > 0 for p in plans)
+
+
 @pytest.mark.parametrize("n, warps, qk, persistent, chunk", [(256, 1, False, False, 0), (512, 2, True, False, 0),
                                                             (2048, 2, False, False, 0), (1024, 4, False, True, 0),
                                                             (2048, 8, True, False, 0), (2000, 2, False, False, 512),

@@ -78,6 +78,10 @@ class TileChoice:
     # forward: the row (each chunk; each column tile) in warp blocks, each warp's block summed in the warp and the
     # blocks' sums combined at once (kernels.py, WB_NW; taken only where _warp_block_piece allows)
     warp_blocks: bool = False
+    # registers a thread, bounded for ptxas (Triton's maxnreg; 0: ptxas's own count): 16 warps of at most 64 fit
+    # twice in an SM's 65536, where 70 leave room for one program only. Register use decides how many programs an SM
+    # runs, never a bit
+    max_registers: int = 0
 
 
 # Choices per direction and padded length P: a TileChoice, or ((max rows, TileChoice), ..., (None, TileChoice)) where
@@ -168,6 +172,7 @@ class RowTile:
     prefetch: bool = False
     stages: int = 1
     warp_blocks: bool = False
+    max_registers: int = 0
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -175,7 +180,7 @@ class RowTile:
 
     def meta(self) -> dict:
         """The constexprs and the launch options."""
-        return {**self.constexprs(), **_launch_opts(self.num_warps)}
+        return {**self.constexprs(), **_launch_opts(self.num_warps, self.max_registers)}
 
     def backward_constexprs(self, piece: int = 0) -> dict:
         """The backward's prefetch, pipeline-stage and warp-block constexprs (warp blocks as the forward's, for rows
@@ -263,7 +268,7 @@ def _tile_of(n: int, choice: TileChoice) -> RowTile:
     num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
     chunk = choice.chunk if t == 0 and 0 < choice.chunk < pa else 0
     return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk, choice.programs_per_sm, choice.prefetch,
-                   choice.stages, choice.warp_blocks)
+                   choice.stages, choice.warp_blocks, choice.max_registers)
 
 
 class _Launcher:
@@ -332,8 +337,11 @@ class _Plan:
     fold_sms: int = 0  # the backward's strict fold sized for this many SMs, the dx pass's grid for the rest (0: all)
 
 
-def _launch_opts(num_warps: int) -> dict:
-    return {"num_warps": num_warps, "enable_fp_fusion": False}
+def _launch_opts(num_warps: int, max_registers: int = 0) -> dict:
+    """The JIT's options: no FMA contraction (the contract's products and sums rounded apart), the warps, and where
+    given the bound on registers a thread (TileChoice.max_registers)."""
+    cap = {"maxnreg": max_registers} if max_registers else {}
+    return {"num_warps": num_warps, "enable_fp_fusion": False, **cap}
 
 
 class TritonBackend:
