@@ -111,6 +111,23 @@ def test_triton_backward_of_rows_past_three_quarters_of_their_padded_length(n, d
     assert bits_equal(want[2], _fwd_bwd("triton", x, w, dy, "gemma", "fast", 1.0)[2])
 
 
+def test_triton_register_bound_only_where_ptxas_exceeds_it(seed, monkeypatch):
+    """The forward's P = 32768 entry bounds registers to 64 a thread (TileChoice.max_registers): the launched kernel
+    keeps within it and gives the reference's bits; at 20480 columns (70 registers unbounded with triton 3.6) the
+    launch keeps the bound (at 18432, 64 unbounded, _Launcher drops it)."""
+    tb = get_backend("triton")
+    for n in (18432, 20480):
+        monkeypatch.setattr(tb, "_fwd_plans", {})
+        x, w, _ = _data(300, n, torch.bfloat16, torch.bfloat16, seed + n)
+        want = sn.rms_norm_with_rstd(x, w, casting_mode="llama", backend="torch")
+        got = sn.rms_norm_with_rstd(x, w, casting_mode="llama", backend="triton")
+        assert all(bits_equal(a, b) for a, b in zip(want, got, strict=True)), n
+        (plan,) = tb._fwd_plans.values()
+        assert plan.meta["maxnreg"] == 64 and plan.launch.kernel.n_regs <= 64, n
+        if n == 20480:
+            assert plan.launch.meta["maxnreg"] == 64
+
+
 @pytest.mark.parametrize("n", [128, 4096, 8192])
 def test_strict_dw_large_rows_cuda_vs_triton_fold(n, seed):
     """Two independent strict-fold implementations must agree at row counts the reference loop can't do."""

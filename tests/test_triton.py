@@ -340,9 +340,9 @@ def test_forward_warp_block_entry_only_where_its_warp_blocks_apply(monkeypatch):
     than the threads), 30000 (no split) and unaligned rows in column chunks)."""
     from strictnorm.backends.triton import backend as tb
 
-    assert tb.forward_tile(18432, 2048, 8) == tb.RowTile(1, 16384, 2048, 16, warp_blocks=True)
+    assert tb.forward_tile(18432, 2048, 8) == tb.RowTile(1, 16384, 2048, 16, warp_blocks=True, max_registers=64)
     assert tb.forward_tile(18432, 2048, 8).forward_constexprs(8)["WB_ST"] == 4
-    assert tb.forward_tile(20480, None, 8) == tb.RowTile(1, 16384, 4096, 16, warp_blocks=True)
+    assert tb.forward_tile(20480, None, 8) == tb.RowTile(1, 16384, 4096, 16, warp_blocks=True, max_registers=64)
     for n, piece in ((16400, 8), (30000, 8), (18432, 0), (24576 + 16, 8)):
         assert tb.forward_tile(n, 2048, piece) == tb.row_tile(n, "fwd", 2048), (n, piece)
         assert tb.forward_tile(n, 2048, piece).chunk == 4096

@@ -78,9 +78,9 @@ class TileChoice:
     # forward: the row (each chunk; each column tile) in warp blocks, each warp's block summed in the warp and the
     # blocks' sums combined at once (kernels.py, WB_NW; taken only where _warp_block_piece allows)
     warp_blocks: bool = False
-    # registers a thread, bounded for ptxas (Triton's maxnreg; 0: ptxas's own count): 16 warps of at most 64 fit
-    # twice in an SM's 65536, where 70 leave room for one program only. Register use decides how many programs an SM
-    # runs, never a bit
+    # registers a thread, bounded for ptxas (Triton's maxnreg) where the kernel compiled without the bound takes more
+    # (_Launcher; 0: no bound): 16 warps of at most 64 fit twice in an SM's 65536, where 70 leave room for one
+    # program only. Register use decides how many programs an SM runs, never a bit
     max_registers: int = 0
 
 
@@ -124,22 +124,30 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # 32768 x 4096 130.2 -> 128.8 us, 8192 x 4096 34.9 -> 34.8, 8192 x 8192 67.6 -> 67.2; call b: 128 x 4096 2.56 -> 2.4
     # P = 128: the loop pipelined through 3 stages (run 17, call a: 262144 x 128 60.4 -> 57.1 us at 4 warps), at
     # 2 warps (bench/results/2026-12-01-h200-run18, call a: 57.2 -> 55.5; rows 8 or 32, 8 programs an SM: slower)
+    # P = 4096 (bench/results/2026-12-03-h200-run31, call a, every configuration bitwise; against the prefetched
+    # tile in order): to 8192 rows prefetched in warp blocks (2048 x 4096 19.2 -> 18.5 us, 8192 x 4096 56.4 -> 56.0),
+    # past them in order through 3 stages (32768 x 4096 203.3 -> 197.1; in warp blocks 200.0, prefetched 198.3)
     "bwd": {128: TileChoice(rows=16, num_warps=2, stages=3),
-            4096: TileChoice(rows=1, num_warps=8, programs_per_sm=2, prefetch=True),
+            4096: ((8192, TileChoice(rows=1, num_warps=8, programs_per_sm=2, prefetch=True, warp_blocks=True)),
+                   (None, TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3))),
             8192: TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3),
             32768: TileChoice(rows=2, num_warps=8, chunk=4096, programs_per_sm=1, stages=3),
             65536: TileChoice(rows=2, num_warps=8, chunk=2048, programs_per_sm=2, stages=3)},
     # the forward where the entry's tile takes warp blocks (and, where it asks for two column tiles, N splits in two),
     # else the "fwd" entry (in order its tile would be slower). P = 32768: the row in a tile of 16384 lanes and one
     # of 2048 or less, both in warp blocks, 16 warps (run 30, call a, every configuration bitwise: 2048 x 18432 52.3
-    # -> 42.6 us; the same tile in order 79.6, held whole in warp blocks 65.9)
-    "fwd_wb": {32768: TileChoice(rows=1, num_warps=16, split=True, warp_blocks=True)},
+    # -> 42.6 us; the same tile in order 79.6, held whole in warp blocks 65.9); 64 registers a thread where ptxas
+    # takes more (a second tile of 4096 lanes or more: 70 and 81 registers at 20480 and 24576 columns; run 31, calls a
+    # and b, every configuration bitwise: 2048 x 20480 62.3 -> 46.4 us, 8192 x 20480 233.2 -> 168.7, 2048 x 22528
+    # 70.2 -> 63.8, 2048 x 24576 71.9 -> 66.9)
+    "fwd_wb": {32768: TileChoice(rows=1, num_warps=16, split=True, warp_blocks=True, max_registers=64)},
     # the backward where the kernel adds no dW partials (dw="strict", per-head weights, no weight gradient); a P not
     # listed takes the "bwd" entry. At P = 32768 the held rows' run-14 entry: without partials it was faster than
     # the chunks (2048 x 18432 strict backward 151.2 us with it in run 14, 161.7 with the chunks in run 15, call c)
-    # (Run 30, call e: in warp blocks with 3 stages the dx pass alone at 2048 x 18432 took 61.2 us against this
-    # entry's 86.5, every configuration bitwise; not yet taken: the suite and the bench have not run with it.)
-    "bwd_dx": {32768: TileChoice(rows=1, num_warps=16, split=True, programs_per_sm=2, stages=2)},
+    # P = 32768 in warp blocks through 3 stages (as many as shared memory holds: stages_that_fit; run 31, call a,
+    # every configuration bitwise, the dx pass alone against the same tile in order through 2 stages: 2048 x 18432
+    # 88.2 -> 61.4 us, 2048 x 20480 95.2 -> 72.1, 2048 x 24576 133.0 -> 107.8; 32 warps slower, 74.4-113.1)
+    "bwd_dx": {32768: TileChoice(rows=1, num_warps=16, split=True, programs_per_sm=2, stages=3, warp_blocks=True)},
 }
 
 
@@ -290,9 +298,12 @@ class _Launcher:
     def __call__(self, grid: tuple[int, ...], device_index: int, *args) -> None:
         kernel = self.kernel
         if kernel is None:
-            kernel = self.fn[grid](*args, **self.meta)
             if _interpreting():
+                self.fn[grid](*args, **self.meta)
                 return
+            if "maxnreg" in self.meta:
+                self.meta = self._register_bound_where_exceeded(grid, args)
+            kernel = self.fn[grid](*args, **self.meta)
             kernel = kernel.result() if hasattr(kernel, "result") else kernel  # an asynchronous compile's future
             from triton import knobs
 
@@ -305,6 +316,18 @@ class _Launcher:
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *args, *self.constexprs), hooks.launch_enter_hook,
                    hooks.launch_exit_hook, *args, *self.constexprs)
+
+
+    def _register_bound_where_exceeded(self, grid: tuple[int, ...], args: tuple) -> dict:
+        """The launch options with their register bound (TileChoice.max_registers) only where the kernel compiled
+        without it takes more registers a thread: where ptxas fits in the bound on its own, its own code is kept (with
+        the bound it schedules differently even then: 2048 x 18432, 16 warps, 64 registers either way, 8 bytes
+        spilled with the bound, 42.8 -> 43.5 us; bench/results/2026-12-03-h200-run31, call b)."""
+        free = {k: v for k, v in self.meta.items() if k != "maxnreg"}
+        compiled = self.fn.warmup(*args, grid=grid, **free)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled._init_handles()  # loads the binary: ptxas's register count
+        return self.meta if compiled.n_regs > self.meta["maxnreg"] else free
 
 
 def constexpr_tail(fn, runtime_args: int, meta: dict) -> tuple:
