@@ -35,18 +35,22 @@ from strictnorm.backends.triton import backend as tb
 from strictnorm.backends.triton import kernels as k
 
 TARGET = GPUTarget("cuda", 90, 32)
+PIECE = 8  # bf16 elements in 16 bytes: the warp blocks' piece of aligned bf16 rows (backend._warp_block_piece)
 
 
-def _compile(fn, sig: dict, const: dict, num_warps: int):
+def _compile(fn, sig: dict, const: dict, num_warps: int, max_registers: int = 0):
     """fn compiled as a launch on contiguous rows of N % 16 == 0 would be: pointers, strides and N divisible by 16
     (the JIT's specialization; without it loads are not vectorized and registers are counted for scalar
-    addresses)."""
+    addresses); with max_registers, bounded where ptxas takes more unbounded, as backend._Launcher does."""
     sig = {**sig, **{name: "constexpr" for name in const}}
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in sig.items()
                if kind.startswith("*") or (kind == "i64" and not name.endswith("sg")) or name == "N"}
+    options = {"num_warps": num_warps, "enable_fp_fusion": False}
     t0 = time.perf_counter()
-    c = triton.compile(ASTSource(fn, sig, const, aligned), target=TARGET,
-                       options={"num_warps": num_warps, "enable_fp_fusion": False})
+    c = triton.compile(ASTSource(fn, sig, const, aligned), target=TARGET, options=options)
+    if max_registers and _registers(c.asm["cubin"]) > max_registers:
+        c = triton.compile(ASTSource(fn, sig, const, aligned), target=TARGET,
+                           options={**options, "maxnreg": max_registers})
     return c, time.perf_counter() - t0
 
 
@@ -65,6 +69,11 @@ def _resources(cubin: bytes) -> str:
     """ptxas's registers and stack bytes per thread ("REG:64 STACK:184": a stack is spilled registers)."""
     fields = next((line.split() for line in _cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in line), [])
     return " ".join(v for v in fields if v.startswith(("REG:", "STACK:")))
+
+
+def _registers(cubin: bytes) -> int:
+    """ptxas's registers per thread (0 where triton ships no cuobjdump)."""
+    return int(next(iter(re.findall(r"REG:(\d+)", _resources(cubin))), 0))
 
 
 _LOAD = re.compile(r"\bLDG\.E(?:\.(?:64|128))?(?:\.[A-Z.]+)?\s+R(\d+),")
@@ -149,19 +158,21 @@ def main(args: list[str]) -> None:
         n, rows = int(n), int(rows_text) if rows_text else None
 
         def tiled(direction: str, n: int = n, rows: int | None = rows) -> tuple[tb.RowTile, dict]:
-            tile = tb.row_tile(n, direction, rows)
+            # the tiles bf16 rows take (16-byte aligned: warp blocks where the tile asks for them)
+            tile = tb.forward_tile(n, rows, PIECE) if direction == "fwd" else tb.row_tile(n, direction, rows)
             # R1 = G = 1 (one leading dim): the JIT specializes ints equal to 1 as constants
             return tile, dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1)
 
         # ASTSource takes no parameter defaults: every constexpr is passed
         tile, common = tiled("fwd")
         c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False,
-                                                    **tile.forward_constexprs()}, tile.num_warps)
+                                                    **tile.forward_constexprs(PIECE)}, tile.num_warps,
+                        tile.max_registers)
         print(f"N={arg:>12s} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
         tile, common = tiled("bwd")
         c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True,
-                                                    **tile.backward_constexprs(), **tile.chunk_constexprs()},
-                        tile.num_warps)
+                                                    **tile.backward_constexprs(PIECE), **tile.chunk_constexprs()},
+                        tile.num_warps, tile.max_registers)
         print(f"N={arg:>12s} bwd  {s:6.1f} s  {_stats(c)}", flush=True)
     c, s = _compile(k.fold_kernel, fold_sig, {"BN": tb._FOLD_BN, "UNROLL": tb._FOLD_UNROLL, "WHAT": 1, "XDT": 1}, 2)
     print(f"fold        {s:6.1f} s  {_stats(c)}")
