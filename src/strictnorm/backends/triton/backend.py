@@ -322,7 +322,6 @@ class _Launcher:
                    kernel.launch_metadata(grid, stream, *args, *self.constexprs), hooks.launch_enter_hook,
                    hooks.launch_exit_hook, *args, *self.constexprs)
 
-
     def _register_bound_where_exceeded(self, grid: tuple[int, ...], args: tuple) -> dict:
         """The launch options with their register bound (TileChoice.max_registers) only where the kernel compiled
         without it takes more registers a thread: where ptxas fits in the bound on its own, its own code is kept (with
