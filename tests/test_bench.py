@@ -327,18 +327,25 @@ def test_device_call_runs_tagged_sweeps_with_their_settings(tmp_path):
     assert json.loads(into.read_text())["fwd"]["4096"] == {"rows": 1, "prefetch": True}
 
 
-def test_compile_probe_compiles_every_kernel_for_sm90():
-    """bench/compile_probe.py (the Triton kernels compiled for sm_90 without a GPU) keeps up with the kernels'
-    parameters (it passes every constexpr itself): the forward, the backward with partials and the fold, at one N."""
+def _compile_probe(*args: object) -> str:
+    """bench/compile_probe.py's output for these arguments, compiled by the installed Triton (not interpreted) with
+    this checkout's sources."""
     from pathlib import Path
 
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
-    run = subprocess.run([sys.executable, "bench/compile_probe.py", "4096"], cwd=root, env=env, capture_output=True,
-                         text=True)
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "bench/compile_probe.py", *map(str, args)], cwd=root, env=env,
+                         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    lines = run.stdout.splitlines()
+    return run.stdout
+
+
+def test_compile_probe_compiles_every_kernel_for_sm90():
+    """bench/compile_probe.py (the Triton kernels compiled for sm_90 without a GPU) keeps up with the kernels'
+    parameters (it passes every constexpr itself): the forward, the backward with partials and the fold, at one N."""
+    lines = _compile_probe(4096).splitlines()
     assert [line.split()[2] for line in lines if line.startswith("N=")] == ["fwd", "bwd"]
     assert lines[-1].startswith("fold")
 
@@ -353,16 +360,7 @@ def test_warp_blocks_meet_once_when_compiled(n, rows, warps):
     18432 in two column tiles, whose block sums meet in that one butterfly (a second meeting gave the sum a second
     layout, and Triton 3.6 moved the whole row through shared memory into it). That the butterfly then gives the
     reference's bits is checked on GPUs (test_gpu.py's warp-block family)."""
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "bench/compile_probe.py", "--warp-blocks", str(n), str(rows), str(warps)],
-                         cwd=root, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout)
+    got = json.loads(_compile_probe("--warp-blocks", n, rows, warps))
     butterfly = [warps >> i for i in range(1, warps.bit_length())]
     for kernel in ("", "backward "):
         for res in ("", " + residual"):
@@ -377,16 +375,7 @@ def test_weight_at_the_tile_shape_saves_barriers_when_compiled(n, rows, warps):
     bench/compile_probe.py --weight-shape): a shared weight loaded at the tile's shape (TileChoice.w_rows) takes fewer
     barriers and shared-memory loads than the vector broadcast to the rows (Triton 3.6: 3 -> 1, 3.9: 5 -> 1). Its
     bits: test_triton.py (interpreter) and test_gpu.py."""
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "bench/compile_probe.py", "--weight-shape", str(n), str(rows), str(warps)],
-                         cwd=root, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout)
+    got = json.loads(_compile_probe("--weight-shape", n, rows, warps))
     assert got["tile shape"]["barriers"] < got["vector"]["barriers"]
     assert got["tile shape"]["shared loads"] < got["vector"]["shared loads"]
 
