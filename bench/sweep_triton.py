@@ -52,7 +52,7 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
     padded length) the column split: up to MAX_TILE lanes a program (one row at least), every thread at least one
     lane and at most MAX_LANES_PER_THREAD."""
     if os.environ.get("SWEEP_PIPELINES") == "1":
-        return with_warp_blocks(pipeline_configs(n, m))
+        return with_variants(pipeline_configs(n, m))
     out = []
     for split in sorted({False, tb.column_tiles(n, True) != tb.column_tiles(n, False)}):
         pa, t = tb.column_tiles(n, split)
@@ -71,10 +71,10 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
     out += [tb.TileChoice(rows, w, chunk=c, programs_per_sm=programs, stages=st) for c in chunks if c < next_pow2(n)
             for rows in (1, 2) for w in warps if 32 * w <= rows * c <= 32 * w * MAX_LANES_PER_THREAD
             for programs in programs_per_sm for st in stages]
-    return with_warp_blocks(out)
+    return with_variants(out)
 
 
-def with_warp_blocks(out: list[tb.TileChoice]) -> list[tb.TileChoice]:
+def with_variants(out: list[tb.TileChoice]) -> list[tb.TileChoice]:
     """out, and with SWEEP_WARP_BLOCKS=1 each of its choices also in warp blocks; with SWEEP_W_ROWS=1 each of those
     also with the forward's shared weight loaded at the tile's shape (TileChoice.w_rows); with
     SWEEP_MAX_REGISTERS=64,... each of those also with ptxas's registers a thread bounded by each value

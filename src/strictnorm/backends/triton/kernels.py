@@ -331,7 +331,7 @@ def _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE: tl.constexpr, XDT: tl
     if PER_HEAD:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
-    elif W_ROWS:
+    elif W_ROWS:  # rows enter only for the shape: every row's copy is the same weight
         mask = (rows >= 0)[:, None] & (cols < N)[None, :]
         wf = effective_weight(W, rows[:, None] * 0 + cols[None, :], mask, offset, MODE, XDT, HAS_W)
     else:
