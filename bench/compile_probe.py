@@ -15,10 +15,6 @@ prints, as JSON, the forward of bf16 rows (with and without a residual) and the 
 residual's gradient; the fast dW's partials where rows of N take them) compiled with the row's columns in order and
 in warp blocks (kernels.py's notes): each one's bar.sync count and the xor distances of the shuffles after its first
 barrier, where the warp-block kernel's blocks' sums meet ([WARPS/2, ..., 1]: the butterfly its order needs).
-
-    python bench/compile_probe.py --weight-shape N ROWS WARPS
-prints, as JSON, the forward of bf16 rows of N (a power of two) with its shared weight loaded as a vector and at the
-tile's shape (TileChoice.w_rows): each one's bar.sync and ld.shared counts.
 """
 
 from __future__ import annotations
@@ -147,27 +143,9 @@ def warp_block_kernels(n: int, rows: int, warps: int) -> dict:
     return out
 
 
-def weight_shape_kernels(n: int, rows: int, warps: int) -> dict:
-    """The forward of `rows` bf16 rows of N a program at `warps` warps with its shared weight loaded as a vector and
-    broadcast to the rows ("vector") or at the tile's shape ("tile shape", TileChoice.w_rows): {name: {"barriers":
-    count, "shared loads": count}}."""
-    out = {}
-    for w_rows in (False, True):
-        tile = tb.RowTile(rows, n, 0, warps, w_rows=w_rows)
-        const = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1, YDT=1, HAS_RES=False,
-                     **tile.forward_constexprs(PIECE))
-        ptx = _compile(k.rms_fwd_kernel, _FWD_SIG, const, warps)[0].asm["ptx"]
-        out["tile shape" if w_rows else "vector"] = {"barriers": ptx.count("bar.sync"),
-                                                      "shared loads": ptx.count("ld.shared")}
-    return out
-
-
 def main(args: list[str]) -> None:
     if args[:1] == ["--warp-blocks"]:
         print(json.dumps(warp_block_kernels(*(int(v) for v in args[1:4]))))
-        return
-    if args[:1] == ["--weight-shape"]:
-        print(json.dumps(weight_shape_kernels(*(int(v) for v in args[1:4]))))
         return
     ptr16, ptr32 = "*bf16", "*fp32"
     fwd_sig, bwd_sig = _FWD_SIG, _BWD_SIG

@@ -369,17 +369,6 @@ def test_warp_blocks_meet_once_when_compiled(n, rows, warps):
             assert blocks["xors"][:len(butterfly)] == butterfly, (kernel, res)
 
 
-@pytest.mark.parametrize(("n", "rows", "warps"), [(128, 8, 2), (128, 16, 2)])
-def test_weight_at_the_tile_shape_saves_barriers_when_compiled(n, rows, warps):
-    """The Triton forward of rows narrower than a warp compiled for sm_90 by the installed Triton (no GPU;
-    bench/compile_probe.py --weight-shape): a shared weight loaded at the tile's shape (TileChoice.w_rows) takes fewer
-    barriers and shared-memory loads than the vector broadcast to the rows (Triton 3.6: 3 -> 1, 3.9: 5 -> 1). Its
-    bits: test_triton.py (interpreter) and test_gpu.py."""
-    got = json.loads(_compile_probe("--weight-shape", n, rows, warps))
-    assert got["tile shape"]["barriers"] < got["vector"]["barriers"]
-    assert got["tile shape"]["shared loads"] < got["vector"]["shared loads"]
-
-
 def test_compile_probe_counts_loads_that_reuse_a_register(monkeypatch):
     """bench/compile_probe.load_reuse on SASS lines: the global loads before the first barrier or branch, and those
     writing a register an earlier one wrote (a 128-bit load writes four from its first, a 64-bit two), as in run

@@ -255,25 +255,6 @@ def test_triton_forward_warp_blocks_bitwise(n, rows, warps, knobs, inputs, seed,
     assert all(p.meta["WB_NW"] == warps for p in plans)
 
 
-# The Triton forward with its shared weight loaded at the tile's shape (TileChoice.w_rows): rows narrower than a
-# warp (P = 128), several rows a program, the persistent grid, two column tiles, column chunks.
-WEIGHT_SHAPE_TILES = [(128, 8, 2, {}), (128, 16, 2, {}), (1000, 2, 4, {}),
-                      (4096, 2, 8, {"prefetch": True, "stages": 2, "programs_per_sm": 2}),
-                      (5120, 2, 8, {"split": True}), (18432, 1, 4, {"chunk": 4096, "stages": 3})]
-
-
-@pytest.mark.parametrize("n, rows, warps, knobs", WEIGHT_SHAPE_TILES)
-@pytest.mark.parametrize("inputs", ["bf16 llama", "bf16 gemma", "fp16 none", "fp32 llama", "bf16 fused"])
-def test_triton_forward_weight_at_tile_shape_bitwise(n, rows, warps, knobs, inputs, seed, monkeypatch):
-    """The Triton forward with its shared weight at the tile's shape against the reference's bits; the plan takes
-    W_ROWS."""
-    from strictnorm.backends.triton import backend as tbm
-
-    choice = tbm.TileChoice(rows=rows, num_warps=warps, w_rows=True, **knobs)
-    plans = _forward_tile_against_reference(n, choice, inputs, seed, monkeypatch)
-    assert all(p.meta["W_ROWS"] for p in plans)
-
-
 # The Triton backward in warp blocks (rows held whole): the table's tiles at 4096 (prefetched, 2 programs an SM),
 # 8192 (3 stages) and P = 32768 (the "bwd_dx" entry: two column tiles at 18432, one at 30000; 16 warps, 3 stages),
 # and others.

@@ -419,35 +419,6 @@ def test_forward_weight_first_and_column_chunks_give_the_reference_bits(n, split
     _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
 
 
-@pytest.mark.parametrize("n, rows, knobs", [(40, 8, {}), (5, 4, {"split": True}), (64, 2, {"chunk": 16}),
-                                            (100, 2, {"prefetch": True, "programs_per_sm": 1}),
-                                            (64, 4, {"w_first": True})])
-@pytest.mark.parametrize("case", ["fused none", "rms llama", "rms gemma fp16"])
-def test_forward_weight_at_the_tile_shape_gives_the_reference_bits(n, rows, knobs, case, seed, monkeypatch):
-    """TileChoice.w_rows (a shared weight loaded at the tile's shape, kernels.py W_ROWS) against the reference: held
-    rows, two column tiles, column chunks, the persistent grid (the weight loaded once a program), weight first; the
-    fused add (casting none, a negative offset), llama, gemma with fp16 rows; the plan takes it."""
-    from strictnorm.backends.triton import backend as tb
-
-    g = torch.Generator().manual_seed(seed)
-    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {next_pow2(n): tb.TileChoice(rows=rows, w_rows=True, **knobs)},
-                                           "bwd": {}})
-    backend = get_backend("triton")
-    monkeypatch.setattr(backend, "_fwd_plans", {})
-    if case == "fused none":
-        x, w, dy, kw = _per_head_or_fused_case(n, False, 7, "strict", g)
-        _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
-    else:
-        dtype = torch.float16 if "fp16" in case else torch.bfloat16
-        mode = case.split()[1]
-        x, w = randn(9, n, dtype=dtype, gen=g).to(DEV), randn(n, gen=g).to(DEV)
-        kw = dict(casting_mode=mode, offset=1.0 if mode == "gemma" else 0.0)
-        want = sn.rms_norm_with_rstd(x, w, backend="torch", **kw)
-        got = sn.rms_norm_with_rstd(x, w, backend="triton", **kw)
-        assert all(bits_equal(a, b) for a, b in zip(want, got, strict=True))
-    assert backend._fwd_plans and all(p.meta["W_ROWS"] for p in backend._fwd_plans.values())
-
-
 def test_register_bound_reaches_the_launch_options_and_keeps_the_bits(seed, monkeypatch):
     """TileChoice.max_registers becomes Triton's maxnreg in both directions' launch options (absent where 0); the
     interpreter drops it, so here the plan's options and the bits are checked (the bound's effect on the GPU:

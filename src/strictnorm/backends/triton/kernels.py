@@ -299,8 +299,7 @@ def _rstd(ss, N, eps, ROWS: tl.constexpr):
 def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
                  CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr, NCH: tl.constexpr, LOG2NCH: tl.constexpr,
                  MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, STAGES: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
-                 W_ROWS: tl.constexpr = False):
+                 HAS_RES: tl.constexpr, STAGES: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8):
     """y and rstd of rows in column chunks of CHUNK lanes (the module's notes): each chunk's squares summed by
     canon_sum (a chunk in warp blocks where WB_NW > 0), then the NCH chunk sums; y chunk by chunk, the rows read
     again (this program's own lanes, from L2; with a residual, z recomputed rather than read back). STAGES > 1: the
@@ -318,22 +317,17 @@ def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps,
     for c in tl.range(0, chunks, num_stages=STAGES):
         cols = c * CHUNK + tl.arange(0, CHUNK)
         xf = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT, HAS_RES, False)
-        wf = _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE, XDT, HAS_W, PER_HEAD, W_ROWS)
+        wf = _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE, XDT, HAS_W, PER_HEAD)
         _fwd_output(xf, rstd, wf, Y, rows, M, N, cols, MODE, XDT, YDT)
 
 
 @triton.jit
 def _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
-                PER_HEAD: tl.constexpr, W_ROWS: tl.constexpr = False):
-    """The effective weight of one column tile: (ROWS, lanes) per head, else (1, lanes); W_ROWS: a shared weight at
-    (ROWS, lanes) too, each row's copy loaded in the rows' own layout (a (1, lanes) vector is broadcast to it through
-    shared memory where a row spans part of a warp: 2 barriers a program at 128 columns, 8 rows, 2 warps)."""
+                PER_HEAD: tl.constexpr):
+    """The effective weight of one column tile: (ROWS, lanes) per head, else (1, lanes)."""
     if PER_HEAD:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
-    elif W_ROWS:  # rows enter only for the shape: every row's copy is the same weight
-        mask = (rows >= 0)[:, None] & (cols < N)[None, :]
-        wf = effective_weight(W, rows[:, None] * 0 + cols[None, :], mask, offset, MODE, XDT, HAS_W)
     else:
         wf = effective_weight(W, cols, cols < N, offset, MODE, XDT, HAS_W)[None, :]
     return wf
@@ -360,13 +354,12 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    CHUNK: tl.constexpr = 0, LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1,
                    LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
                    PREFETCH: tl.constexpr = False, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
-                   WB_ST: tl.constexpr = 0, W_ROWS: tl.constexpr = False):
+                   WB_ST: tl.constexpr = 0):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
     y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0
     (num_warps = WB_NW): the row (each chunk; the first column tile) in warp blocks of WB_S-element pieces (the
-    module's notes), the second column tile (T > 0) in pieces of WB_ST. W_ROWS: a shared weight loaded at the tile's
-    shape (_fwd_weight). The same bits every way."""
+    module's notes), the second column tile (T > 0) in pieces of WB_ST. The same bits every way."""
     pid = tl.program_id(0)
     cols_a = row_columns(PA, 0 if CHUNK > 0 else WB_NW, WB_S)
     cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if T > 0 else 0, WB_ST)
@@ -377,20 +370,20 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
         if HAS_RES:
             r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
         _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
-                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES, WB_NW, WB_S, W_ROWS)
+                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES, WB_NW, WB_S)
     elif PERSISTENT:
         _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pid, M, N, R1, G, eps, offset,
                         cols_a, cols_b, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES,
-                        PREFETCH, WB_NW, WB_S, WB_ST, W_ROWS)
+                        PREFETCH, WB_NW, WB_S, WB_ST)
     else:
         xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b, ROWS, T,
                                     HAS_RES)
         wf_a, wf_b = tl.zeros((1, PA), tl.float32), tl.zeros((1, T if T > 0 else 1), tl.float32)
         if W_FIRST:
             wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W,
-                                      PER_HEAD, W_ROWS)
+                                      PER_HEAD)
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S, WB_ST, W_ROWS)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S, WB_ST)
 
 
 @triton.jit
@@ -398,16 +391,14 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                     cols_b, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
                     LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
                     HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr,
-                    PREFETCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr,
-                    W_ROWS: tl.constexpr):
+                    PREFETCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr):
     """Rows held whole, programs striding over the blocks: a shared weight loaded once a program; PREFETCH: the next
     block's rows loaded into registers before this block's sum (their loads in flight while it computes and
     stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory."""
     nprog = tl.num_programs(0)
     wf_a, wf_b = tl.zeros((1, PA), tl.float32), tl.zeros((1, T if T > 0 else 1), tl.float32)
     if not PER_HEAD:
-        wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD,
-                                  W_ROWS)
+        wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD)
     if PREFETCH:
         n_xa, n_ra, n_xb, n_rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b,
                                             ROWS, T, HAS_RES)
@@ -421,8 +412,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                                         T, HAS_RES)
         # per-head weights: loaded for each block, after its sum
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, WB_NW, WB_S, WB_ST,
-                  W_ROWS)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, WB_NW, WB_S, WB_ST)
 
 
 @triton.jit
@@ -450,15 +440,14 @@ def _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, blk, M, N, R1, G, cols_a, c
 
 @triton.jit
 def _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS: tl.constexpr, T: tl.constexpr,
-                 MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-                 W_ROWS: tl.constexpr = False):
+                 MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr):
     """The effective weight of block blk's column tiles (tile b is tile a when T == 0)."""
     rows = _block_rows(blk, ROWS)
     g = rows % G
-    wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD, W_ROWS)
+    wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD)
     wf_b = wf_a
     if T > 0:
-        wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD, W_ROWS)
+        wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD)
     return wf_a, wf_b
 
 
@@ -467,7 +456,7 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
               ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr, LOG2T: tl.constexpr,
               MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
               HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
-              WB_ST: tl.constexpr = 0, W_ROWS: tl.constexpr = False):
+              WB_ST: tl.constexpr = 0):
     """y and rstd of block blk's rows held whole, from their loaded column tiles. W_GIVEN: wf_a and wf_b are the
     effective weight; else it is loaded after the rows' sum."""
     rows = _block_rows(blk, ROWS)
@@ -478,8 +467,7 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
     rstd = _rstd(row_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST), N, eps, ROWS)
     tl.store(RSTD + rows, rstd, mask=rows < M)
     if not W_GIVEN:
-        wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD,
-                                  W_ROWS)
+        wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD)
     _fwd_output(xfa, rstd, wf_a, Y, rows, M, N, cols_a, MODE, XDT, YDT)
     if T > 0:
         _fwd_output(xfb, rstd, wf_b, Y, rows, M, N, cols_b, MODE, XDT, YDT)
