@@ -24,6 +24,8 @@
 #   pattern-probe bench/pattern_probe.py (the dW fold's column stripes read with nothing else to do; PATTERN_*)
 #   partial-probe bench/partial_probe.py (the fast dW's partial-row sum in one launch or in segments; PARTIAL_*)
 #   reduction-probe bench/reduction_probe.py (the Triton forward's canon_sum against tl.sum; PROBE_SHAPES, PROBE_WARPS)
+#   exactness-probe bench/exactness_probe.py (the Triton forward's tile with each exact step relaxed, beside the
+#                 backends and anchors; PROBE_SHAPES, PROBE_TILES)
 #   ncu-source:M:N:CASE  bench/ncu_source.sh over one bench/ncu_probe.py case (per-instruction stall samples;
 #                 NCU_SAMPLING), its tables (bench/ncu_source_table.py) in the log, the samples as -sass.csv.xz
 #   strict-parts  bench/strict_parts.py (the CUDA strict backward's parts alone and together)
@@ -86,6 +88,8 @@ job_command() {
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
     consumer-probe) echo "timeout 120 python3 bench/consumer_probe.py '$W/consumer-probe.json' > '$log' 2>&1" ;;
     reduction-probe) echo "timeout 200 python3 bench/reduction_probe.py '$W/reduction-probe.json' > '$log' 2>&1" ;;
+    exactness-probe) echo "timeout ${PROBE_TIMEOUT:-200} python3 bench/exactness_probe.py '$W/exactness-probe.json'" \
+                          "> '$log' 2>&1" ;;
     supply-probe) echo "timeout ${SUPPLY_TIMEOUT:-300} python3 bench/supply_probe.py '$W/supply-probe.json' > '$log' 2>&1" ;;
     pattern-probe) echo "timeout ${PATTERN_TIMEOUT:-300} python3 bench/pattern_probe.py '$W/pattern-probe.json'" \
                         "> '$log' 2>&1" ;;

@@ -414,6 +414,28 @@ def test_reduction_probe_checks_its_canonical_kernels(tmp_path):
     assert {r["warps"] for r in warps_rows} == {1, 2, 4, 8} and all(r["warps_bitwise"] for r in warps_rows)
 
 
+def test_exactness_probe_checks_its_exact_kernel(tmp_path):
+    """bench/exactness_probe.py under the interpreter (CPU tensors): its exact kernel gives the reference's y and rstd
+    at power-of-two and odd N, one row a program or several, and every relaxed variant runs beside it; dropping
+    llama's rounding changes some y (the check can fail), dropping the rstd store none."""
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PROBE_SHAPES="5x128,9x100", PROBE_TILES="4x1,1x2",
+               PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "probe.json"
+    run = subprocess.run([sys.executable, "bench/exactness_probe.py", str(out)], cwd=root, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    exact = [r for r in rows if r["what"] == "exact"]
+    assert len(exact) == 4 and all(r["bitwise"] for r in exact)
+    relaxed = {r["what"]: r["y_max_rel_diff"] for r in rows if r["what"] != "exact" and r["N"] == 100}
+    assert set(relaxed) == {"no rstd store", "tl.sum", "approximate rstd", "no llama rounding", "all relaxed"}
+    assert relaxed["no rstd store"] == 0.0 and relaxed["no llama rounding"] > 0.0
+
+
 @pytest.mark.parametrize(("p", "warps"), [(2048, 4), (4096, 8), (16384, 16)])
 def test_reduction_probe_warps_kernel_meets_once_when_compiled(p, warps):
     """The warps kernel compiled for sm_90 by the installed Triton (no GPU): as few barriers as tl.sum's (fewer than

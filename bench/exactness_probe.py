@@ -1,0 +1,155 @@
+"""What the contract's exactness costs the Triton forward at one tile: the table's tile for rows of P lanes (ROWS rows
+a program, held whole, columns in order) with each exact step relaxed in turn, timed beside the backends' forwards and
+the anchors in one process.
+
+The exact kernel is the forward's arithmetic (kernels.py's widen, canon_sum, _rstd, normalized_as_used,
+effective_weight, store_rounded; llama casting, bf16 x, weight and y) and must give the reference's y and rstd bit for
+bit. Each variant drops one step: `no rstd store` (an inference call does not need rstd; Quack's forward does not
+store it then), `tl.sum` (Triton's own order instead of the canonical tree), `approximate rstd` (Triton's `/` and
+rsqrt instead of div_rn, sqrt_rn and div_rn), `no llama rounding` (x * rstd not rounded to bf16 before the weight),
+and `all relaxed` (all four: about what Quack's forward computes). A relaxed variant's largest relative difference
+from the exact y is reported, never used. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
+PROBE_SHAPES=MxN,... (default 262144x128,65536x128; any N, the row held whole), PROBE_TILES=ROWSxWARPS,... (default
+8x2,16x2). Run on the GPU machine:
+    python3 bench/exactness_probe.py [out.json]
+(Under TRITON_INTERPRET=1 on a CPU it runs the kernels on CPU tensors: a check of the exact kernel's bits, not a
+measurement.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+import strictnorm as sn
+from strictnorm.backends.registry import status
+from strictnorm.backends.triton.kernels import (
+    BF16,
+    LLAMA,
+    _rstd,
+    canon_sum,
+    effective_weight,
+    normalized_as_used,
+    store_rounded,
+    widen,
+)
+from strictnorm.bench import Timer
+from strictnorm.reference import next_pow2
+
+EPS = 1e-6
+# (name, exact sum, exact rstd, llama rounding, rstd stored)
+VARIANTS = [("exact", True, True, True, True), ("no rstd store", True, True, True, False),
+            ("tl.sum", False, True, True, True), ("approximate rstd", True, False, True, True),
+            ("no llama rounding", True, True, False, True), ("all relaxed", False, False, False, False)]
+
+
+@triton.jit
+def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
+                EXACT_SUM: tl.constexpr, EXACT_RSTD: tl.constexpr, LLAMA_ROUND: tl.constexpr,
+                STORE_RSTD: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, P)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    x = widen(tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0))
+    wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
+    ss = canon_sum(x * x, ROWS, P, LOG2P) if EXACT_SUM else tl.sum(x * x, axis=1)
+    rstd = _rstd(ss, N, eps, ROWS) if EXACT_RSTD else tl.math.rsqrt(ss / N + eps)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=rows < M)
+    xn = normalized_as_used(x, rstd, LLAMA, BF16) if LLAMA_ROUND else x * rstd[:, None]
+    store_rounded(Y + rows[:, None] * N + cols[None, :], xn * wf, mask, BF16)
+
+
+def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: tuple
+             ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """A call of one variant over x's rows, as the backend's forward makes one: y and rstd allocated per call."""
+    m, n = x.shape
+    p = next_pow2(n)
+    _, exact_sum, exact_rstd, llama_round, store_rstd = variant
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.empty_like(x)
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        tile_kernel[(triton.cdiv(m, rows),)](x, w, y, rstd, m, n, EPS, ROWS=rows, P=p, LOG2P=p.bit_length() - 1,
+                                             EXACT_SUM=exact_sum, EXACT_RSTD=exact_rstd, LLAMA_ROUND=llama_round,
+                                             STORE_RSTD=store_rstd, num_warps=warps, enable_fp_fusion=False)
+        return y, rstd
+
+    return call
+
+
+def anchors(dev: torch.device) -> dict[str, Callable]:
+    """The backends' forwards (inference calls, as strictnorm.bench times them) and the anchors that are installed."""
+    out: dict[str, Callable] = {}
+    for backend in ("triton", "cuda", "cute"):
+        if status(backend, dev).available:
+            out[f"strictnorm {backend}"] = lambda x, w, b=backend: sn.rms_norm(x, w, EPS, backend=b)
+    try:
+        from quack.rmsnorm import rmsnorm as quack_rmsnorm
+
+        out["Quack"] = lambda x, w: quack_rmsnorm(x, w, eps=EPS)
+    except Exception:  # an anchor that is not installed is left out
+        pass
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        out["Liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+    except Exception:
+        pass
+    return out
+
+
+def main() -> None:
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    dev = torch.device("cpu" if interpreting or not torch.cuda.is_available() else "cuda")
+    shapes = [tuple(int(v) for v in s.split("x"))
+              for s in os.environ.get("PROBE_SHAPES", "262144x128,65536x128").split(",")]
+    tiles = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROBE_TILES", "8x2,16x2").split(",")]
+    timer = None if dev.type == "cpu" else Timer(dev, iters=15)
+    g = torch.Generator(device=dev).manual_seed(0)
+    results = []
+    for m, n in shapes:
+        x = torch.randn(m, n, device=dev, generator=g).bfloat16()
+        w = (1 + 0.1 * torch.randn(n, device=dev, generator=g)).bfloat16()
+        want_y, want_rstd = sn.rms_norm_with_rstd(x, w, EPS, backend="torch")
+        for rows, warps in tiles:
+            exact_y = None
+            for variant in VARIANTS:
+                call = launcher(x, w, rows, warps, variant)
+                y, rstd = call()
+                row = dict(M=m, N=n, rows=rows, warps=warps, what=variant[0])
+                if variant[0] == "exact":
+                    exact_y = y
+                    row["bitwise"] = bool(torch.equal(y, want_y) and torch.equal(rstd, want_rstd))
+                else:
+                    row["y_max_rel_diff"] = float(((y.float() - exact_y.float()).abs()
+                                                   / exact_y.float().abs().clamp_min(1e-30)).max())
+                if timer is not None:
+                    row["us"] = timer.kernel_us(call)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        if timer is not None:
+            for name, fn in anchors(dev).items():
+                row = dict(M=m, N=n, what=name, us=timer.kernel_us(lambda fn=fn, x=x, w=w: fn(x, w)))
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\nexact kernels bitwise with the reference everywhere: "
+          f"{all(r['bitwise'] for r in results if 'bitwise' in r)}")
+    if timer is not None:
+        print(f"{'M x N':>14s} {'tile':>6s} {'what':>20s} {'us':>8s}")
+        for r in results:
+            tile = f"{r['rows']}x{r['warps']}" if "rows" in r else ""
+            print(f"{r['M']:>7d} x {r['N']:<5d} {tile:>6s} {r['what']:>20s} {r['us']:8.2f}")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
