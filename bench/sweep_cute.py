@@ -6,7 +6,8 @@ next row prefetched into registers (where rows are held), also with rows of up t
 up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fast": rows of P <= 8192, the rule
 before run 17); for the forward, rows past 256 threads' hold read twice (HOLD["forward_trimmed"] = 0, the rule before
 run 18), the weight loaded with the row at every row count or at none (K.FORWARD_WEIGHT_FIRST_ROWS), and rows of
-4096 held by 64 threads, 64 lanes each, with or without it (K.FORWARD_VALUES).
+4096 held by 64 threads, 64 lanes each, with or without it, and rows of 128 held by 16 or 8 threads, 8 or 16 lanes each
+(K.FORWARD_VALUES).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -45,9 +46,11 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "weight after the sum": {**DEFAULT, "weight_first_rows": {}},
             "forward 64 a thread": {**DEFAULT, "forward_values": {4096: 64}},
             "forward 64 a thread + weight first": {**DEFAULT, "forward_values": {4096: 64},
-                                                  "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}}}
+                                                  "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
+            "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
+            "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}}}
 FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum", "forward 64 a thread",
-                "forward 64 a thread + weight first")
+                "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
 FORWARD_VALUES = K.FORWARD_VALUES
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
