@@ -390,24 +390,30 @@ def test_compile_probe_counts_loads_that_reuse_a_register(monkeypatch):
     assert load_reuse(sass("STG.E desc[UR4][R2.64], R6", "LDS R6, [R3]")) == (0, 0)
 
 
+def _interpreted_probe(script: str, tmp_path, **settings: str) -> list[dict]:
+    """bench/<script> run under the Triton interpreter (CPU tensors) with the given environment settings: the rows of
+    the JSON it writes."""
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", **settings,
+               PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "probe.json"
+    run = subprocess.run([sys.executable, f"bench/{script}", str(out)], cwd=root, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
 def test_reduction_probe_checks_its_canonical_kernels(tmp_path):
     """bench/reduction_probe.py under the interpreter (CPU tensors): its canon_sum kernel's rstd has the reference's
     bits at odd and power-of-two N, the tl.sum kernel runs beside it (a check of the probe, not a timing), and the
     warps kernel (columns permuted so that each warp holds one block of the row, the blocks' sums taken last) gives
     canon_sum's rstd and y wherever it runs (here with 1-element pieces; 64 rows: a wrong block order shows in some
     of them)."""
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PROBE_SHAPES="3x64,4x33,64x100,64x256,32x1000",
-               PROBE_WARPS="1,2,4,8", PROBE_VECTOR="1",
-               PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
-    out = tmp_path / "probe.json"
-    run = subprocess.run([sys.executable, "bench/reduction_probe.py", str(out)], cwd=root, env=env,
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(out.read_text())
+    rows = _interpreted_probe("reduction_probe.py", tmp_path, PROBE_SHAPES="3x64,4x33,64x100,64x256,32x1000",
+                              PROBE_WARPS="1,2,4,8", PROBE_VECTOR="1")
     assert {(r["M"], r["N"]) for r in rows} == {(3, 64), (4, 33), (64, 100), (64, 256), (32, 1000)}
     assert all(r["canon_bitwise"] and r["sum_rel_diff"] < 1e-6 for r in rows)
     warps_rows = [r for r in rows if "warps_bitwise" in r]
@@ -418,17 +424,7 @@ def test_exactness_probe_checks_its_exact_kernel(tmp_path):
     """bench/exactness_probe.py under the interpreter (CPU tensors): its exact kernel gives the reference's y and rstd
     at power-of-two and odd N, one row a program or several, and every relaxed variant runs beside it; dropping
     llama's rounding changes some y (the check can fail), dropping the rstd store none."""
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PROBE_SHAPES="5x128,9x100", PROBE_TILES="4x1,1x2",
-               PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
-    out = tmp_path / "probe.json"
-    run = subprocess.run([sys.executable, "bench/exactness_probe.py", str(out)], cwd=root, env=env,
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(out.read_text())
+    rows = _interpreted_probe("exactness_probe.py", tmp_path, PROBE_SHAPES="5x128,9x100", PROBE_TILES="4x1,1x2")
     exact = [r for r in rows if r["what"] == "exact"]
     assert len(exact) == 4 and all(r["bitwise"] for r in exact)
     relaxed = {r["what"]: r["y_max_rel_diff"] for r in rows if r["what"] != "exact" and r["N"] == 100}
