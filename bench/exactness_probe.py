@@ -29,6 +29,7 @@ import triton.language as tl
 
 import strictnorm as sn
 from strictnorm.backends.registry import status
+from strictnorm.backends.triton.backend import _store_view
 from strictnorm.backends.triton.kernels import (
     BF16,
     LLAMA,
@@ -68,7 +69,9 @@ def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, L
 
 def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: tuple
              ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """A call of one variant over x's rows, as the backend's forward makes one: y and rstd allocated per call."""
+    """A call of one variant over x's rows, as the backend's forward makes one: y and rstd allocated per call, bf16 y
+    written through its int16 view (kernels.py's store_rounded stores bit patterns; into a bf16 pointer the GPU would
+    convert them as integers)."""
     m, n = x.shape
     p = next_pow2(n)
     _, exact_sum, exact_rstd, llama_round, store_rstd = variant
@@ -76,9 +79,10 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: t
     def call() -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.empty_like(x)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-        tile_kernel[(triton.cdiv(m, rows),)](x, w, y, rstd, m, n, EPS, ROWS=rows, P=p, LOG2P=p.bit_length() - 1,
-                                             EXACT_SUM=exact_sum, EXACT_RSTD=exact_rstd, LLAMA_ROUND=llama_round,
-                                             STORE_RSTD=store_rstd, num_warps=warps, enable_fp_fusion=False)
+        tile_kernel[(triton.cdiv(m, rows),)](x, w, _store_view(y), rstd, m, n, EPS, ROWS=rows, P=p,
+                                             LOG2P=p.bit_length() - 1, EXACT_SUM=exact_sum, EXACT_RSTD=exact_rstd,
+                                             LLAMA_ROUND=llama_round, STORE_RSTD=store_rstd, num_warps=warps,
+                                             enable_fp_fusion=False)
         return y, rstd
 
     return call
