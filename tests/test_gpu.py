@@ -209,14 +209,16 @@ WARP_BLOCK_TILES = [(512, 1, 2, {}), (1024, 2, 4, {}), (4096, 1, 8, {"w_first": 
 WARP_BLOCK_INPUTS = ["bf16 llama", "bf16 gemma", "fp16 none", "fp32 llama", "bf16 fused", "bf16 per-head"]
 
 
-def _forward_tile_against_reference(n: int, choice, inputs: str, seed: int, monkeypatch) -> list:
-    """The Triton forward with `choice` as the "fwd" entry of N's padded length (no warp-block entry) against the
-    reference's bits: y, rstd, and z of the fused add, at 1, 255 and 4097 rows; `inputs` "DTYPE MODE", MODE one of
-    llama, gemma, none, fused (gemma casting with a residual) or per-head (gemma, qk_norm with (2, N) weights). The
-    plans it made."""
+@pytest.mark.parametrize("n, rows, warps, knobs", WARP_BLOCK_TILES)
+@pytest.mark.parametrize("inputs", WARP_BLOCK_INPUTS)
+def test_triton_forward_warp_blocks_bitwise(n, rows, warps, knobs, inputs, seed, monkeypatch):
+    """The Triton forward with the row in warp blocks, whose blocks' sums meet in one tl.sum (its butterfly's order is
+    Triton's lowering: checked here) against the reference's bits: y, rstd, and z of the fused add, at 1, 255 and 4097
+    rows; the plan really takes warp blocks."""
     from strictnorm.backends.triton import backend as tbm
 
-    fwd = {**tbm.TILE_TABLE["fwd"], 1 << (n - 1).bit_length(): choice}
+    fwd = {**tbm.TILE_TABLE["fwd"], 1 << (n - 1).bit_length(): tbm.TileChoice(rows=rows, num_warps=warps,
+                                                                              warp_blocks=True, **knobs)}
     monkeypatch.setattr(tbm, "TILE_TABLE", {**tbm.TILE_TABLE, "fwd": fwd, "fwd_wb": {}})
     tb = get_backend("triton")
     monkeypatch.setattr(tb, "_fwd_plans", {})
@@ -239,20 +241,43 @@ def _forward_tile_against_reference(n: int, choice, inputs: str, seed: int, monk
             outs = [sn.rms_norm_with_rstd(x, w, backend=b, **kw) for b in ("torch", "triton")]
         for a, b in zip(*outs, strict=True):
             assert bits_equal(a, b), f"{m}x{n} {inputs}"
-    assert tb._fwd_plans
-    return list(tb._fwd_plans.values())
+    assert tb._fwd_plans and all(p.meta["WB_NW"] == warps for p in tb._fwd_plans.values())
 
 
-@pytest.mark.parametrize("n, rows, warps, knobs", WARP_BLOCK_TILES)
-@pytest.mark.parametrize("inputs", WARP_BLOCK_INPUTS)
-def test_triton_forward_warp_blocks_bitwise(n, rows, warps, knobs, inputs, seed, monkeypatch):
-    """The Triton forward with the row in warp blocks, whose blocks' sums meet in one tl.sum (its butterfly's order is
-    Triton's lowering: checked here) against the reference's bits; the plan really takes warp blocks."""
+# The Triton forward with its shared weight loaded at the tile's shape (TileChoice.w_rows): rows narrower than a
+# warp (P = 128), several rows a program, the persistent grid, two column tiles, column chunks.
+WEIGHT_SHAPE_TILES = [(128, 8, 2, {}), (128, 16, 2, {}), (1000, 2, 4, {}),
+                      (4096, 2, 8, {"prefetch": True, "stages": 2, "programs_per_sm": 2}),
+                      (5120, 2, 8, {"split": True}), (18432, 1, 4, {"chunk": 4096, "stages": 3})]
+
+
+@pytest.mark.parametrize("n, rows, warps, knobs", WEIGHT_SHAPE_TILES)
+@pytest.mark.parametrize("inputs", ["bf16 llama", "bf16 gemma", "fp16 none", "fp32 llama", "bf16 fused"])
+def test_triton_forward_weight_at_tile_shape_bitwise(n, rows, warps, knobs, inputs, seed, monkeypatch):
+    """y, rstd (and z of the fused add) against the reference at 1, 255 and 4097 rows; the plan takes W_ROWS."""
     from strictnorm.backends.triton import backend as tbm
 
-    choice = tbm.TileChoice(rows=rows, num_warps=warps, warp_blocks=True, **knobs)
-    plans = _forward_tile_against_reference(n, choice, inputs, seed, monkeypatch)
-    assert all(p.meta["WB_NW"] == warps for p in plans)
+    fwd = {**tbm.TILE_TABLE["fwd"], 1 << (n - 1).bit_length(): tbm.TileChoice(rows=rows, num_warps=warps,
+                                                                              w_rows=True, **knobs)}
+    monkeypatch.setattr(tbm, "TILE_TABLE", {**tbm.TILE_TABLE, "fwd": fwd, "fwd_wb": {}})
+    tb = get_backend("triton")
+    monkeypatch.setattr(tb, "_fwd_plans", {})
+    kind, mode = inputs.split()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kind]
+    mode = mode if mode in ("llama", "gemma", "none") else "gemma"
+    kw = dict(offset=1.0 if mode == "gemma" else 0.0, casting_mode=mode)
+    for m in (1, 255, 4097):
+        g = torch.Generator(device=DEV).manual_seed(seed + m)
+        x = torch.randn(m, n, device=DEV, generator=g).to(dtype)
+        w = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).to(dtype)
+        if inputs.endswith("fused"):
+            res = torch.randn(m, n, device=DEV, generator=g).to(dtype)
+            outs = [sn.fused_add_rms_norm(x, res, w, backend=b, **kw) for b in ("torch", "triton")]
+        else:
+            outs = [sn.rms_norm_with_rstd(x, w, backend=b, **kw) for b in ("torch", "triton")]
+        for a, b in zip(*outs, strict=True):
+            assert bits_equal(a, b), f"{m}x{n} {inputs}"
+    assert tb._fwd_plans and all(p.meta["W_ROWS"] for p in tb._fwd_plans.values())
 
 
 # The Triton backward in warp blocks (rows held whole): the table's tiles at 4096 (prefetched, 2 programs an SM),
