@@ -244,42 +244,6 @@ def test_triton_forward_warp_blocks_bitwise(n, rows, warps, knobs, inputs, seed,
     assert tb._fwd_plans and all(p.meta["WB_NW"] == warps for p in tb._fwd_plans.values())
 
 
-# The Triton forward with its shared weight loaded at the tile's shape (TileChoice.w_rows): rows narrower than a
-# warp (P = 128), several rows a program, the persistent grid, two column tiles, column chunks.
-WEIGHT_SHAPE_TILES = [(128, 8, 2, {}), (128, 16, 2, {}), (1000, 2, 4, {}),
-                      (4096, 2, 8, {"prefetch": True, "stages": 2, "programs_per_sm": 2}),
-                      (5120, 2, 8, {"split": True}), (18432, 1, 4, {"chunk": 4096, "stages": 3})]
-
-
-@pytest.mark.parametrize("n, rows, warps, knobs", WEIGHT_SHAPE_TILES)
-@pytest.mark.parametrize("inputs", ["bf16 llama", "bf16 gemma", "fp16 none", "fp32 llama", "bf16 fused"])
-def test_triton_forward_weight_at_tile_shape_bitwise(n, rows, warps, knobs, inputs, seed, monkeypatch):
-    """y, rstd (and z of the fused add) against the reference at 1, 255 and 4097 rows; the plan takes W_ROWS."""
-    from strictnorm.backends.triton import backend as tbm
-
-    fwd = {**tbm.TILE_TABLE["fwd"], 1 << (n - 1).bit_length(): tbm.TileChoice(rows=rows, num_warps=warps,
-                                                                              w_rows=True, **knobs)}
-    monkeypatch.setattr(tbm, "TILE_TABLE", {**tbm.TILE_TABLE, "fwd": fwd, "fwd_wb": {}})
-    tb = get_backend("triton")
-    monkeypatch.setattr(tb, "_fwd_plans", {})
-    kind, mode = inputs.split()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kind]
-    mode = mode if mode in ("llama", "gemma", "none") else "gemma"
-    kw = dict(offset=1.0 if mode == "gemma" else 0.0, casting_mode=mode)
-    for m in (1, 255, 4097):
-        g = torch.Generator(device=DEV).manual_seed(seed + m)
-        x = torch.randn(m, n, device=DEV, generator=g).to(dtype)
-        w = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).to(dtype)
-        if inputs.endswith("fused"):
-            res = torch.randn(m, n, device=DEV, generator=g).to(dtype)
-            outs = [sn.fused_add_rms_norm(x, res, w, backend=b, **kw) for b in ("torch", "triton")]
-        else:
-            outs = [sn.rms_norm_with_rstd(x, w, backend=b, **kw) for b in ("torch", "triton")]
-        for a, b in zip(*outs, strict=True):
-            assert bits_equal(a, b), f"{m}x{n} {inputs}"
-    assert tb._fwd_plans and all(p.meta["W_ROWS"] for p in tb._fwd_plans.values())
-
-
 # The Triton backward in warp blocks (rows held whole): the table's tiles at 4096 (prefetched, 2 programs an SM),
 # 8192 (3 stages) and P = 32768 (the "bwd_dx" entry: two column tiles at 18432, one at 30000; 16 warps, 3 stages),
 # and others.
