@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 import strictnorm as sn
-from strictnorm.backends.registry import status
 from strictnorm.backends.triton.backend import _store_view
 from strictnorm.backends.triton.kernels import (
     BF16,
@@ -40,7 +39,7 @@ from strictnorm.backends.triton.kernels import (
     store_rounded,
     widen,
 )
-from strictnorm.bench import Timer
+from strictnorm.bench import Timer, norm_providers
 from strictnorm.reference import next_pow2
 
 EPS = 1e-6
@@ -89,24 +88,11 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: t
 
 
 def anchors(dev: torch.device) -> dict[str, Callable]:
-    """The backends' forwards (inference calls, as strictnorm.bench times them) and the anchors that are installed."""
-    out: dict[str, Callable] = {}
-    for backend in ("triton", "cuda", "cute"):
-        if status(backend, dev).available:
-            out[f"strictnorm {backend}"] = lambda x, w, b=backend: sn.rms_norm(x, w, EPS, backend=b)
-    try:
-        from quack.rmsnorm import rmsnorm as quack_rmsnorm
-
-        out["Quack"] = lambda x, w: quack_rmsnorm(x, w, eps=EPS)
-    except Exception:  # an anchor that is not installed is left out
-        pass
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        out["Liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
-    except Exception:
-        pass
-    return out
+    """strictnorm.bench's providers for rms_norm (llama) that this probe times beside its tiles: each available
+    backend's forward (inference calls, fast dW: the forward is the same) and the installed anchors, as f(x, w)."""
+    providers, _ = norm_providers(dev, compile_anchor=False)
+    return {name.removesuffix(" fast"): (lambda x, w, f=f: f(x, w, None)) for name, f in providers.items()
+            if name in ("Quack", "Liger") or (name.startswith("strictnorm ") and name.endswith(" fast"))}
 
 
 def main() -> None:
