@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 
 from strictnorm.backends.triton import backend as tb
 from strictnorm.backends.triton import kernels as k
+from strictnorm.reference import exact_mean_scale
 
 TARGET = GPUTarget("cuda", 90, 32)
 PIECE = 8  # bf16 elements in 16 bytes: the warp blocks' piece of aligned bf16 rows (backend._warp_block_piece)
@@ -130,7 +131,7 @@ def warp_block_kernels(n: int, rows: int, warps: int) -> dict:
         for res in (False, True):
             name = ("blocks" if blocks else "in order") + (" + residual" if res else "")
             common = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1)
-            fwd = dict(common, YDT=1, HAS_RES=res, **tile.forward_constexprs(piece=8))
+            fwd = dict(common, YDT=1, HAS_RES=res, MEAN_SCALE=exact_mean_scale(n), **tile.forward_constexprs(piece=8))
             bwd = dict(common, HAS_DRES=res, DW_PARTIALS=pa + t <= 8192, **tile.backward_constexprs(piece=8),
                        **tile.chunk_constexprs())
             for label, fn, sig, const in (("", k.rms_fwd_kernel, _FWD_SIG, fwd),
@@ -166,6 +167,7 @@ def main(args: list[str]) -> None:
         # ASTSource takes no parameter defaults: every constexpr is passed
         tile, common = tiled("fwd")
         c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False,
+                                                    "MEAN_SCALE": exact_mean_scale(n),
                                                     **tile.forward_constexprs(PIECE)}, tile.num_warps,
                         tile.max_registers)
         print(f"N={arg:>12s} fwd  {s:6.1f} s  {_stats(c)}", flush=True)

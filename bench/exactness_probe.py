@@ -7,8 +7,10 @@ effective_weight, store_rounded; llama casting, bf16 x, weight and y) and must g
 bit. Each variant drops one step: `no rstd store` (an inference call does not need rstd; Quack's forward does not
 store it then), `tl.sum` (Triton's own order instead of the canonical tree), `approximate rstd` (Triton's `/` and
 rsqrt instead of div_rn, sqrt_rn and div_rn), `no llama rounding` (x * rstd not rounded to bf16 before the weight),
-and `all relaxed` (all four: about what Quack's forward computes). A relaxed variant's largest relative difference
-from the exact y is reported, never used. Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
+and `all relaxed` (all four: about what Quack's forward computes). `mean by division` is exact too: the row's
+mean as div_rn(ss, N) where the kernels take ss * (1 / N) for N a power of two (the same bits; what that saves).
+A relaxed variant's largest relative difference from the exact y is reported, never used. Kernel-only time as in
+strictnorm.bench (L2 flushed, profiler).
 PROBE_SHAPES=MxN,... (default 262144x128,65536x128; any N, the row held whole), PROBE_TILES=ROWSxWARPS,... (default
 8x2,16x2). Run on the GPU machine:
     python3 bench/exactness_probe.py [out.json]
@@ -40,26 +42,28 @@ from strictnorm.backends.triton.kernels import (
     widen,
 )
 from strictnorm.bench import Timer, norm_providers
-from strictnorm.reference import next_pow2
+from strictnorm.reference import exact_mean_scale, next_pow2
 
 EPS = 1e-6
-# (name, exact sum, exact rstd, llama rounding, rstd stored)
-VARIANTS = [("exact", True, True, True, True), ("no rstd store", True, True, True, False),
-            ("tl.sum", False, True, True, True), ("approximate rstd", True, False, True, True),
-            ("no llama rounding", True, True, False, True), ("all relaxed", False, False, False, False)]
+# (name, exact sum, exact rstd, llama rounding, rstd stored, a power of two's mean by multiplication)
+VARIANTS = [("exact", True, True, True, True, True), ("mean by division", True, True, True, True, False),
+            ("no rstd store", True, True, True, False, True), ("tl.sum", False, True, True, True, True),
+            ("approximate rstd", True, False, True, True, True), ("no llama rounding", True, True, False, True, True),
+            ("all relaxed", False, False, False, False, True)]
+EXACT = ("exact", "mean by division")
 
 
 @triton.jit
 def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
                 EXACT_SUM: tl.constexpr, EXACT_RSTD: tl.constexpr, LLAMA_ROUND: tl.constexpr,
-                STORE_RSTD: tl.constexpr):
+                STORE_RSTD: tl.constexpr, MEAN_SCALE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, P)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     x = widen(tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0))
     wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
     ss = canon_sum(x * x, ROWS, P, LOG2P) if EXACT_SUM else tl.sum(x * x, axis=1)
-    rstd = _rstd(ss, N, eps, ROWS) if EXACT_RSTD else tl.math.rsqrt(ss / N + eps)
+    rstd = _rstd(ss, N, eps, ROWS, MEAN_SCALE) if EXACT_RSTD else tl.math.rsqrt(ss / N + eps)
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=rows < M)
     xn = normalized_as_used(x, rstd, LLAMA, BF16) if LLAMA_ROUND else x * rstd[:, None]
@@ -73,14 +77,16 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: t
     convert them as integers)."""
     m, n = x.shape
     p = next_pow2(n)
-    _, exact_sum, exact_rstd, llama_round, store_rstd = variant
+    _, exact_sum, exact_rstd, llama_round, store_rstd, mean_by_multiply = variant
+    mean_scale = exact_mean_scale(n) if mean_by_multiply else 0.0
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.empty_like(x)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         tile_kernel[(triton.cdiv(m, rows),)](x, w, _store_view(y), rstd, m, n, EPS, ROWS=rows, P=p,
                                              LOG2P=p.bit_length() - 1, EXACT_SUM=exact_sum, EXACT_RSTD=exact_rstd,
-                                             LLAMA_ROUND=llama_round, STORE_RSTD=store_rstd, num_warps=warps,
+                                             LLAMA_ROUND=llama_round, STORE_RSTD=store_rstd,
+                                             MEAN_SCALE=mean_scale, num_warps=warps,
                                              enable_fp_fusion=False)
         return y, rstd
 
@@ -114,8 +120,8 @@ def main() -> None:
                 call = launcher(x, w, rows, warps, variant)
                 y, rstd = call()
                 row = dict(M=m, N=n, rows=rows, warps=warps, what=variant[0])
-                if variant[0] == "exact":
-                    exact_y = y
+                if variant[0] in EXACT:
+                    exact_y = exact_y if exact_y is not None else y
                     row["bitwise"] = bool(torch.equal(y, want_y) and torch.equal(rstd, want_rstd))
                 else:
                     row["y_max_rel_diff"] = float(((y.float() - exact_y.float()).abs()

@@ -50,6 +50,23 @@ def test_div_and_sqrt_are_ieee_fp32(seed):
         assert s[i].item() == f32(math.sqrt(a[i].item()))
 
 
+@pytest.mark.parametrize("n", [1, 2, 128, 4096, 65536, 1 << 20, 3, 100, 18432])
+def test_mean_by_multiplication_is_the_division_where_n_is_a_power_of_two(n, seed):
+    """exact_mean_scale(n) (the kernels' mean of a power of two's squares: sum * 2^-k) gives div_rn(sum, n)'s bits
+    on random fp32 bit patterns of every exponent (subnormal results, infinities and NaN included), and is 0 (keep
+    the division) where n is not a power of two."""
+    scale = ref.exact_mean_scale(n)
+    if n & (n - 1):
+        assert scale == 0.0
+        return
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 1 << 31, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    specials = torch.tensor([0.0, 1.0, 2.0**-126, 2.0**-149, 3.0 * 2.0**-140, float("inf"), float("nan"),
+                             torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny])
+    s = torch.cat([bits.view(torch.float32), specials])
+    assert bits_equal(s * torch.tensor(scale, dtype=torch.float32), ref.div_rn(s, float(n)))
+
+
 # ---- forward ---------------------------------------------------------------------------------------
 
 def _scalar_row_forward(x_row, w, mode, xdtype, offset, eps):

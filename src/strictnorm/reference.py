@@ -27,6 +27,13 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def exact_mean_scale(n: int) -> float:
+    """1 / n where n is a power of two, else 0.0. A kernel may take a row's mean as sum * (1 / n) then: 2^-k is exact
+    in fp32, so the product is the same rounding of the same exact quotient as div_rn(sum, n), subnormal results,
+    infinities and NaN included; one multiply where an IEEE division takes about ten instructions."""
+    return 1.0 / n if n > 0 and n & (n - 1) == 0 else 0.0
+
+
 def div_rn(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
     """IEEE division a / b in a's dtype (fp32 or float64), rounded once."""
     b = torch.as_tensor(b, dtype=torch.float64, device=a.device)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ...contract import NormSpec
-from ...reference import next_pow2
+from ...reference import exact_mean_scale, next_pow2
 from ..base import DTYPE_CODES, MODE_CODES, no_join, on_tensor_device
 from ..cuda.nvrtc import current_stream
 from ..layout import (
@@ -428,7 +428,7 @@ class TritonBackend:
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
-                    **tile.forward_constexprs(piece), **tile.meta())
+                    MEAN_SCALE=exact_mean_scale(lay.n), **tile.forward_constexprs(piece), **tile.meta())
         nprog = _programs(_cdiv(lay.rows, tile.rows), tile, x.device, tile.forward_persistent)
         return _Plan(views, (nprog,), wsg,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,

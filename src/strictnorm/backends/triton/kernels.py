@@ -289,9 +289,11 @@ def _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT: tl.constexpr, H
 
 
 @triton.jit
-def _rstd(ss, N, eps, ROWS: tl.constexpr):
-    """rstd = 1 / sqrt(ss / N + eps), each step IEEE-rounded."""
-    mean = tl.div_rn(ss, tl.full((ROWS,), N, tl.float32))
+def _rstd(ss, N, eps, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr = 0.0):
+    """rstd = 1 / sqrt(ss / N + eps), each step IEEE-rounded. MEAN_SCALE: 1 / N where N is a power of two, else 0;
+    ss * 2^-k is the same rounding of the same exact quotient as div_rn(ss, N) (one multiply where the division
+    takes about ten instructions a row)."""
+    mean = ss * MEAN_SCALE if MEAN_SCALE != 0.0 else tl.div_rn(ss, tl.full((ROWS,), N, tl.float32))
     return tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))
 
 
@@ -299,7 +301,8 @@ def _rstd(ss, N, eps, ROWS: tl.constexpr):
 def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS: tl.constexpr,
                  CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr, NCH: tl.constexpr, LOG2NCH: tl.constexpr,
                  MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-                 HAS_RES: tl.constexpr, STAGES: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8):
+                 HAS_RES: tl.constexpr, STAGES: tl.constexpr, MEAN_SCALE: tl.constexpr, WB_NW: tl.constexpr = 0,
+                 WB_S: tl.constexpr = 8):
     """y and rstd of rows in column chunks of CHUNK lanes (the module's notes): each chunk's squares summed by
     canon_sum (a chunk in warp blocks where WB_NW > 0), then the NCH chunk sums; y chunk by chunk, the rows read
     again (this program's own lanes, from L2; with a residual, z recomputed rather than read back). STAGES > 1: the
@@ -312,7 +315,7 @@ def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps,
         xf = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT, HAS_RES)
         s = row_sum(xf * xf, xf, ROWS, CHUNK, LOG2CHUNK, 0, 0, WB_NW, WB_S)
         parts = tl.where(chunk_ids[None, :] == c, s[:, None], parts)
-    rstd = _rstd(canon_sum(parts, ROWS, NCH, LOG2NCH), N, eps, ROWS)
+    rstd = _rstd(canon_sum(parts, ROWS, NCH, LOG2NCH), N, eps, ROWS, MEAN_SCALE)
     tl.store(RSTD + rows, rstd, mask=rows < M)
     for c in tl.range(0, chunks, num_stages=STAGES):
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -354,12 +357,13 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    CHUNK: tl.constexpr = 0, LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1,
                    LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
                    PREFETCH: tl.constexpr = False, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
-                   WB_ST: tl.constexpr = 0):
+                   WB_ST: tl.constexpr = 0, MEAN_SCALE: tl.constexpr = 0.0):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
     y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0
     (num_warps = WB_NW): the row (each chunk; the first column tile) in warp blocks of WB_S-element pieces (the
-    module's notes), the second column tile (T > 0) in pieces of WB_ST. The same bits every way."""
+    module's notes), the second column tile (T > 0) in pieces of WB_ST. MEAN_SCALE: 1 / N where N is a power of two,
+    else 0 (_rstd). The same bits every way."""
     pid = tl.program_id(0)
     cols_a = row_columns(PA, 0 if CHUNK > 0 else WB_NW, WB_S)
     cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if T > 0 else 0, WB_ST)
@@ -370,11 +374,11 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
         if HAS_RES:
             r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
         _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
-                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES, WB_NW, WB_S)
+                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES, MEAN_SCALE, WB_NW, WB_S)
     elif PERSISTENT:
         _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pid, M, N, R1, G, eps, offset,
                         cols_a, cols_b, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES,
-                        PREFETCH, WB_NW, WB_S, WB_ST)
+                        PREFETCH, WB_NW, WB_S, WB_ST, MEAN_SCALE)
     else:
         xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b, ROWS, T,
                                     HAS_RES)
@@ -383,7 +387,8 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
             wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W,
                                       PER_HEAD)
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S, WB_ST)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S, WB_ST,
+                  MEAN_SCALE)
 
 
 @triton.jit
@@ -391,7 +396,8 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                     cols_b, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr,
                     LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
                     HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr,
-                    PREFETCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr):
+                    PREFETCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr,
+                    MEAN_SCALE: tl.constexpr):
     """Rows held whole, programs striding over the blocks: a shared weight loaded once a program; PREFETCH: the next
     block's rows loaded into registers before this block's sum (their loads in flight while it computes and
     stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory."""
@@ -412,7 +418,8 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                                         T, HAS_RES)
         # per-head weights: loaded for each block, after its sum
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b, ROWS,
-                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, WB_NW, WB_S, WB_ST)
+                  PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, WB_NW, WB_S, WB_ST,
+                  MEAN_SCALE)
 
 
 @triton.jit
@@ -456,7 +463,7 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
               ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, T: tl.constexpr, LOG2T: tl.constexpr,
               MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
               HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
-              WB_ST: tl.constexpr = 0):
+              WB_ST: tl.constexpr = 0, MEAN_SCALE: tl.constexpr = 0.0):
     """y and rstd of block blk's rows held whole, from their loaded column tiles. W_GIVEN: wf_a and wf_b are the
     effective weight; else it is loaded after the rows' sum."""
     rows = _block_rows(blk, ROWS)
@@ -464,7 +471,8 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
     xfb = xfa
     if T > 0:
         xfb = _fwd_widen(xb, rb, Z, rows, M, N, cols_b, XDT, HAS_RES)
-    rstd = _rstd(row_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST), N, eps, ROWS)
+    rstd = _rstd(row_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST), N, eps, ROWS,
+                 MEAN_SCALE)
     tl.store(RSTD + rows, rstd, mask=rows < M)
     if not W_GIVEN:
         wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD)
