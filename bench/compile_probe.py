@@ -132,7 +132,8 @@ def warp_block_kernels(n: int, rows: int, warps: int) -> dict:
             name = ("blocks" if blocks else "in order") + (" + residual" if res else "")
             common = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1)
             fwd = dict(common, YDT=1, HAS_RES=res, MEAN_SCALE=exact_mean_scale(n), **tile.forward_constexprs(piece=8))
-            bwd = dict(common, HAS_DRES=res, DW_PARTIALS=pa + t <= 8192, **tile.backward_constexprs(piece=8),
+            bwd = dict(common, HAS_DRES=res, DW_PARTIALS=pa + t <= 8192, MEAN_SCALE=exact_mean_scale(n),
+                       **tile.backward_constexprs(piece=8),
                        **tile.chunk_constexprs())
             for label, fn, sig, const in (("", k.rms_fwd_kernel, _FWD_SIG, fwd),
                                           ("backward ", k.rms_bwd_kernel, _BWD_SIG, bwd)):
@@ -173,6 +174,7 @@ def main(args: list[str]) -> None:
         print(f"N={arg:>12s} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
         tile, common = tiled("bwd")
         c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True,
+                                                    "MEAN_SCALE": exact_mean_scale(n),
                                                     **tile.backward_constexprs(PIECE), **tile.chunk_constexprs()},
                         tile.num_warps, tile.max_registers)
         print(f"N={arg:>12s} bwd  {s:6.1f} s  {_stats(c)}", flush=True)

@@ -742,6 +742,7 @@ def test_direct_launch_passes_every_constexpr_in_order():
     meta = dict(ROWS=2, PA=64, LOG2PA=6, T=0, LOG2T=0, MODE=1, XDT=1, HAS_W=True, PER_HEAD=False, HAS_DRES=False,
                 DW_PARTIALS=True, PREFETCH=True, num_warps=4)
     tail = tb.constexpr_tail(fn, len(runtime), meta)
-    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1, 0, 0, 1, 0, 0, 8, 0)  # the rest: defaults
+    # the rest: their defaults
+    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1, 0, 0, 1, 0, 0, 8, 0, 0.0)
     with pytest.raises(TypeError, match="not constexprs"):
         tb.constexpr_tail(fn, len(runtime) - 1, meta)

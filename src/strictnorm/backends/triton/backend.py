@@ -494,8 +494,8 @@ class TritonBackend:
         layouts = (lay, views.dlay, views.xlay) + ((views.elay,) if dres is not None else ())
         piece = _warp_block_piece([t for t in (z, dy, w, dres, dx_out) if t is not None], layouts, wsg, z.dtype)
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
-                    HAS_DRES=dres is not None, DW_PARTIALS=partials, **tile.backward_constexprs(piece),
-                    **tile.chunk_constexprs(), **tile.meta())
+                    HAS_DRES=dres is not None, DW_PARTIALS=partials, MEAN_SCALE=exact_mean_scale(n),
+                    **tile.backward_constexprs(piece), **tile.chunk_constexprs(), **tile.meta())
         return _Plan(views, (nprog,), wsg, (rows, n, lay.r1, lay.g, spec.offset),
                      meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms)
 

@@ -289,12 +289,17 @@ def _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT: tl.constexpr, H
 
 
 @triton.jit
+def row_mean(s, N, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr):
+    """s / N, IEEE-rounded. MEAN_SCALE: 1 / N where N is a power of two, else 0 (reference.exact_mean_scale):
+    s * 2^-k is the same rounding of the same exact quotient as div_rn(s, N), one multiply where the division takes
+    about ten instructions a row."""
+    return s * MEAN_SCALE if MEAN_SCALE != 0.0 else tl.div_rn(s, tl.full((ROWS,), N, tl.float32))
+
+
+@triton.jit
 def _rstd(ss, N, eps, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr = 0.0):
-    """rstd = 1 / sqrt(ss / N + eps), each step IEEE-rounded. MEAN_SCALE: 1 / N where N is a power of two, else 0;
-    ss * 2^-k is the same rounding of the same exact quotient as div_rn(ss, N) (one multiply where the division
-    takes about ten instructions a row)."""
-    mean = ss * MEAN_SCALE if MEAN_SCALE != 0.0 else tl.div_rn(ss, tl.full((ROWS,), N, tl.float32))
-    return tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+    """rstd = 1 / sqrt(ss / N + eps), each step IEEE-rounded."""
+    return tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(row_mean(ss, N, ROWS, MEAN_SCALE) + eps))
 
 
 @triton.jit
@@ -548,7 +553,7 @@ def _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, e
                  pid, nprog, M, N, R1, G, offset, ROWS: tl.constexpr, CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr,
                  NCH: tl.constexpr, LOG2NCH: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr,
                  HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 STAGES: tl.constexpr, MEAN_SCALE: tl.constexpr):
     """The backward of rows in column chunks of CHUNK lanes (the module's notes): each chunk's products summed by
     canon_sum, then the NCH chunk sums; dx chunk by chunk, the rows read again (this program's own lanes, from L2).
     Only a chunk is live at a time, so the dW partials cannot stay in registers across rows: each program adds its
@@ -569,7 +574,7 @@ def _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, e
                             PER_HEAD)
             s = canon_sum(xs[2] * xs[3], ROWS, CHUNK, LOG2CHUNK)
             parts = tl.where(chunk_ids[None, :] == c, s[:, None], parts)
-        cv = tl.div_rn(canon_sum(parts, ROWS, NCH, LOG2NCH), tl.full((ROWS,), N, tl.float32))
+        cv = row_mean(canon_sum(parts, ROWS, NCH, LOG2NCH), N, ROWS, MEAN_SCALE)
         x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
         e_offs = x_offs
         if HAS_DRES:
@@ -593,7 +598,8 @@ def _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1,
               pid, nprog, M, N, R1, G, offset, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr,
               T: tl.constexpr, LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
               PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr, PREFETCH: tl.constexpr,
-              STAGES: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr):
+              STAGES: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr,
+              MEAN_SCALE: tl.constexpr):
     """The backward of rows held whole, in one or two column tiles (rms_bwd_kernel), in warp blocks where WB_NW > 0
     (as the forward's: row_columns, row_sum)."""
     cols_a = row_columns(PA, WB_NW, WB_S)
@@ -633,8 +639,7 @@ def _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1,
             xb, dyb, xhb, grb = _bwd_input(zb, db, W, wsg, wf_b, g, rows, rstd, M, N, cols_b, offset, MODE, XDT,
                                            HAS_W, PER_HEAD)
             pb = xhb * grb
-        c = tl.div_rn(row_sum(xha * gra, pb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST),
-                      tl.full((ROWS,), N, tl.float32))
+        c = row_mean(row_sum(xha * gra, pb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST), N, ROWS, MEAN_SCALE)
         _bwd_output(xha, gra, c, rstd, DRES, e_offs, DX, x_offs, rows, M, N, cols_a, XDT, HAS_DRES)
         if DW_PARTIALS:
             dw_a += dya * normalized_as_used(xa, rstd, MODE, XDT)
@@ -657,24 +662,25 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
                    PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr,
                    PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1, CHUNK: tl.constexpr = 0,
                    LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1, LOG2NCH: tl.constexpr = 0,
-                   WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8, WB_ST: tl.constexpr = 0):
+                   WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8, WB_ST: tl.constexpr = 0,
+                   MEAN_SCALE: tl.constexpr = 0.0):
     """dx for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T), or in column
     chunks of CHUNK lanes (CHUNK > 0, T = 0: _bwd_chunked). With DW_PARTIALS, each program also sums its rows' dW
     contributions (shared weight only) into DW_PART[pid].
     PREFETCH: the next block's rows loaded into registers before this block's sums (its loads in flight while this
     block computes and stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory, that many
-    stages. WB_NW > 0 (num_warps = WB_NW; rows held whole): the row in warp blocks, as in rms_fwd_kernel. None changes
-    a value."""
+    stages. WB_NW > 0 (num_warps = WB_NW; rows held whole): the row in warp blocks, as in rms_fwd_kernel. MEAN_SCALE:
+    as rms_fwd_kernel's. None changes a value."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CHUNK > 0:
         _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg,
                      DW_PART, pid, nprog, M, N, R1, G, offset, ROWS, CHUNK, LOG2CHUNK, NCH, LOG2NCH, MODE, XDT, HAS_W,
-                     PER_HEAD, HAS_DRES, DW_PARTIALS, STAGES)
+                     PER_HEAD, HAS_DRES, DW_PARTIALS, STAGES, MEAN_SCALE)
     else:
         _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
                   pid, nprog, M, N, R1, G, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, HAS_W, PER_HEAD, HAS_DRES,
-                  DW_PARTIALS, PREFETCH, STAGES, WB_NW, WB_S, WB_ST)
+                  DW_PARTIALS, PREFETCH, STAGES, WB_NW, WB_S, WB_ST, MEAN_SCALE)
 
 
 @triton.jit(do_not_specialize=["ROWS_PER_GROUP", "GROUP_STEP"])
