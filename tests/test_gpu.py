@@ -245,8 +245,8 @@ def test_triton_forward_warp_blocks_bitwise(n, rows, warps, knobs, inputs, seed,
 
 
 # The Triton backward in warp blocks (rows held whole): the table's tiles at 4096 (prefetched, 2 programs an SM),
-# 8192 (3 stages) and P = 32768 (the "bwd_dx" entry: two column tiles at 18432, one at 30000; 16 warps, 3 stages),
-# and others.
+# 8192 (3 stages) and P = 32768 (the "bwd" entry, every dW mode: two column tiles at 18432, one at 30000; 16 warps,
+# 3 stages), and others.
 BACKWARD_WARP_BLOCK_TILES = [(4096, 1, 8, {"prefetch": True, "programs_per_sm": 2}), (4096, 2, 8, {}),
                              (8192, 1, 8, {"stages": 3, "programs_per_sm": 2}), (8192, 1, 16, {}),
                              (18432, 1, 16, {"split": True, "stages": 3, "programs_per_sm": 2}),

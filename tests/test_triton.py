@@ -368,20 +368,28 @@ def test_pipeline_stages_fit_the_shared_memory():
     assert tb.stages_that_fit(chunked, 4, h200) == chunked
 
 
-def test_backward_tile_depends_on_in_kernel_partials():
+def test_backward_tile_depends_on_in_kernel_partials(monkeypatch):
     """The backward's tile comes from TILE_TABLE["bwd"] where the kernel adds the fast dW's partials, else from
-    "bwd_dx" where it lists the padded length (the strict dW, no weight gradient, per-head weights), else from "bwd":
-    at N = 18432 the chunked rows with partials for dw="fast", the held rows for the rest."""
+    "bwd_dx" where it lists the padded length (the strict dW, no weight gradient, per-head weights), else from "bwd".
+    The table: at N = 18432 rows held whole for every mode, dw="fast" taking the strict fold (no partials) as
+    dw="strict" does; at 40000 (P = 65536) rows in column chunks for every mode, with partials for dw="fast"."""
     from strictnorm.backends.triton import backend as tb
     from strictnorm.contract import make_spec
 
-    assert tb.row_tile(18432, "bwd").chunk > 0 and tb.row_tile(18432, "bwd_dx").chunk == 0
+    assert tb.row_tile(18432, "bwd") == tb.row_tile(18432, "bwd_dx") and tb.row_tile(18432, "bwd").chunk == 0
     assert tb.row_tile(4096, "bwd_dx") == tb.row_tile(4096, "bwd")  # not listed: the "bwd" entry
-    z = torch.zeros(3, 18432, dtype=torch.bfloat16)
-    w, rstd, spec = torch.ones(18432), torch.ones(3), make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
-    for dw_mode, need_dw, partials in (("fast", True, True), ("strict", True, False), ("fast", False, False)):
-        plan = tb.TritonBackend()._plan_bwd(z, z, w, rstd, None, None, spec, dw_mode, need_dw)
-        assert plan.meta["DW_PARTIALS"] == partials and (plan.meta["CHUNK"] > 0) == partials, (dw_mode, need_dw)
+    listed = tb.TileChoice(rows=1, num_warps=4)
+    monkeypatch.setattr(tb, "TILE_TABLE", {**tb.TILE_TABLE, "bwd_dx": {4096: listed}})
+    assert tb.row_tile(4096, "bwd_dx") == tb.RowTile(1, 4096, 0, 4) != tb.row_tile(4096, "bwd")
+    monkeypatch.undo()
+    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    for n, fast_partials, chunked in ((18432, False, False), (40000, True, True)):
+        z = torch.zeros(3, n, dtype=torch.bfloat16)
+        w, rstd = torch.ones(n), torch.ones(3)
+        for dw_mode, need_dw, partials in (("fast", True, fast_partials), ("strict", True, False),
+                                           ("fast", False, False)):
+            plan = tb.TritonBackend()._plan_bwd(z, z, w, rstd, None, None, spec, dw_mode, need_dw)
+            assert plan.meta["DW_PARTIALS"] == partials and (plan.meta["CHUNK"] > 0) == chunked, (n, dw_mode)
 
 
 def test_persistent_grid_leaves_sms_to_the_fold():

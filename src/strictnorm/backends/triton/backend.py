@@ -131,7 +131,13 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
             4096: ((8192, TileChoice(rows=1, num_warps=8, programs_per_sm=2, prefetch=True, warp_blocks=True)),
                    (None, TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3))),
             8192: TileChoice(rows=1, num_warps=8, programs_per_sm=2, stages=3),
-            32768: TileChoice(rows=2, num_warps=8, chunk=4096, programs_per_sm=1, stages=3),
+            # P = 32768: rows held whole in warp blocks through 3 stages (as many as shared memory holds:
+            # stages_that_fit), so the fast dW takes the strict fold beside the dx pass, as dw="strict" does: the
+            # chunks' in-kernel partials were slower (bench/results/2026-12-03-h200-run33, calls e and f, 2048 x
+            # 18432: fast 131.5 / 132.0 us, strict 118.1 / 118.9). The dx pass alone, against the same tile in order
+            # through 2 stages (run 31, call a, every configuration bitwise): 2048 x 18432 88.2 -> 61.4 us, 2048 x
+            # 20480 95.2 -> 72.1, 2048 x 24576 133.0 -> 107.8; 32 warps slower, 74.4-113.1
+            32768: TileChoice(rows=1, num_warps=16, split=True, programs_per_sm=2, stages=3, warp_blocks=True),
             65536: TileChoice(rows=2, num_warps=8, chunk=2048, programs_per_sm=2, stages=3)},
     # the forward where the entry's tile takes warp blocks (and, where it asks for two column tiles, N splits in two),
     # else the "fwd" entry (in order its tile would be slower). P = 32768: the row in a tile of 16384 lanes and one
@@ -141,13 +147,10 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # and b, every configuration bitwise: 2048 x 20480 62.3 -> 46.4 us, 8192 x 20480 233.2 -> 168.7, 2048 x 22528
     # 70.2 -> 63.8, 2048 x 24576 71.9 -> 66.9)
     "fwd_wb": {32768: TileChoice(rows=1, num_warps=16, split=True, warp_blocks=True, max_registers=64)},
-    # the backward where the kernel adds no dW partials (dw="strict", per-head weights, no weight gradient); a P not
-    # listed takes the "bwd" entry. At P = 32768 the held rows' run-14 entry: without partials it was faster than
-    # the chunks (2048 x 18432 strict backward 151.2 us with it in run 14, 161.7 with the chunks in run 15, call c)
-    # P = 32768 in warp blocks through 3 stages (as many as shared memory holds: stages_that_fit; run 31, call a,
-    # every configuration bitwise, the dx pass alone against the same tile in order through 2 stages: 2048 x 18432
-    # 88.2 -> 61.4 us, 2048 x 20480 95.2 -> 72.1, 2048 x 24576 133.0 -> 107.8; 32 warps slower, 74.4-113.1)
-    "bwd_dx": {32768: TileChoice(rows=1, num_warps=16, split=True, programs_per_sm=2, stages=3, warp_blocks=True)},
+    # the backward where the kernel adds no dW partials (dw="strict", per-head weights, no weight gradient), where it
+    # lists the padded length; a P not listed takes the "bwd" entry (none listed: the one tile at P = 32768 serves
+    # both since run 33)
+    "bwd_dx": {},
 }
 
 
