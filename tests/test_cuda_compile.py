@@ -231,27 +231,6 @@ def _emulate_row_sum(row: torch.Tensor, piece: int, tpr: int, k: int) -> torch.T
     return u[0]
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_power_of_two_rows_compile_their_mean_as_a_multiplication(arch, tmp_path, monkeypatch):
-    """N = 2^k sets MEAN_LOG2 = k (common.cuh's row_mean multiplies by 2^-k: the division's bits,
-    reference.exact_mean_scale) in the forward, the backward and onepass.cu, and they compile; other N keep the
-    division (no macro)."""
-    from strictnorm.backends.cuda.backend import norm_bwd_launch, norm_launch, onepass_launch
-
-    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
-    bf16 = torch.bfloat16
-    for n in (1, 128, 4096, 65536, 7, 100, 18432):
-        fwd = norm_launch(n, bf16, None, bf16, bf16, "llama", False).defines
-        bwd = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True).defines
-        one = onepass_launch(n, bf16, bf16, bf16, "llama", 132, 227 * 1024)
-        want = n.bit_length() - 1 if n & (n - 1) == 0 else None
-        assert fwd.get("MEAN_LOG2") == want and bwd.get("MEAN_LOG2") == want, n
-        assert one is None or one.defines.get("MEAN_LOG2") == want, n
-        if n in (128, 4096):
-            for name, defines in (("rms_norm.cu", fwd), ("rms_norm.cu", bwd), ("onepass.cu", one.defines)):
-                assert nvrtc.compile_cubin(name, arch, defines, use_cache=False)[:4] == b"\x7fELF"
-
-
 @pytest.mark.parametrize("n", [1, 7, 100, 128, 1000, 4096, 8192, 18432, 65536])
 def test_cuda_reduction_mapping_is_canon_sum(n, seed):
     """The reduction of rms_norm.cu, emulated with every block shape the tuning knobs can give,

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ...contract import NormSpec
-from ...reference import exact_mean_scale, next_pow2
+from ...reference import next_pow2
 from ..base import DTYPE_CODES, MODE_CODES, no_join, on_tensor_device
 from ..layout import (
     BackwardPlan,
@@ -539,12 +539,6 @@ def tuning_for(table: dict[int, Tuning], n: int, rows: int | None = None) -> Nor
     return for_rows(table[min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))], rows)
 
 
-def mean_defines(n: int) -> dict[str, int]:
-    """MEAN_LOG2 = k where N = 2^k: the kernels' row_mean (common.cuh) then multiplies by 2^-k instead of dividing by
-    N, the same bits (reference.exact_mean_scale)."""
-    return {"MEAN_LOG2": n.bit_length() - 1} if exact_mean_scale(n) else {}
-
-
 @functools.lru_cache(maxsize=4096)
 def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_dtype: torch.dtype | None,
                 y_dtype: torch.dtype, mode: str, per_head: bool, tuning: NormTuning | None = None,
@@ -568,7 +562,7 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "WC": DTYPE_CODES[w_dtype or x_dtype], "YC": DTYPE_CODES[y_dtype], "MODE": MODE_CODES[mode],
                "HAS_W": int(w_dtype is not None), "PER_HEAD": int(per_head), "HAS_RES": int(res_dtype is not None),
                "PIECE": piece, "TPR": tpr, "K": k, "RPB": rpb, "HOLD": int(hold),
-               "HOLD_W": int(hold and tuning.hold_weight), **mean_defines(n)}
+               "HOLD_W": int(hold and tuning.hold_weight)}
     if not store_rstd:
         defines["NO_RSTD"] = 1
     if hold and not tuning.hold_weight and tuning.weight_with_row:
@@ -690,7 +684,7 @@ def onepass_launch(n: int, dy_dtype: torch.dtype, z_dtype: torch.dtype, w_dtype:
                "MODE": MODE_CODES[mode], "HAS_W": int(w_dtype is not None), "W_COLS": w_cols, "GROUPS": p // w_cols,
                "G_DATA": -(-n // w_cols), "ROWS": rows, "SL": sl, "DEPTH": tuning.depth, "TILES": tuning.tiles,
                "B_WARPS": tuning.b_warps, "DX_WARPS": tuning.dx_warps, "DX_GROUPS": tuning.dx_groups,
-               "C_WARPS": tuning.c_warps, "THREADS": threads, **mean_defines(n)}
+               "C_WARPS": tuning.c_warps, "THREADS": threads}
     return OnepassLaunch(defines, defines["G_DATA"], threads, shmem_of(rows))
 
 

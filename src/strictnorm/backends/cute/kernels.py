@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.math import RoundingMode
 
-from ...reference import exact_mean_scale, next_pow2
+from ...reference import next_pow2
 from ..base import MODE_CODES
 
 _RN = RoundingMode.NEAREST_EVEN
@@ -246,22 +246,13 @@ def row_sum(s: ForwardShape, part: list, th: _Thread, parity):
 class _RowKernel:
     """What the forward and backward share: block shape, casting mode, weight, vector access."""
 
-    def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
-                 mean_scale: float = 0.0) -> None:
+    def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False) -> None:
         self.s = shape
         self.mode = MODE_CODES[mode]
         self.has_weight = has_weight
         self.norm_dtype = norm_dtype  # D of the contract: the norm input's dtype
         # whole pieces of 16-byte-aligned rows (N % PIECE == 0): 16-byte vector loads and stores
         self.vector = vector
-        self.mean_scale = mean_scale  # 1 / N where N is a power of two, else 0 (_row_mean)
-
-    def _row_mean(self, s, n):
-        """s / N, IEEE-rounded: s * 2^-k where N = 2^k (reference.exact_mean_scale: the same bits), one multiply
-        where the division takes about ten instructions; else the division."""
-        if self.mean_scale:
-            return _mul(s, Float32(self.mean_scale))
-        return _div(s, n.to(Float32))
 
     def _normalized(self, xf, rstd):
         """The normalized value as y's scaling step uses it (contract, forward step 3)."""
@@ -339,8 +330,8 @@ class RMSNormForward(_RowKernel):
     normalized (D = the residual's dtype)."""
 
     def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
-                 has_res: bool = False, mean_scale: float = 0.0) -> None:
-        super().__init__(shape, mode, has_weight, norm_dtype, vector, mean_scale)
+                 has_res: bool = False) -> None:
+        super().__init__(shape, mode, has_weight, norm_dtype, vector)
         self.has_res = has_res
 
     @cute.jit
@@ -377,7 +368,7 @@ class RMSNormForward(_RowKernel):
             if const_expr(self.has_res):
                 xrow = mZ[r, None]  # without hold, pass 2 reads z back: this thread's own lanes
             ss = row_sum(s, part, th, it % 2)
-            rstd = _div(Float32(1.0), cute.math.sqrt(_add(self._row_mean(ss, n), eps), rounding=_RN))
+            rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
             if live & (t == 0):
                 mRstd[r] = rstd
             # pass 2: y (the held lanes, or x read again: this thread's own lanes, from L1/L2; w read again)
@@ -405,8 +396,8 @@ class RMSNormBackward(_RowKernel):
     writes them."""
 
     def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
-                 has_dres: bool = False, partials: bool = False, mean_scale: float = 0.0) -> None:
-        super().__init__(shape, mode, has_weight, norm_dtype, vector, mean_scale)
+                 has_dres: bool = False, partials: bool = False) -> None:
+        super().__init__(shape, mode, has_weight, norm_dtype, vector)
         self.has_dres = has_dres
         self.partials = partials
 
@@ -476,7 +467,7 @@ class RMSNormBackward(_RowKernel):
                     inside = live & ((kk * s.tpr + t) * s.piece + i < n)
                     prods.append(cutlass.select_(inside, _mul(_mul(zs[i], rstd), g), Float32(0.0)))
                 part[kk] = _pair_tree(prods)
-            c = self._row_mean(row_sum(s, part, th, it % 2), n)
+            c = _div(row_sum(s, part, th, it % 2), n.to(Float32))
             # pass 2: dx (z, dy and maybe w held, or read again: this thread's own lanes), and the dW contributions
             for kk in cutlass.range_constexpr(s.live):
                 if const_expr(s.hold):
@@ -546,8 +537,7 @@ def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res
     f = _Fakes(n, vector, backward=False)
     norm_dtype = res_dtype or x_dtype
     shape = replace(f.shape, hold_weight=f.shape.hold and weight_first)
-    op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None,
-                        exact_mean_scale(n))
+    op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
     return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
                 f.rows(y_dtype), f.per_row(), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
@@ -558,8 +548,7 @@ def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, h
     """The backward operator and its fake arguments (see forward_args); the partials have their own
     row count."""
     f = _Fakes(n, vector, backward=True, partials=partials)
-    op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials,
-                         exact_mean_scale(n))
+    op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
     return op, (f.rows(dy_dtype), f.rows(z_dtype), f.weight(w_dtype or z_dtype), f.per_row(), f.rows(z_dtype),
                 f.rows(z_dtype), f.rows(Float32, own_count=True), Int32(1), Int32(n), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))

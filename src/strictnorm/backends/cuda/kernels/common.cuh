@@ -45,17 +45,6 @@ template <int CODE> __device__ __forceinline__ float round_f32(float v) {
     return Elem<CODE>::widen(Elem<CODE>::narrow(v));
 }
 
-// A row's mean from its sum over n columns, IEEE-rounded. Where n = 2^MEAN_LOG2 (host-set, reference.exact_mean_scale)
-// sum * 2^-k is the same rounding of the same exact quotient as __fdiv_rn(sum, n): one multiply where the division
-// takes about ten instructions.
-__device__ __forceinline__ float row_mean(float sum, int n) {
-#ifdef MEAN_LOG2
-    return __fmul_rn(sum, 1.0f / static_cast<float>(1u << MEAN_LOG2));
-#else
-    return __fdiv_rn(sum, static_cast<float>(n));
-#endif
-}
-
 // Pairwise adjacent-first tree over WIDTH values: level by level, (2j, 2j+1) -> j. A template recursion,
 // so that every index is a compile-time constant and the values stay in registers. Overwrites v.
 template <int WIDTH>

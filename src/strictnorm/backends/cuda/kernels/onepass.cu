@@ -161,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) strict_bwd_onepass(
                     leaf[q] = gq < G_DATA ? __ldcg(part + r * GROUPS + gq) : 0.0f;  // groups without data: +0.0
                 }
                 const float s = warp_pair_tree<LEAVES, (GROUPS >= 32 ? 32 : GROUPS)>(leaf);
-                if (lane == 0) cv[r] = row_mean(s, n);
+                if (lane == 0) cv[r] = __fdiv_rn(s, static_cast<float>(n));
             }
             if (lane == 0) add_release(arrive2 + j, 1);  // lane 0 wrote every c value itself
         }

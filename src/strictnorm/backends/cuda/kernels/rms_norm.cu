@@ -397,7 +397,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
             part[k] = pair_tree<PIECE>(a);
         }
         const float ss = row_sum(part, scratch, it & 1);
-        const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(row_mean(ss, n), eps)));
+        const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(n)), eps)));
         if (!NO_RSTD && live && t == 0) rstd_out[r] = rstd;
 #if HOLD
         launder(xh);
@@ -638,7 +638,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #endif
             part[k] = pair_tree<PIECE>(prod);
         }
-        const float c = row_mean(row_sum(part, scratch, it & 1), n);
+        const float c = __fdiv_rn(row_sum(part, scratch, it & 1), static_cast<float>(n));
 #if HOLD && !HOLD_F32
         launder(zh), launder(dh);
 #endif
