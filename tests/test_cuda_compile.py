@@ -285,6 +285,60 @@ def test_row_bounded_entries_apply_within_their_bound():
     assert tuning_for(BWD_TABLE, 4096, low) is entries[-1][1] and tuning_for(BWD_TABLE, 4096) is entries[-1][1]
 
 
+def _blocks_an_sm_by_registers(registers: int, threads: int) -> int:
+    """Blocks of `threads` an sm_90 SM holds as far as registers and threads go: 65536 registers, allotted a warp at
+    a time in multiples of 8 a thread; at most 2048 threads and 32 blocks."""
+    warps, allotted = -(-threads // 32), -(-registers // 8) * 8
+    return min(32, 2048 // threads, 65536 // (warps * allotted * 32))
+
+
+# (rows, N): the blocks an SM of the forward's and the backward's (dw="fast") tiles at bf16 as the tables were
+# measured with (NVRTC 13.0.88, sm_90). Some sit on an edge: the backward at 2048 x 4096 (512 threads, 64 registers,
+# two blocks an SM as its tuning caps it) took 68 registers with the row mean by multiplication, one block an SM, and
+# 21.1-21.5 -> 25.4 us (bench/results/2026-12-03-h200-run34, call b); so did the forward at 2048 x 18432 (64).
+_BLOCKS_AN_SM = {(128, 4096): (2, 1), (2048, 4096): (8, 2), (8192, 4096): (10, 3), (32768, 4096): (10, 3),
+                 (8192, 8192): (6, 2), (2048, 18432): (2, 1), (262144, 128): (18, 6)}
+
+
+def test_tiles_keep_the_blocks_an_sm_they_were_measured_with(tmp_path, monkeypatch):
+    """A source or table change that costs a tile registers enough to hold fewer blocks an SM fails here, before a
+    GPU run would find it slower (the registers ptxas allots, read from the cubin)."""
+    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE, norm_bwd_launch, norm_launch, tuning_for
+
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    bf16, seen = torch.bfloat16, {}
+    for (rows, n), (fwd_blocks, bwd_blocks) in _BLOCKS_AN_SM.items():
+        fwd = norm_launch(n, bf16, None, bf16, bf16, "llama", False, tuning_for(FWD_TABLE, n, rows), True, False)
+        bwd = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tuning_for(BWD_TABLE, n, rows), True)
+        for launch, kernel, want in ((fwd, "rms_fwd", fwd_blocks), (bwd, "rms_bwd", bwd_blocks)):
+            key = tuple(sorted(launch.defines.items()))
+            if key not in seen:
+                seen[key] = nvrtc.cubin_registers(nvrtc.compile_cubin("rms_norm.cu", "sm_90", launch.defines))[kernel]
+            got = _blocks_an_sm_by_registers(seen[key], launch.threads)
+            assert got >= want, f"{kernel} {rows} x {n}: {seen[key]} registers, {got} blocks an SM (measured: {want})"
+
+
+def test_cubin_registers_reads_each_kernel(tmp_path, monkeypatch):
+    """cubin_registers names every kernel of a cubin with a plausible count; a source whose kernel needs more
+    registers reports more."""
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    small = nvrtc.compile_cubin("rms_norm.cu", "sm_90", dict(norm_launch_defines(128)))
+    big = nvrtc.compile_cubin("rms_norm.cu", "sm_90", dict(norm_launch_defines(4096, values=64)))
+    assert set(nvrtc.cubin_registers(small)) == {"rms_fwd"} and set(nvrtc.cubin_registers(big)) == {"rms_fwd"}
+    assert 16 <= nvrtc.cubin_registers(small)["rms_fwd"] < nvrtc.cubin_registers(big)["rms_fwd"] <= 255
+
+
+def norm_launch_defines(n: int, values: int = 0) -> dict[str, int]:
+    """rms_norm.cu's forward macros at N columns of bf16 (values: fp32 lanes a thread holds, more registers)."""
+    from dataclasses import replace
+
+    from strictnorm.backends.cuda.backend import FWD_TABLE, norm_launch, tuning_for
+
+    tuning = tuning_for(FWD_TABLE, n)
+    tuning = replace(tuning, values=values) if values else tuning
+    return norm_launch(n, torch.bfloat16, None, torch.bfloat16, torch.bfloat16, "llama", False, tuning, True).defines
+
+
 @pytest.mark.parametrize("what, dtype", [(0, torch.float32), (1, torch.bfloat16)])
 def test_fold_ring_knobs_compile(what, dtype, tmp_path, monkeypatch):
     """fold.cu's sweep knobs (bench/sweep_fold.py): the default ring unrolls whole stages (FULL_STAGE);

@@ -81,6 +81,37 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], use_cache: bool
     return code
 
 
+def cubin_registers(cubin: bytes) -> dict[str, int]:
+    """Registers a thread of each kernel in a cubin, as ptxas allotted them (the EIATTR_REGCOUNT records of its
+    .nv.info section, by symbol): what decides how many blocks of a kernel an SM holds, readable without a GPU."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    # (name offset, type, flags, addr, offset, size, link, info, align, entsize) of each section
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+
+    def cstr(table: int, at: int) -> str:
+        start = sections[table][4] + at
+        return cubin[start:cubin.index(b"\0", start)].decode()
+
+    symtab = next(i for i, s in enumerate(sections) if s[1] == 2)  # SHT_SYMTAB
+    sym_base, sym_size, strtab = sections[symtab][4], sections[symtab][9], sections[symtab][6]
+    regs = {}
+    for sec in sections:
+        if cstr(shstrndx, sec[0]) != ".nv.info":
+            continue
+        data, i = cubin[sec[4]:sec[4] + sec[5]], 0
+        while i + 4 <= len(data):  # records: format, attribute, then a 16-bit size and a payload (format 4)
+            fmt, attr, size = data[i], data[i + 1], struct.unpack_from("<H", data, i + 2)[0]
+            if fmt != 4:  # the other formats carry no size; .nv.info holds only sized records in practice
+                i += 4
+                continue
+            if attr == 0x2F:  # EIATTR_REGCOUNT: (symbol index, registers)
+                sym, count = struct.unpack_from("<II", data, i + 4)
+                regs[cstr(strtab, struct.unpack_from("<I", cubin, sym_base + sym * sym_size)[0])] = count
+            i += 4 + size
+    return regs
+
+
 def whole_elf(blob: bytes) -> bool:
     """Whether blob is a 64-bit ELF file whose header tables, segments and sections all lie within it. A cubin cut short
     (a cache copied or unpacked part way) would otherwise reach the driver, which may crash the process loading
