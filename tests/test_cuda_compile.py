@@ -305,6 +305,8 @@ def test_tiles_keep_the_blocks_an_sm_they_were_measured_with(tmp_path, monkeypat
     GPU run would find it slower (the registers ptxas allots, read from the cubin)."""
     from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE, norm_bwd_launch, norm_launch, tuning_for
 
+    if nvrtc.nvrtc_version() != "13.0":  # another ptxas allots other counts; CI pins the GPU's NVRTC
+        pytest.skip(f"the blocks an SM were measured with NVRTC 13.0, not {nvrtc.nvrtc_version()}")
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     bf16, seen = torch.bfloat16, {}
     for (rows, n), (fwd_blocks, bwd_blocks) in _BLOCKS_AN_SM.items():
