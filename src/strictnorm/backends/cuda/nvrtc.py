@@ -81,13 +81,19 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], use_cache: bool
     return code
 
 
+def _elf_sections(blob: bytes) -> list[tuple]:
+    """A 64-bit ELF file's section headers: (name offset, type, flags, addr, offset, size, link, info, align, entsize)
+    each. The caller has checked that the header table lies within the file (whole_elf)."""
+    shoff, = struct.unpack_from("<Q", blob, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", blob, 0x3A)
+    return [struct.unpack_from("<IIQQQQIIQQ", blob, shoff + i * shentsize) for i in range(shnum)]
+
+
 def cubin_registers(cubin: bytes) -> dict[str, int]:
     """Registers a thread of each kernel in a cubin, as ptxas allotted them (the EIATTR_REGCOUNT records of its
     .nv.info section, by symbol): what decides how many blocks of a kernel an SM holds, readable without a GPU."""
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    # (name offset, type, flags, addr, offset, size, link, info, align, entsize) of each section
-    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    sections = _elf_sections(cubin)
+    shstrndx, = struct.unpack_from("<H", cubin, 0x3E)
 
     def cstr(table: int, at: int) -> str:
         start = sections[table][4] + at
@@ -100,15 +106,12 @@ def cubin_registers(cubin: bytes) -> dict[str, int]:
         if cstr(shstrndx, sec[0]) != ".nv.info":
             continue
         data, i = cubin[sec[4]:sec[4] + sec[5]], 0
-        while i + 4 <= len(data):  # records: format, attribute, then a 16-bit size and a payload (format 4)
+        while i + 4 <= len(data):  # records: format, attribute, then 2 bytes: a value, or a payload's size (format 4)
             fmt, attr, size = data[i], data[i + 1], struct.unpack_from("<H", data, i + 2)[0]
-            if fmt != 4:  # the other formats carry no size; .nv.info holds only sized records in practice
-                i += 4
-                continue
-            if attr == 0x2F:  # EIATTR_REGCOUNT: (symbol index, registers)
+            if fmt == 4 and attr == 0x2F:  # EIATTR_REGCOUNT: (symbol index, registers)
                 sym, count = struct.unpack_from("<II", data, i + 4)
                 regs[cstr(strtab, struct.unpack_from("<I", cubin, sym_base + sym * sym_size)[0])] = count
-            i += 4 + size
+            i += 4 + (size if fmt == 4 else 0)
     return regs
 
 
@@ -129,12 +132,8 @@ def whole_elf(blob: bytes) -> bool:
         size, = struct.unpack_from("<Q", blob, phoff + i * phentsize + 0x20)
         if offset + size > len(blob):
             return False
-    for i in range(shnum):  # sections, but SHT_NOBITS (8): no bytes in the file
-        kind, = struct.unpack_from("<I", blob, shoff + i * shentsize + 4)
-        offset, size = struct.unpack_from("<QQ", blob, shoff + i * shentsize + 0x18)
-        if kind != 8 and offset + size > len(blob):
-            return False
-    return True
+    # sections, but SHT_NOBITS (8): no bytes in the file
+    return all(kind == 8 or offset + size <= len(blob) for _, kind, _, _, offset, size, *_ in _elf_sections(blob))
 
 
 def compile_source(src: str, name: str, arch: str, defines: dict[str, int]) -> bytes:
