@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import strictnorm as sn
-from strictnorm.backends.layout import forward_views
+from strictnorm.backends.layout import forward_outputs, forward_views, signature
 from strictnorm.backends.registry import get_backend
 from strictnorm.contract import make_spec
 
@@ -82,6 +82,33 @@ def _noop_launchers(dev: int) -> dict[str, Callable[[], object]]:
             "launch: strictnorm LoadedKernel (packed block)": packed}
 
 
+def _triton_forward_pieces(tb, x: torch.Tensor, w: torch.Tensor, spec) -> dict[str, Callable[[], object]]:
+    """The Triton backend's eager forward (backend.rms_norm_fwd) taken apart: its plan lookup, its outputs, the int16
+    views it stores bf16 through, and its launcher with the arguments already built."""
+    from strictnorm.backends.triton.backend import _store_view
+
+    dev = x.get_device()
+    tb.rms_norm_fwd(x, w, None, spec)  # plans and compiles
+    key = (dev, signature(x, w, None), spec)
+    plan = tb._fwd_plans[key]
+    y, rstd, _ = forward_outputs(x, None, spec.out_dtype)
+    xk, wk, rk = plan.views.inputs(x, w, None)
+    args = (xk, *plan.views.lay.args(), rk, *plan.views.rlay.args(), y, wk, plan.wsg, _store_view(y),
+            rstd, *plan.scalars)
+    launcher = plan.launch
+    kernel = launcher.kernel
+    return {
+        "triton: signature + plan lookup": lambda: tb._fwd_plans.get((dev, signature(x, w, None), spec)),
+        "triton: forward_outputs (y, rstd)": lambda: forward_outputs(x, None, spec.out_dtype),
+        "triton: forward_outputs, no rstd": lambda: forward_outputs(x, None, spec.out_dtype, need_rstd=False),
+        "triton: views.inputs + lay.args": lambda: (plan.views.inputs(x, w, None), plan.views.lay.args(),
+                                                    plan.views.rlay.args()),
+        "triton: _store_view (bf16 as int16)": lambda: _store_view(y),
+        "triton: kernel.launch_metadata": lambda: kernel.launch_metadata(plan.grid, 0, *args, *launcher.constexprs),
+        "triton: launcher, prepared args": lambda: launcher(plan.grid, dev, *args),
+    }
+
+
 def _profile_step(step: Callable[[], object]) -> None:
     """torch.profiler's CPU view of eager training steps (every thread, the autograd engine's included)."""
     from torch.profiler import ProfilerActivity, profile
@@ -114,6 +141,7 @@ def main() -> None:
         "cuda backend rms_norm_fwd": lambda: cb.rms_norm_fwd(x, w, None, spec),
         "cuda backend rms_norm_fwd, no rstd": lambda: cb.rms_norm_fwd(x, w, None, spec, need_rstd=False),
         "triton backend rms_norm_fwd": lambda: tb.rms_norm_fwd(x, w, None, spec),
+        **_triton_forward_pieces(tb, x, w, spec),
         "cuda backend rms_norm_bwd fast": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None),
         "cuda backend rms_norm_bwd strict": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True,
                                                                     None),
