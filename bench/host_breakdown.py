@@ -137,6 +137,15 @@ def main() -> None:
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev).cuda_stream,
         "torch._C._cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(dev),
         "forward_views": lambda: forward_views(x, w, None, torch.bfloat16),
+        # ways to allocate a forward's fp32 rstd (one per row): forward_outputs' torch.empty costs most of its time
+        "rstd: torch.empty(shape, dtype, device)": lambda: torch.empty(x.shape[:-1], dtype=torch.float32,
+                                                                       device=x.device),
+        "rstd: torch.empty(int, dtype, device)": lambda: torch.empty(4, dtype=torch.float32, device=x.device),
+        "rstd: x.new_empty(shape, dtype)": lambda: x.new_empty(x.shape[:-1], dtype=torch.float32),
+        "rstd: empty_like(x[..., 0], fp32, contiguous)": lambda: torch.empty_like(
+            x[..., 0], dtype=torch.float32, memory_format=torch.contiguous_format),
+        "rstd: empty_like(x.select(-1, 0), fp32)": lambda: torch.empty_like(x.select(-1, 0), dtype=torch.float32),
+        "x.device": lambda: x.device,
         **_noop_launchers(dev),
         "cuda backend rms_norm_fwd": lambda: cb.rms_norm_fwd(x, w, None, spec),
         "cuda backend rms_norm_fwd, no rstd": lambda: cb.rms_norm_fwd(x, w, None, spec, need_rstd=False),
