@@ -89,7 +89,7 @@ def _triton_forward_pieces(tb, x: torch.Tensor, w: torch.Tensor, spec) -> dict[s
 
     dev = x.get_device()
     tb.rms_norm_fwd(x, w, None, spec)  # plans and compiles
-    key = (dev, signature(x, w, None), spec)
+    key = (dev, signature(x, w, None), spec, True)
     plan = tb._fwd_plans[key]
     y, rstd, _ = forward_outputs(x, None, spec.out_dtype)
     xk, wk, rk = plan.views.inputs(x, w, None)
@@ -98,7 +98,7 @@ def _triton_forward_pieces(tb, x: torch.Tensor, w: torch.Tensor, spec) -> dict[s
     launcher = plan.launch
     kernel = launcher.kernel
     return {
-        "triton: signature + plan lookup": lambda: tb._fwd_plans.get((dev, signature(x, w, None), spec)),
+        "triton: signature + plan lookup": lambda: tb._fwd_plans.get((dev, signature(x, w, None), spec, True)),
         "triton: forward_outputs (y, rstd)": lambda: forward_outputs(x, None, spec.out_dtype),
         "triton: forward_outputs, no rstd": lambda: forward_outputs(x, None, spec.out_dtype, need_rstd=False),
         "triton: views.inputs + lay.args": lambda: (plan.views.inputs(x, w, None), plan.views.lay.args(),
@@ -150,6 +150,7 @@ def main() -> None:
         "cuda backend rms_norm_fwd": lambda: cb.rms_norm_fwd(x, w, None, spec),
         "cuda backend rms_norm_fwd, no rstd": lambda: cb.rms_norm_fwd(x, w, None, spec, need_rstd=False),
         "triton backend rms_norm_fwd": lambda: tb.rms_norm_fwd(x, w, None, spec),
+        "triton backend rms_norm_fwd, no rstd": lambda: tb.rms_norm_fwd(x, w, None, spec, need_rstd=False),
         **_triton_forward_pieces(tb, x, w, spec),
         "cuda backend rms_norm_bwd fast": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None),
         "cuda backend rms_norm_bwd strict": lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True,
