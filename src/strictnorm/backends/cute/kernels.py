@@ -140,8 +140,10 @@ FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {4096: 512, 8192: 128}
 # threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the
 # CUDA table's entry for 129-2048 rows does. Empty until measured (sweep_cute's "forward 64 a thread").
 FORWARD_VALUES: dict[int, int] = {}
-# the padded lengths whose held forward stages its rows through shared memory (ForwardShape.stage). Empty until
-# measured (sweep_cute's "x staged").
+# the padded lengths whose held forward stages its rows through shared memory (ForwardShape.stage, as Quack's forward
+# does). Empty: on an H200 (bench/results/2026-12-03-h200-run35, call c, sweep_cute "x staged", bitwise) it gained
+# nothing at the PERF.md grid (us, default -> staged: 2048 x 4096 11.8 -> 11.6, 262144 x 128 35.4 -> 35.4) and lost at
+# 8192 x 8192 (68.6 -> 71.2) and 2048 x 18432 (42.7 -> 44.0).
 FORWARD_STAGED: frozenset[int] = frozenset()
 
 
