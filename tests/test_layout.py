@@ -64,3 +64,19 @@ def test_shared_layouts_fall_back_to_dense_copies():
     assert all((q.r1, q.g) == (lay.r1, lay.g) for q in lays)
     (ak, none), _, _ = shared_layouts(a, None)
     assert ak is a and none is None
+
+
+def test_rstd_sink_grows_and_keeps_what_it_outgrew():
+    """The sink for dropped rstd: one per device, at least the rows asked, doubled when outgrown; an outgrown sink
+    stays alive (a CUDA graph captured with it writes it at every replay)."""
+    from strictnorm.backends.layout import RstdSink
+
+    sink = RstdSink()
+    dev = torch.empty(1, device="cuda" if torch.cuda.is_available() else "cpu").device  # with its index, as a tensor's
+    first = sink(dev, 10)
+    assert first.numel() == 10 and first.dtype == torch.float32 and first.device == dev
+    assert sink(dev, 7) is first
+    grown = sink(dev, 11)
+    assert grown.numel() == 20 and sink(dev, 20) is grown
+    assert sink(dev, 100).numel() == 100
+    assert [t.numel() for t in sink.kept] == [10, 20, 100]

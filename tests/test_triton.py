@@ -732,11 +732,11 @@ def test_forward_without_rstd_still_stores_it(n, seed, monkeypatch):
     then issued a block's last row load after the first's use; bench/NOTES.md, run 27), into the backend's sink
     instead of a fresh tensor, and returns None for it. y and residual_out are the reference's bits, and the sink
     holds the reference's rstd."""
+    from strictnorm.backends.layout import rstd_sink
     from strictnorm.contract import make_spec
 
     tr = get_backend("triton")
     monkeypatch.setattr(tr, "_fwd_plans", {})
-    monkeypatch.setattr(tr, "_rstd_sinks", {})
     g = torch.Generator().manual_seed(seed)
     x, res = (torch.randn(9, n, generator=g).bfloat16().to(DEV) for _ in range(2))
     w = torch.randn(n, generator=g).bfloat16().to(DEV)
@@ -746,26 +746,10 @@ def test_forward_without_rstd_still_stores_it(n, seed, monkeypatch):
     assert all(bits_equal(a, b) for a, b in zip(want, got, strict=True))
     y, rstd, z = tr.rms_norm_fwd(x, w, res, spec, need_rstd=False)
     assert rstd is None and bits_equal(want[0], y) and bits_equal(want[2], z)
-    assert bits_equal(want[1], tr.rstd_sink(x.device, 9)[:9])
+    assert bits_equal(want[1], rstd_sink(x.device, 9)[:9])
     assert len(tr._fwd_plans) == 1
     out = sn.fused_add_rms_norm(x, res, w, offset=1.0, casting_mode="gemma", backend="triton")  # no autograd
     assert bits_equal(want[0], out[0]) and bits_equal(want[2], out[1])
-
-
-def test_rstd_sink_grows_and_keeps_what_it_outgrew(monkeypatch):
-    """The sink for dropped rstd: one per device, at least the rows asked, doubled when outgrown; an outgrown sink
-    stays alive (a CUDA graph captured with it writes it at every replay)."""
-    tr = get_backend("triton")
-    monkeypatch.setattr(tr, "_rstd_sinks", {})
-    monkeypatch.setattr(tr, "_rstd_sinks_kept", [])
-    dev = torch.empty(1, device=DEV).device  # with its index, as a tensor's
-    first = tr.rstd_sink(dev, 10)
-    assert first.numel() == 10 and first.dtype == torch.float32 and first.device == dev
-    assert tr.rstd_sink(dev, 7) is first
-    grown = tr.rstd_sink(dev, 11)
-    assert grown.numel() == 20 and tr.rstd_sink(dev, 20) is grown
-    assert tr.rstd_sink(dev, 100).numel() == 100
-    assert [t.numel() for t in tr._rstd_sinks_kept] == [10, 20, 100]
 
 
 def test_direct_launch_passes_every_constexpr_in_order():

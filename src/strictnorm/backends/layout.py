@@ -141,6 +141,30 @@ def forward_outputs(x: torch.Tensor, residual: torch.Tensor | None, out_dtype: t
             if residual is not None else None)
 
 
+class RstdSink:
+    """Per device, an fp32 buffer for the rstd a forward must store but nobody reads (the caller dropped it, and the
+    kernel is faster keeping its store): allocating a fresh rstd each call cost more host time than the rest of a
+    forward's outputs (bench/host_breakdown.py). Kernels on several streams may write it at once (values nobody reads).
+    A sink outgrown is kept, never freed: a CUDA graph captured with it writes to it at every replay."""
+
+    def __init__(self) -> None:
+        self._sinks: dict[int | None, torch.Tensor] = {}
+        self.kept: list[torch.Tensor] = []  # every sink ever made
+
+    def __call__(self, device: torch.device, rows: int) -> torch.Tensor:
+        """At least `rows` fp32 elements on device (doubled when outgrown)."""
+        sink = self._sinks.get(device.index)
+        if sink is None or sink.numel() < rows:
+            sink = torch.empty(max(rows, 2 * sink.numel() if sink is not None else 0), dtype=torch.float32,
+                               device=device)
+            self._sinks[device.index] = sink
+            self.kept.append(sink)
+        return sink
+
+
+rstd_sink = RstdSink()  # shared by the backends
+
+
 @dataclass
 class BackwardViews:
     """Addressable views for a backward pass; dx_kernel is where the kernel writes dx (copy it into dx

@@ -23,6 +23,7 @@ from ..layout import (
     forward_views,
     remember,
     row_layout,
+    rstd_sink,
     signature,
 )
 from ..registry import get_backend, status
@@ -388,8 +389,6 @@ class TritonBackend:
         self.share_sms_with_fold = False
         self._fwd_plans: dict[tuple, _Plan] = {}
         self._bwd_plans: dict[tuple, _Plan] = {}
-        self._rstd_sinks: dict[int, Tensor] = {}  # per device: where a forward whose caller drops rstd stores it
-        self._rstd_sinks_kept: list[Tensor] = []  # every sink ever made, never freed (rstd_sink)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         try:
@@ -407,9 +406,9 @@ class TritonBackend:
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
                      need_rstd: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Planned once per input signature (layout.signature), like the CUDA backend's launches. need_rstd False:
-        no rstd tensor is allocated (None is returned for it), but the same kernel still stores rstd, into a sink
-        (rstd_sink): compiled without that store, the forward ran 22% slower on an H200 at 32768 x 4096 (ptxas then
-        issued a block's last row load after the first's use; bench/NOTES.md, run 27)."""
+        no rstd tensor is allocated (None is returned for it), but the same kernel still stores rstd, into
+        layout.rstd_sink: compiled without that store, the forward ran 22% slower on an H200 at 32768 x 4096 (ptxas
+        then issued a block's last row load after the first's use; bench/NOTES.md, run 27)."""
         device = x.get_device()
         key = (device, signature(x, weight, residual), spec)
         plan = self._fwd_plans.get(key)
@@ -422,21 +421,8 @@ class TritonBackend:
         plan.launch(
             plan.grid, device, xk, *plan.views.lay.args(), rk, *plan.views.rlay.args(),
             _store_view(z) if z is not None else y, w if w is not None else xk, plan.wsg, _store_view(y),
-            rstd if rstd is not None else self.rstd_sink(x.device, plan.scalars[0]), *plan.scalars)
+            rstd if rstd is not None else rstd_sink(x.device, plan.scalars[0]), *plan.scalars)
         return y, rstd, z
-
-    def rstd_sink(self, device: torch.device, rows: int) -> Tensor:
-        """An fp32 buffer of at least `rows` elements on device for the rstd nobody reads: allocating it each call cost
-        more host time than the rest of the forward's outputs (host_breakdown). Kernels on several streams may
-        write it at once (values nobody reads). A sink outgrown is kept, never freed: a CUDA graph captured with it
-        writes to it at every replay."""
-        sink = self._rstd_sinks.get(device.index)
-        if sink is None or sink.numel() < rows:
-            sink = torch.empty(max(rows, 2 * sink.numel() if sink is not None else 0), dtype=torch.float32,
-                               device=device)
-            self._rstd_sinks[device.index] = sink
-            self._rstd_sinks_kept.append(sink)
-        return sink
 
     @staticmethod
     def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec) -> _Plan:
