@@ -158,6 +158,10 @@ def main() -> None:
         "torch F.rms_norm forward": lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
         "sn.rms_norm cuda forward": lambda: sn.rms_norm(x, w, backend="cuda"),
         "sn.rms_norm triton forward": lambda: sn.rms_norm(x, w, backend="triton"),
+        "cute backend rms_norm_fwd": lambda: get_backend("cute").rms_norm_fwd(x, w, None, spec),
+        "cute backend rms_norm_fwd, no rstd": lambda: get_backend("cute").rms_norm_fwd(x, w, None, spec,
+                                                                                      need_rstd=False),
+        "sn.rms_norm cute forward": lambda: sn.rms_norm(x, w, backend="cute"),
         "sn.rms_norm_with_rstd cuda forward": lambda: sn.rms_norm_with_rstd(x, w, backend="cuda"),
         "torch F.rms_norm fwd+bwd (autograd)": lambda: torch.autograd.grad(
             torch.nn.functional.rms_norm(xg, (4096,), wg, 1e-6), (xg, wg), dy),
