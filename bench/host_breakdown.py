@@ -89,7 +89,7 @@ def _triton_forward_pieces(tb, x: torch.Tensor, w: torch.Tensor, spec) -> dict[s
 
     dev = x.get_device()
     tb.rms_norm_fwd(x, w, None, spec)  # plans and compiles
-    key = (dev, signature(x, w, None), spec, True)
+    key = (dev, signature(x, w, None), spec)
     plan = tb._fwd_plans[key]
     y, rstd, _ = forward_outputs(x, None, spec.out_dtype)
     xk, wk, rk = plan.views.inputs(x, w, None)
@@ -98,7 +98,7 @@ def _triton_forward_pieces(tb, x: torch.Tensor, w: torch.Tensor, spec) -> dict[s
     launcher = plan.launch
     kernel = launcher.kernel
     return {
-        "triton: signature + plan lookup": lambda: tb._fwd_plans.get((dev, signature(x, w, None), spec, True)),
+        "triton: signature + plan lookup": lambda: tb._fwd_plans.get((dev, signature(x, w, None), spec)),
         "triton: forward_outputs (y, rstd)": lambda: forward_outputs(x, None, spec.out_dtype),
         "triton: forward_outputs, no rstd": lambda: forward_outputs(x, None, spec.out_dtype, need_rstd=False),
         "triton: views.inputs + lay.args": lambda: (plan.views.inputs(x, w, None), plan.views.lay.args(),
