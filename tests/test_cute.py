@@ -412,6 +412,10 @@ def cute_calls(request, monkeypatch):
     if request.param == "tvm-ffi" and not K._tvm_ffi_importable():
         pytest.skip("apache-tvm-ffi is not installed")
     monkeypatch.setenv("STRICTNORM_CUTE_CALLS", request.param)
+    if HAS_CUDA:  # the backend's forward plans hold the convention read when they were made
+        from strictnorm.backends.registry import get_backend
+
+        monkeypatch.setattr(get_backend("cute"), "_fwd_plans", {})
     return request.param
 
 
@@ -498,6 +502,37 @@ def test_backend_bitwise_against_reference(n, seed, cute_calls):
             buf = dy.clone()
             got_dx, _ = cb.rms_norm_bwd(buf, z, w, rstd, dres, spec, "strict", True, buf)
             assert got_dx is buf and bits_equal(buf, want_dx)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [128, 1000, 4096])
+def test_backend_forward_plans_shapes_and_dropped_rstd(n, seed, cute_calls, monkeypatch):
+    """The backend's planned forward (one plan per input signature) on 3D inputs read in place, 3D views whose rows
+    do not merge (copied), a residual, and zero rows, twice each (the second call takes the plan): the reference's
+    bits; with need_rstd=False rstd is None and the kernel's rstd lands in layout.rstd_sink."""
+    from strictnorm.backends.layout import rstd_sink
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    cb, tr = get_backend("cute"), get_backend("torch")
+    monkeypatch.setattr(cb, "_fwd_plans", {})
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
+    w = (torch.randn(n, device="cuda", generator=g) * 0.01).bfloat16()
+    wide = torch.randn(6, 9, n + 8, device="cuda", generator=g).bfloat16()
+    for x, res in ((wide[:, :, :n].contiguous(), None), (wide[:, ::2, 8:], None),
+                   (wide[:, :, 4:4 + n], torch.randn(6, 9, n, device="cuda", generator=g).bfloat16()),
+                   (wide[:0, :, :n], None)):
+        want = tr.rms_norm_fwd(x, w, res, spec)
+        for _ in range(2):
+            got = cb.rms_norm_fwd(x, w, res, spec)
+            assert all((a is None) == (b is None) and (a is None or (a.shape == b.shape and bits_equal(a, b)))
+                       for a, b in zip(want, got, strict=True))
+            y, rstd, z = cb.rms_norm_fwd(x, w, res, spec, need_rstd=False)
+            assert rstd is None and bits_equal(want[0], y) and (z is None or bits_equal(want[2], z))
+            rows = want[1].numel()
+            assert bits_equal(want[1].reshape(-1), rstd_sink(x.device, rows)[:rows])
+    assert len(cb._fwd_plans) == 4
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

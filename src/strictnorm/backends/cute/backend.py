@@ -20,7 +20,7 @@ from torch import Tensor
 from ...contract import NormSpec
 from ...reference import next_pow2
 from ..base import no_join, on_tensor_device
-from ..layout import row_layout
+from ..layout import forward_outputs, remember, row_layout, rstd_sink, signature
 
 _MAX_P = 32768  # longest padded row the kernels' register mapping was built and tested for
 _MIN_ARCH = (9, 0)
@@ -68,6 +68,7 @@ class CuteBackend:
         # 4096 497 -> 467 (kernel-only, bench/results/2026-12-01-h200-run19, call b), timed with the host's launch
         # gap between the two kernels, as the CUDA and Triton shares were before they lost with the host ahead.
         self.share_sms_with_fold = False
+        self._fwd_plans: dict[tuple, object] = {}
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda":
@@ -90,13 +91,33 @@ class CuteBackend:
                      need_rstd: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
         if weight is not None and weight.dim() == 2:  # per-head QK-norm weights
             return _cuda().rms_norm_fwd(x, weight, residual, spec, need_rstd)
-        n = x.shape[-1]
-        check_row_length(n)
+        key = (x.get_device(), signature(x, weight, residual), spec)
+        plan = self._fwd_plans.get(key)
+        if plan is None:
+            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
+        y, rstd, z = forward_outputs(x, residual, spec.out_dtype, need_rstd)
+        if not plan.rows:
+            return y, rstd, z
         if weight is not None and weight.stride(-1) != 1:
             weight = weight.contiguous()
-        y, rstd, z = _kernels().forward(as_rows(x), weight, spec.eps, spec.offset, spec.mode, spec.out_dtype,
-                                        residual=as_rows(residual) if residual is not None else None)
-        return y.view(x.shape), rstd.view(x.shape[:-1]), (z.view(x.shape) if z is not None else None)
+        if x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1):  # rows as they are
+            plan(x, weight, residual, y, rstd if rstd is not None else rstd_sink(x.device, plan.rows), z, spec.eps,
+                 spec.offset)
+        else:
+            n = x.shape[-1]
+            plan(as_rows(x), weight, as_rows(residual) if residual is not None else None, y.view(-1, n),
+                 rstd.view(-1) if rstd is not None else rstd_sink(x.device, plan.rows),
+                 z.view(-1, n) if z is not None else None, spec.eps, spec.offset)
+        return y, rstd, z
+
+    @staticmethod
+    def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec):
+        """The kernels' forward launch for inputs with this signature (their rows as as_rows makes them)."""
+        check_row_length(x.shape[-1])
+        if weight is not None and weight.stride(-1) != 1:
+            weight = weight.contiguous()
+        return _kernels().plan_forward(as_rows(x), weight, as_rows(residual) if residual is not None else None,
+                                       spec.mode, spec.out_dtype)
 
     @on_tensor_device
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,

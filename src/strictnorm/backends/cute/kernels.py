@@ -662,10 +662,10 @@ def _tvm_ffi_importable() -> bool:
 
 
 def _launch(compiled, tvm_ffi: bool, tensors: tuple, scalars: tuple, device) -> None:
-    """One kernel call: tensors then the int and float scalars, in the compiled signature's order. The
-    tensors are detached: eager autograd calls reach the backend, and no tensor that requires grad is
-    exported. `device` is a CUDA tensor's, so it has an index."""
-    tensors = tuple(t.detach() for t in tensors)
+    """One kernel call: tensors then the int and float scalars, in the compiled signature's order. Tensors that
+    require grad are detached (eager autograd calls reach the backend; none of them is exported). `device` is a CUDA
+    tensor's, so it has an index."""
+    tensors = tuple(t.detach() if t.requires_grad else t for t in tensors)
     if tvm_ffi:
         compiled(*tensors, *scalars)
         return
@@ -676,28 +676,57 @@ def _launch(compiled, tvm_ffi: bool, tensors: tuple, scalars: tuple, device) -> 
 _TORCH_TO_CUTE = {"torch.float32": Float32, "torch.bfloat16": cutlass.BFloat16, "torch.float16": cutlass.Float16}
 
 
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """A forward planned for one row count, N, dtypes, mode, residual and vector access (all a kernel and its grid
+    depend on), and the calling convention in use when it was planned (calls()); called with 2D (rows, N) tensors,
+    it launches. The weight slot takes `placeholder` when there is no weight (never read)."""
+
+    compiled: object
+    tvm_ffi: bool
+    rows: int
+    n: int
+    grid: int
+    placeholder: object
+
+    def __call__(self, x, weight, residual, y, rstd, z, eps: float, offset: float) -> None:
+        res, zt = (residual, z) if residual is not None else (x, x)
+        w = weight if weight is not None else self.placeholder
+        _launch(self.compiled, self.tvm_ffi, (x, res, zt, w, y, rstd), (self.rows, self.n, eps, offset, self.grid),
+                x.device)
+
+
+def plan_forward(x, weight, residual, mode: str, out_dtype) -> ForwardLaunch:
+    """The forward launch for 2D rows like x (unit stride along N), the weight (N,) or None and the residual's rows
+    or None, into fresh dense outputs of out_dtype."""
+    import torch
+
+    rows, n = x.shape
+    if rows == 0:  # nothing to launch: nothing compiled
+        return ForwardLaunch(None, False, 0, n, 0, None)
+    w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
+    y = torch.empty((1, n), dtype=out_dtype, device=x.device)  # stands for the fresh outputs: 16-byte aligned rows
+    vector = _vector_ok(n, x, y, *(t for t in (weight, residual) if t is not None))
+    weight_first = weight is not None and rows <= FORWARD_WEIGHT_FIRST_ROWS.get(next_pow2(n), 0)
+    tvm_ffi = calls() == "tvm-ffi"
+    compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
+                                      vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
+                                      tvm_ffi, weight_first)
+    return ForwardLaunch(compiled, tvm_ffi, rows, n, _grid(shape, rows, x.device),
+                         torch.empty(n, dtype=x.dtype, device=x.device))
+
+
 def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual=None):
     """(y, rstd, residual_out or None) of a 2D torch tensor x (rows with a row stride, unit stride along
-    N) on the GPU."""
+    N) on the GPU, planned for this call (the backend keeps its plans)."""
     import torch
 
     rows, n = x.shape
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
     z = torch.empty((rows, n), dtype=residual.dtype, device=x.device) if residual is not None else None
-    if rows == 0:
-        return y, rstd, z
-    w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
-    vector = _vector_ok(n, x, y, *(t for t in (weight, residual, z) if t is not None))
-    tvm_ffi = calls() == "tvm-ffi"
-    weight_first = weight is not None and rows <= FORWARD_WEIGHT_FIRST_ROWS.get(next_pow2(n), 0)
-    compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
-                                      vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
-                                      tvm_ffi, weight_first)
-    w = weight if weight is not None else x[0]
-    res, zt = (residual, z) if residual is not None else (x, x)
-    _launch(compiled, tvm_ffi, (x, res, zt, w, y, rstd),
-            (rows, n, float(eps), float(offset), _grid(shape, rows, x.device)), x.device)
+    if rows:
+        plan_forward(x, weight, residual, mode, out_dtype)(x, weight, residual, y, rstd, z, eps, offset)
     return y, rstd, z
 
 
