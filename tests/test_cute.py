@@ -504,6 +504,17 @@ def test_backend_bitwise_against_reference(n, seed, cute_calls):
             assert got_dx is buf and bits_equal(buf, want_dx)
 
 
+def test_forward_rstd_length_is_its_own():
+    """The compiled forward's rstd has a length of its own, not x's row count: a caller that drops rstd passes the
+    backend's longer sink (layout.rstd_sink), which TVM FFI calls would otherwise reject (run 35 call f). The
+    backward's rstd stays tied to the rows."""
+    bf16 = cutlass.BFloat16
+    _, args = K.forward_args(4096, bf16, bf16, bf16, "llama", True)
+    assert args[5].shape[0] is not args[0].shape[0]  # symbolic sizes: the same symbol or not
+    _, bargs = K.backward_args(4096, bf16, bf16, bf16, "llama", True, False, True)
+    assert bargs[3].shape[0] is bargs[1].shape[0]
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [128, 1000, 4096])
 def test_backend_forward_plans_shapes_and_dropped_rstd(n, seed, cute_calls, monkeypatch):

@@ -586,10 +586,12 @@ class _Fakes:
 
         return make_fake_tensor(dtype, (self.n,), (1,), assumed_align=self.align)
 
-    def per_row(self):
+    def per_row(self, own_count: bool = False):
+        """One fp32 per row; own_count: of any length (the forward's rstd may be a longer sink, layout.rstd_sink:
+        TVM FFI calls check a shared count)."""
         from cutlass.cute.runtime import make_fake_tensor
 
-        return make_fake_tensor(Float32, (self.m,), (1,))
+        return make_fake_tensor(Float32, (cute.sym_int() if own_count else self.m,), (1,))
 
 
 def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
@@ -603,7 +605,7 @@ def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res
     shape = replace(f.shape, hold_weight=f.shape.hold and weight_first)
     op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
     return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
-                f.rows(y_dtype), f.per_row(), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
+                f.rows(y_dtype), f.per_row(own_count=True), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
 
 
