@@ -321,8 +321,11 @@ class _Launcher:
             return
         stream = current_stream(device_index)
         hooks = self.runtime
+        enter = hooks.launch_enter_hook
+        # launch_metadata is None without an enter hook (Triton 3.6 and 3.9 return that first): not called then
+        # (0.7 us of host time a launch on an H200 machine, bench/results/2026-12-03-h200-run35, call d)
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(grid, stream, *args, *self.constexprs), hooks.launch_enter_hook,
+                   None if enter is None else kernel.launch_metadata(grid, stream, *args, *self.constexprs), enter,
                    hooks.launch_exit_hook, *args, *self.constexprs)
 
     def _register_bound_where_exceeded(self, grid: tuple[int, ...], args: tuple) -> dict:
