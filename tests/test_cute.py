@@ -547,6 +547,49 @@ def test_backend_forward_plans_shapes_and_dropped_rstd(n, seed, cute_calls, monk
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [128, 1000, 4096])
+def test_backend_backward_plans_in_place_and_shapes(n, seed, cute_calls, monkeypatch):
+    """The backend's planned backward (one plan per input signature), twice each: 3D rows read in place and rows that
+    do not merge (copied), with and without a residual gradient, the fast dW, the strict dW, no dW, zero rows, and
+    in place (dx written straight into dy's buffer with the fast dW; through a copy beside the strict fold): dx and
+    the strict dW are the reference's bits, the fast dW repeats itself."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    cb, tr = get_backend("cute"), get_backend("torch")
+    monkeypatch.setattr(cb, "_bwd_plans", {})
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
+    w = (torch.randn(n, device="cuda", generator=g) * 0.01).bfloat16()
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).bfloat16()
+
+    wide_z, wide_dy = rand(6, 9, n + 8), rand(6, 9, n + 8)
+    cases = [(wide_z[:, :, :n].contiguous(), wide_dy[:, :, :n].contiguous(), None),
+             (wide_z[:, ::2, 8:], wide_dy[:, ::2, 8:], rand(6, 5, n)),
+             (wide_z[:0, :, :n], wide_dy[:0, :, :n], None)]
+    for z, dy, dres in cases:
+        _, rstd, _ = tr.rms_norm_fwd(z, w, None, spec)
+        want_dx, want_dw = tr.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
+        for _ in range(2):
+            dx, dw = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "strict", True, None)
+            assert bits_equal(dx, want_dx) and bits_equal(dw, want_dw)
+            dx, dw = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "fast", True, None)
+            assert bits_equal(dx, want_dx) and bits_equal(dw, cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "fast",
+                                                                              True, None)[1])
+            dx, dw = cb.rms_norm_bwd(dy, z, w, rstd, dres, spec, "fast", False, None)
+            assert bits_equal(dx, want_dx) and dw is None
+            for dw_mode in ("fast", "strict"):
+                buf = dy.contiguous().clone()
+                dx, dw = cb.rms_norm_bwd(buf, z, w, rstd, dres, spec, dw_mode, True, buf)
+                assert dx is buf and bits_equal(buf, want_dx)
+                assert dw_mode == "fast" or bits_equal(dw, want_dw)
+    in_place = [p for p in cb._bwd_plans.values() if p.into_out]
+    assert in_place and all(not p.fold for p in in_place)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_backend_kernels_keyed_by_mode_and_offset(seed, cute_calls):
     """One shape, the casting mode and the offset changed between calls: each call has the reference's
     bits (a kernel compiled for another mode is never reused; the offset is a runtime argument)."""

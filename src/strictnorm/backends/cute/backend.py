@@ -14,6 +14,8 @@ up to 32768 lanes (N <= 32768).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -58,6 +60,15 @@ def check_row_length(n: int) -> None:
                          "use backend='cuda' or 'triton' (same bits)")
 
 
+@dataclass(frozen=True)
+class _BwdPlan:
+    launch: object  # kernels.BackwardLaunch
+    fold: bool  # the strict dW through the CUDA fold
+    fold_sms: int
+    into_out: bool  # dx written straight into dx_out
+    rows_as_they_are: bool  # 2D rows with unit stride along N: no as_rows views
+
+
 class CuteBackend:
     name = "cute"
     ops = frozenset({"rms_norm", "left_fold"})
@@ -69,6 +80,7 @@ class CuteBackend:
         # gap between the two kernels, as the CUDA and Triton shares were before they lost with the host ahead.
         self.share_sms_with_fold = False
         self._fwd_plans: dict[tuple, object] = {}
+        self._bwd_plans: dict[tuple, _BwdPlan] = {}
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda":
@@ -125,32 +137,57 @@ class CuteBackend:
                      ) -> tuple[Tensor, Tensor | None]:
         if weight is not None and weight.dim() == 2:
             return _cuda().rms_norm_bwd(dy, z, weight, rstd, dres, spec, dw_mode, need_dw, dx_out)
+        key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, dw_mode, need_dw,
+               self.share_sms_with_fold)
+        plan = self._bwd_plans.get(key)
+        if plan is None:
+            plan = remember(self._bwd_plans, key, self._plan_bwd(dy, z, weight, dres, dx_out, spec, dw_mode, need_dw))
+        if weight is not None and weight.stride(-1) != 1:
+            weight = weight.contiguous()
+        n = z.shape[-1]
+        z2, dy2 = (z, dy) if z.dim() == 2 and plan.rows_as_they_are else (as_rows(z), as_rows(dy))
+        rstd2 = rstd.reshape(-1).contiguous()
+        dw, join = None, no_join
+        if plan.fold:  # first, or beside the dx pass (fold_beside_dx): dx is its own buffer then
+            cb = _cuda()
+            dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight,
+                                    cb.fold_beside(None), sms=plan.fold_sms)
+        dx = dx_out if plan.into_out else torch.empty_like(z, memory_format=torch.contiguous_format)
+        part = None
+        if plan.launch.rows:
+            part = plan.launch(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
+                               dx if dx.dim() == 2 else dx.view(-1, n), spec.offset)
+        join()
+        if part is not None:
+            dw = _cuda().sum_rows(part, weight.dtype)
+        if dx_out is not None and dx is not dx_out:
+            dx_out.copy_(dx)
+            dx = dx_out
+        return dx, dw
+
+    def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, dres: Tensor | None, dx_out: Tensor | None,
+                  spec: NormSpec, dw_mode: str, need_dw: bool) -> _BwdPlan:
+        """The backward's decisions for inputs with this signature: the strict fold or the fast dW's partials, the
+        kernels' launch (their rows as as_rows makes them), and whether dx is written straight into dx_out (in place:
+        the kernel reads a thread's lanes of dy before it writes them; not where the fold reads dy beside it)."""
         n = z.shape[-1]
         check_row_length(n)
         if weight is not None and weight.stride(-1) != 1:
             weight = weight.contiguous()
         z2, dy2 = as_rows(z), as_rows(dy)
         rows = z2.shape[0]
-        rstd2 = rstd.reshape(-1).contiguous()
-        dw, join = None, no_join
         strict = dw_mode == "strict" or not _kernels().keeps_partials(n)
-        fold_sms = 0
-        if need_dw and (strict or rows == 0):  # first, or beside the dx pass (fold_beside_dx): dx is its own buffer
-            cb = _cuda()
-            fold_sms = cb.shared_fold_sms(n, True) if self.share_sms_with_fold else 0
-            dw, join = cb.strict_dw(*row_layout(dy2), *row_layout(z2), rstd2, spec.mode, weight,
-                                    cb.fold_beside(None), sms=fold_sms)
-        partials = need_dw and dw is None
-        dx, part = _kernels().backward(dy2, z2, weight, rstd2, as_rows(dres) if dres is not None else None,
-                                       spec.offset, spec.mode, partials=partials, sms_left=fold_sms)
-        join()
-        if partials:
-            dw = _cuda().sum_rows(part, weight.dtype)
-        dx = dx.view(z.shape)
-        if dx_out is not None:
-            dx_out.copy_(dx)
-            dx = dx_out
-        return dx, dw
+        fold = need_dw and (strict or rows == 0)
+        fold_sms = _cuda().shared_fold_sms(n, True) if fold and self.share_sms_with_fold else 0
+        partials = need_dw and not fold
+        into_out = (dx_out is not None and not fold and dx_out.dtype == z.dtype and dx_out.is_contiguous()
+                    and dx_out.shape == z.shape)
+        dx = dx_out if into_out else torch.empty_like(z, memory_format=torch.contiguous_format)
+        launch = _kernels().plan_backward(dy2, z2, weight, as_rows(dres) if dres is not None else None,
+                                          dx.view(-1, n) if rows else dx.reshape(-1, n), spec.mode, partials,
+                                          fold_sms)
+        return _BwdPlan(launch, fold, fold_sms, into_out,
+                        rows_as_they_are=z.dim() == 2 and z.stride(-1) == 1 and dy.stride(-1) == 1)
 
     @on_tensor_device
     def left_fold(self, rows: Tensor) -> Tensor:

@@ -799,23 +799,59 @@ def _vector_ok(n: int, *tensors) -> bool:
         t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % 8 == 0) for t in tensors)
 
 
-def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool, sms_left: int = 0):
-    """(dx, fp32 dW partials or None) for 2D torch tensors on the GPU; dW = partials.sum(0) in "fast"
-    mode. sms_left: SMs the persistent grid leaves to a kernel beside it (the strict fold)."""
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """A backward planned for one row count, N, dtypes, mode, residual gradient, vector access, partials and SMs left
+    to a kernel beside it, and the calling convention in use when it was planned; called with 2D (rows, N) tensors,
+    it launches and returns the fast dW's fp32 partial rows (None without partials). The weight slot takes
+    `placeholder` when there is no weight, and the partials' slot a one-row `placeholder_rows` without partials
+    (never read or written)."""
+
+    compiled: object
+    tvm_ffi: bool
+    rows: int
+    n: int
+    grid: int
+    partial_rows: int  # 0: no partials
+    placeholder: object
+    placeholder_rows: object
+
+    def __call__(self, dy, z, weight, rstd, dres, dx, offset: float):
+        import torch
+
+        part = (torch.empty((self.partial_rows, self.n), dtype=torch.float32, device=z.device) if self.partial_rows
+                else self.placeholder_rows)
+        _launch(self.compiled, self.tvm_ffi,
+                (dy, z, weight if weight is not None else self.placeholder, rstd, dres if dres is not None else dy, dx,
+                 part), (self.rows, self.n, offset, self.grid), z.device)
+        return part if self.partial_rows else None
+
+
+def plan_backward(dy, z, weight, dres, dx, mode: str, partials: bool, sms_left: int = 0) -> BackwardLaunch:
+    """The backward launch for 2D rows like dy, z, dres (or None) and dx (unit stride along N), the weight (N,) or
+    None. sms_left: SMs the persistent grid leaves to a kernel beside it (the strict fold)."""
     import torch
 
     rows, n = z.shape
-    dx = torch.empty_like(z)
-    if rows == 0:
-        return dx, None
+    if rows == 0:  # nothing to launch: nothing compiled
+        return BackwardLaunch(None, False, 0, n, 0, 0, None, None)
     tvm_ffi = calls() == "tvm-ffi"
     compiled, shape = compile_backward(
         n, _TORCH_TO_CUTE[str(z.dtype)], _TORCH_TO_CUTE[str(dy.dtype)],
         _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
         _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi)
     grid = _grid(shape, rows, z.device, backward_blocks_per_sm(n, partials), sms_left)
-    part = torch.empty((grid * shape.rpb, n), dtype=torch.float32, device=z.device)
-    w = weight if weight is not None else z[0]
-    _launch(compiled, tvm_ffi, (dy, z, w, rstd, dres if dres is not None else dy, dx, part),
-            (rows, n, float(offset), grid), z.device)
-    return dx, (part if partials else None)
+    return BackwardLaunch(compiled, tvm_ffi, rows, n, grid, grid * shape.rpb if partials else 0,
+                          torch.empty(n, dtype=z.dtype, device=z.device),
+                          torch.empty((1, n), dtype=torch.float32, device=z.device))
+
+
+def backward(dy, z, weight, rstd, dres, offset: float, mode: str, partials: bool, sms_left: int = 0):
+    """(dx, fp32 dW partials or None) for 2D torch tensors on the GPU; dW = partials.sum(0) in "fast"
+    mode. sms_left: SMs the persistent grid leaves to a kernel beside it (the strict fold). Planned for this call
+    (the backend keeps its plans)."""
+    import torch
+
+    dx = torch.empty_like(z)
+    launch = plan_backward(dy, z, weight, dres, dx, mode, partials, sms_left)
+    return dx, (launch(dy, z, weight, rstd, dres, dx, offset) if launch.rows else None)
