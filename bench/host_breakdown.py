@@ -162,6 +162,9 @@ def main() -> None:
         "cute backend rms_norm_fwd, no rstd": lambda: get_backend("cute").rms_norm_fwd(x, w, None, spec,
                                                                                       need_rstd=False),
         "sn.rms_norm cute forward": lambda: sn.rms_norm(x, w, backend="cute"),
+        "cute backend rms_norm_bwd fast": lambda: get_backend("cute").rms_norm_bwd(dy, x, w, rstd, None, spec, "fast",
+                                                                                   True, None),
+        "triton backend rms_norm_bwd fast": lambda: tb.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None),
         "sn.rms_norm_with_rstd cuda forward": lambda: sn.rms_norm_with_rstd(x, w, backend="cuda"),
         "torch F.rms_norm fwd+bwd (autograd)": lambda: torch.autograd.grad(
             torch.nn.functional.rms_norm(xg, (4096,), wg, 1e-6), (xg, wg), dy),
