@@ -145,7 +145,7 @@ class CuteBackend:
         if weight is not None and weight.stride(-1) != 1:
             weight = weight.contiguous()
         n = z.shape[-1]
-        z2, dy2 = (z, dy) if z.dim() == 2 and plan.rows_as_they_are else (as_rows(z), as_rows(dy))
+        z2, dy2 = (z, dy) if plan.rows_as_they_are else (as_rows(z), as_rows(dy))
         rstd2 = rstd.reshape(-1).contiguous()
         dw, join = None, no_join
         if plan.fold:  # first, or beside the dx pass (fold_beside_dx): dx is its own buffer then
@@ -187,7 +187,7 @@ class CuteBackend:
                                           dx.view(-1, n) if rows else dx.reshape(-1, n), spec.mode, partials,
                                           fold_sms)
         return _BwdPlan(launch, fold, fold_sms, into_out,
-                        rows_as_they_are=z.dim() == 2 and z.stride(-1) == 1 and dy.stride(-1) == 1)
+                        rows_as_they_are=z.dim() == dy.dim() == 2 and z.stride(-1) == dy.stride(-1) == 1)
 
     @on_tensor_device
     def left_fold(self, rows: Tensor) -> Tensor:
