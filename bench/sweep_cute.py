@@ -7,8 +7,7 @@ up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fas
 before run 17); for the forward, rows past 256 threads' hold read twice (HOLD["forward_trimmed"] = 0, the rule before
 run 18), the weight loaded with the row at every row count or at none (K.FORWARD_WEIGHT_FIRST_ROWS), and rows of
 4096 held by 64 threads, 64 lanes each, with or without it, and rows of 128 held by 16 or 8 threads, 8 or 16 lanes each
-(K.FORWARD_VALUES), and the held forward's rows staged through shared memory by cp.async, with the weight loaded at
-every row count or as the table has it (K.FORWARD_STAGED).
+(K.FORWARD_VALUES).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -32,7 +31,6 @@ from strictnorm.bench import NORM_SHAPES, Timer
 from strictnorm.reference import next_pow2
 
 DEFAULT = dict(K.HOLD)
-_EVERY_P = frozenset(1 << k for k in range(17))
 _HELD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": False, "threads": 256,
          "prefetch_threads": 256}
 VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
@@ -50,16 +48,11 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "forward 64 a thread + weight first": {**DEFAULT, "forward_values": {4096: 64},
                                                   "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
             "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
-            "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}},
-            "x staged": {**DEFAULT, "forward_staged": _EVERY_P},
-            "x staged + weight first": {**DEFAULT, "forward_staged": _EVERY_P,
-                                        "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}}}
+            "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}}}
 FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum", "forward 64 a thread",
-                "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128",
-                "x staged", "x staged + weight first")
+                "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
 FORWARD_VALUES = K.FORWARD_VALUES
-FORWARD_STAGED = K.FORWARD_STAGED
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
@@ -72,7 +65,6 @@ def use(variant: dict) -> None:
     K.PARTIALS_MAX_VALUES = variant.pop("partials_max_values", PARTIALS_MAX_VALUES)
     K.FORWARD_WEIGHT_FIRST_ROWS = variant.pop("weight_first_rows", WEIGHT_FIRST_ROWS)
     K.FORWARD_VALUES = variant.pop("forward_values", FORWARD_VALUES)
-    K.FORWARD_STAGED = variant.pop("forward_staged", FORWARD_STAGED)
     K.HOLD.update(variant)
     for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
         cached.cache_clear()

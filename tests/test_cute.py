@@ -83,32 +83,6 @@ def fresh_shapes():
     _clear_shapes()
 
 
-@pytest.mark.parametrize("n, res, weight_first, fp32", [(128, False, False, False), (128, True, False, False),
-                                                        (4096, False, True, False), (18432, False, False, False),
-                                                        (4096, True, False, True)])
-def test_staged_forward_moves_its_rows_through_shared_memory(n, res, weight_first, fp32, monkeypatch, fresh_shapes,
-                                                             tmp_path):
-    """K.FORWARD_STAGED: each live piece of x (and of the residual) goes global -> shared by 16-byte cp.asyncs (two a
-    piece of fp32) and shared -> registers once, so the only vector global loads left are the weight's (once a row);
-    still only rounded fp32 ops. Rows without vector access load as before."""
-    monkeypatch.setattr(K, "FORWARD_STAGED", frozenset({next_pow2(n)}))
-    fresh_shapes()
-    dtype = cutlass.Float32 if fp32 else cutlass.BFloat16
-    op, args = K.forward_args(n, dtype, dtype, dtype, "llama", True, dtype if res else None, weight_first=weight_first)
-    s = op.s
-    assert s.stage and s.hold and s.hold_weight == weight_first
-    ptx = _compiled_ptx(tmp_path, op, args)
-    moves = s.live * (2 if res else 1) * (2 if fp32 else 1)  # 16 bytes each
-    assert len(re.findall(r"cp\.async\.c[ag]\.shared\.global\S* \[[^]]+\], \[[^]]+\], 16", ptx)) == moves
-    assert len(re.findall(r"ld\.shared\.v4", ptx)) == moves
-    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == s.live * (2 if fp32 else 1)
-    assert "cp.async.commit_group;" in ptx and re.search(r"cp\.async\.wait_group\s+0;", ptx)
-    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
-    (tmp_path / "scalar").mkdir()
-    scalar = _compiled_ptx(tmp_path / "scalar", *K.forward_args(n, dtype, dtype, dtype, "llama", False))
-    assert "cp.async" not in scalar
-
-
 def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, fresh_shapes, tmp_path):
     """HOLD["forward_trimmed"] = 40 (the default): N = 18432 held by the CUDA table's 512 threads a row, 5 live
     pieces of 8 lanes each, so x is loaded once a row (5 pieces) and the weight once; N = 20481 (6 pieces) still read
@@ -194,8 +168,7 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     """The forward's shape choices the other way round from their defaults, against the reference: rows read twice
     where their trimmed lanes would be held (HOLD["forward_trimmed"] = 0) and the weight loaded with the row at every
     row count (the default: up to 512 rows at P = 4096, 128 at 8192), then the weight loaded after the row sum at
-    every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES), then held rows staged
-    through shared memory with the weight loaded first (FORWARD_STAGED)."""
+    every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES)."""
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
     fresh_shapes()
@@ -204,11 +177,6 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     fresh_shapes()
     _check_forward(n, mode, seed)
     monkeypatch.setattr(K, "FORWARD_VALUES", {next_pow2(n): 64})  # rows held by fewer threads (a sweep variant)
-    fresh_shapes()
-    _check_forward(n, mode, seed)
-    monkeypatch.setattr(K, "FORWARD_VALUES", {})
-    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
-    monkeypatch.setattr(K, "FORWARD_STAGED", frozenset({next_pow2(n)}))
     fresh_shapes()
     _check_forward(n, mode, seed)
 
@@ -340,16 +308,9 @@ def test_fused_add_forward_compiles(n, vector, tmp_path):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [7, 1000, 4096, 18432])
-@pytest.mark.parametrize("staged", [False, True])
-def test_fused_add_forward_bitwise_on_gpu(n, staged, seed, monkeypatch, fresh_shapes):
-    """bf16 x, an fp32 residual stream and weight, gemma; staged: held rows (x and the residual) through shared
-    memory (FORWARD_STAGED)."""
+def test_fused_add_forward_bitwise_on_gpu(n, seed):
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec
-
-    if staged:
-        monkeypatch.setattr(K, "FORWARD_STAGED", frozenset({next_pow2(n)}))
-        fresh_shapes()
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     for rows in (1, 37, 3000):

@@ -92,10 +92,6 @@ class ForwardShape:
     # PIECE >= N), so their piece sums are the +0.0 canon_sum pads with and they are neither loaded, held nor
     # stored (the CUDA backend's trim). A kernel with kr < k is for its N's pieces only (its compile key holds N)
     kr: int = 0
-    # the forward's held rows (x, and the residual) staged through shared memory: every piece's 16-byte cp.async
-    # issued, the weight (with hold_weight) loaded meanwhile, one wait, then shared memory -> registers (Quack's
-    # forward). Vector rows only; the same bits (the values are moved, never combined, on the way)
-    stage: bool = False
 
     @property
     def threads(self) -> int:
@@ -140,11 +136,6 @@ FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {4096: 512, 8192: 128}
 # threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the
 # CUDA table's entry for 129-2048 rows does. Empty until measured (sweep_cute's "forward 64 a thread").
 FORWARD_VALUES: dict[int, int] = {}
-# the padded lengths whose held forward stages its rows through shared memory (ForwardShape.stage, as Quack's forward
-# does). Empty: on an H200 (bench/results/2026-12-03-h200-run35, call c, sweep_cute "x staged", bitwise) it gained
-# nothing at the PERF.md grid (us, default -> staged: 2048 x 4096 11.8 -> 11.6, 262144 x 128 35.4 -> 35.4) and lost at
-# 8192 x 8192 (68.6 -> 71.2) and 2048 x 18432 (42.7 -> 44.0).
-FORWARD_STAGED: frozenset[int] = frozenset()
 
 
 # whether shapes trim the pieces wholly past N (ForwardShape.kr; the same bits either way)
@@ -185,15 +176,13 @@ def tuned_shape(n: int, backward: bool, partials: bool = True) -> ForwardShape:
     if not (hold or backward) and HOLD["forward"] and HOLD["forward_trimmed"] and p <= t.hold_max_p:
         s = forward_shape(n, t.min_threads, t.values)
         if s.live * s.piece <= HOLD["forward_trimmed"]:
-            return replace(s, hold=True, persistent=t.persistent, stage=p in FORWARD_STAGED)
+            return replace(s, hold=True, persistent=t.persistent)
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
-    stage = hold and not backward and p in FORWARD_STAGED
     if hold and not backward:
         values = FORWARD_VALUES.get(p, values)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
-                   hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch,
-                   stage=stage)
+                   hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch)
 
 
 @dataclass
@@ -304,40 +293,6 @@ class _RowKernel:
             for i in cutlass.range_constexpr(s.piece):
                 raw[i] = line[cutlass.min((kk * s.tpr + t) * s.piece + i, n - 1)]
 
-    def _stage_buffer(self, dtype) -> cute.Tensor:
-        """Shared memory for the pieces a block stages: (PIECE, live pieces x TPR, RPB), a piece's lanes adjacent
-        (16 bytes)."""
-        s = self.s
-        layout = cute.make_ordered_layout((s.piece, s.live * s.tpr, s.rpb), order=(0, 1, 2))
-        return cutlass.utils.SmemAllocator().allocate_tensor(dtype, layout, byte_alignment=16)
-
-    @cute.jit
-    def _stage_piece(self, line: cute.Tensor, staged: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, slot: Int32,
-                     n: Int32, ok: cutlass.Boolean) -> None:
-        """Issues the cp.async of piece kk of thread t of a row into its place in staged (nothing past N or when not
-        ok: _unstage_piece zero-fills those)."""
-        s = self.s
-        idx = kk * s.tpr + t
-        if ok & (idx * s.piece < n):
-            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), line.element_type, num_bits_per_copy=128)
-            chunk = 128 // line.element_type.width  # one cp.async moves 16 bytes: an fp32 piece takes two
-            cute.copy(atom, cute.zipped_divide(cute.zipped_divide(line, (s.piece,))[None, idx], (chunk,)),
-                      cute.zipped_divide(staged[None, idx, slot], (chunk,)))
-
-    @cute.jit
-    def _unstage_piece(self, staged: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, slot: Int32, n: Int32,
-                       ok: cutlass.Boolean) -> cute.Tensor:
-        """Piece kk of thread t, staged by _stage_piece (after the wait), widened to fp32; +0.0 past N or when not
-        ok. A thread reads back only what it staged: no barrier."""
-        s = self.s
-        idx = kk * s.tpr + t
-        raw = cute.make_rmem_tensor((s.piece,), staged.element_type)
-        if ok & (idx * s.piece < n):
-            cute.autovec_copy(staged[None, idx, slot], raw)
-        else:
-            raw.fill(0)
-        return self._widen_piece(raw.load(), kk, t, n, ok)
-
     @cute.jit
     def _widen_piece(self, raw, kk: cutlass.Constexpr[int], t: Int32, n: Int32, ok: cutlass.Boolean) -> cute.Tensor:
         """A loaded piece (_load_piece's values) widened to fp32, +0.0 past N or when not ok."""
@@ -392,10 +347,6 @@ class RMSNormForward(_RowKernel):
         s = self.s
         th = thread_place(s, rows)
         t = th.t
-        staged = const_expr(s.stage and self.vector and s.hold)
-        if const_expr(staged):
-            sx = self._stage_buffer(mX.element_type)
-            sres = self._stage_buffer(mRes.element_type) if const_expr(self.has_res) else None
         for it in cutlass.range(th.iters):
             row = th.row(s, it)
             live = row < rows
@@ -403,27 +354,12 @@ class RMSNormForward(_RowKernel):
             # pass 1: z (x, or rd(x + residual) stored as residual_out), its squares, the piece trees
             xrow = mX[r, None]
             part, held, wheld = [None] * s.k, [], []  # trimmed pieces: None parts (row_sum)
-            if const_expr(staged):
-                for kk in cutlass.range_constexpr(s.live):
-                    self._stage_piece(xrow, sx, kk, t, th.slot, n, live)
-                    if const_expr(self.has_res):
-                        self._stage_piece(mRes[r, None], sres, kk, t, th.slot, n, live)
-                cute.arch.cp_async_commit_group()
-                if const_expr(self.has_weight and s.hold_weight):  # in flight beside the staged loads
-                    wheld = [self._piece(mW, kk, t, n, live) for kk in range(s.live)]
-                cute.arch.cp_async_wait_group(0)
             for kk in cutlass.range_constexpr(s.live):
-                if const_expr(staged):
-                    v = self._unstage_piece(sx, kk, t, th.slot, n, live)
-                else:
-                    v = self._piece(xrow, kk, t, n, live)
-                    if const_expr(self.has_weight and s.hold_weight):
-                        wheld.append(self._piece(mW, kk, t, n, live))
+                v = self._piece(xrow, kk, t, n, live)
+                if const_expr(self.has_weight and s.hold_weight):
+                    wheld.append(self._piece(mW, kk, t, n, live))
                 if const_expr(self.has_res):
-                    if const_expr(staged):
-                        res = self._unstage_piece(sres, kk, t, th.slot, n, live)
-                    else:
-                        res = self._piece(mRes[r, None], kk, t, n, live)
+                    res = self._piece(mRes[r, None], kk, t, n, live)
                     for i in cutlass.range_constexpr(s.piece):
                         v[i] = _round_to(_add(v[i], res[i]), self.norm_dtype)
                     self._store(mZ[r, None], kk, t, n, live, v)
