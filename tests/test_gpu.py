@@ -988,6 +988,44 @@ def test_cuda_special_values_bitwise(n, dtype, fused, cuda_backend, seed):
         check_special_values(cuda_backend, n, dtype, fused, mode, DEV, torch.Generator().manual_seed(seed))
 
 
+def _cuda_row_bound_edges() -> list[tuple[str, int, int]]:
+    """(direction, N, rows) on both sides of every row-bounded entry of the CUDA tables: where the plan changes."""
+    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE
+
+    return [(direction, p, rows) for direction, table in (("fwd", FWD_TABLE), ("bwd", BWD_TABLE))
+            for p, entries in sorted(table.items()) for bound, _ in entries[:-1] for rows in (bound, bound + 1)]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("direction, n, m", _cuda_row_bound_edges())
+def test_cuda_table_row_bounds_bitwise(direction, n, m, seed):
+    """The tables' own entries (no tuning override) at the last row count of each bounded entry and the first of the
+    next: the forward's y and rstd, the backward's dx and strict dW the reference's bits (gemma offset, bf16)."""
+    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
+    from strictnorm.contract import make_spec
+
+    table = FWD_TABLE if direction == "fwd" else BWD_TABLE
+    assert tuning_for(table, n, m) is not tuning_for(table, n, m + 1) or tuning_for(table, n, m - 1) is not \
+        tuning_for(table, n, m)  # the pair really straddles a bound
+    cb, tr = get_backend("cuda"), get_backend("torch")
+    assert cb.fwd_tuning is None and cb.bwd_tuning is None
+    g = torch.Generator(device=DEV).manual_seed(seed + m)
+    x = torch.randn(m, n, device=DEV, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).bfloat16()
+    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
+    want = tr.rms_norm_fwd(x, w, None, spec)
+    if direction == "fwd":
+        got = cb.rms_norm_fwd(x, w, None, spec)
+        assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
+        return
+    dy = torch.randn(m, n, device=DEV, generator=g).bfloat16()
+    want_dx, want_dw = tr.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)  # a launch a row
+    got_dx, got_dw = cb.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)
+    assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw)
+    fast_dx, _ = cb.rms_norm_bwd(dy, x, w, want[1], None, spec, "fast", True, None)
+    assert bits_equal(want_dx, fast_dx)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_random_configurations_bitwise(cuda_backend, seed):
     """helpers.random_case on the CUDA backend: 12 random configurations a family and run."""
