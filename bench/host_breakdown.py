@@ -109,6 +109,31 @@ def _triton_forward_pieces(tb, x: torch.Tensor, w: torch.Tensor, spec) -> dict[s
     }
 
 
+def _cute_forward_pieces(x: torch.Tensor, w: torch.Tensor, spec) -> dict[str, Callable[[], object]]:
+    """The cute backend's eager forward taken apart: its planned launch with every output reused, with rstd the
+    shared sink, with a fresh rstd and with fresh y and rstd (what a fresh tensor costs the call convention)."""
+    from strictnorm.backends.layout import rstd_sink
+
+    try:
+        cute = get_backend("cute")
+        cute.rms_norm_fwd(x, w, None, spec)  # plans and compiles
+        plan = cute._fwd_plans[(x.get_device(), signature(x, w, None), spec)]
+    except Exception as e:  # no DSL here, say: the other cute rows fail the same way
+        print(f"cute forward pieces: {type(e).__name__}: {e}"[:200], flush=True)
+        return {}
+    y, rstd, _ = forward_outputs(x, None, spec.out_dtype)
+    eps, off = spec.eps, spec.offset
+    return {
+        "cute: signature + plan lookup": lambda: cute._fwd_plans.get((x.get_device(), signature(x, w, None), spec)),
+        "cute: launch, y and rstd reused": lambda: plan(x, w, None, y, rstd, None, eps, off),
+        "cute: launch, y reused, rstd the sink": lambda: plan(x, w, None, y, rstd_sink(x.device, 4), None, eps, off),
+        "cute: launch, y reused, fresh rstd": lambda: plan(x, w, None, y, x.new_empty(4, dtype=torch.float32), None,
+                                                           eps, off),
+        "cute: launch, fresh y and rstd": lambda: plan(x, w, None, *forward_outputs(x, None, spec.out_dtype)[:2], None,
+                                                       eps, off),
+    }
+
+
 def _profile_step(step: Callable[[], object]) -> None:
     """torch.profiler's CPU view of eager training steps (every thread, the autograd engine's included)."""
     from torch.profiler import ProfilerActivity, profile
@@ -162,6 +187,7 @@ def main() -> None:
         "cute backend rms_norm_fwd, no rstd": lambda: get_backend("cute").rms_norm_fwd(x, w, None, spec,
                                                                                       need_rstd=False),
         "sn.rms_norm cute forward": lambda: sn.rms_norm(x, w, backend="cute"),
+        **_cute_forward_pieces(x, w, spec),
         "cute backend rms_norm_bwd fast": lambda: get_backend("cute").rms_norm_bwd(dy, x, w, rstd, None, spec, "fast",
                                                                                    True, None),
         "triton backend rms_norm_bwd fast": lambda: tb.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None),
