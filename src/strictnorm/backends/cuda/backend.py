@@ -499,12 +499,11 @@ def _fwd(values: int, min_threads: int = 128, persistent: bool = False, weight_w
 # predicated / unpredicated): 128 x 4096 3.1 -> 2.9 us; 2048 x 18432 44.6 -> 42.5 with predicated loads. Elsewhere
 # within 1% either way, or slower (1024 x 65536 82.8 -> 120.4).
 # QK-norm's decode shapes (run 36, call c: 64 to 512 threads a block, the weight with the row or not, every
-# configuration bitwise): 16 threads a row with the weight loaded with it 4096 x 128 2.88 -> 2.40 us (8 lanes a
-# thread), 16384 x 128 4.26 -> 3.74, 65536 x 128 11.20 -> 10.72 (16 lanes); 4 threads a row stay best at 262144 rows.
-# The anchored bench (calls d, e) saw 4096 x 128 2.8 -> 2.5 and 16384 / 65536 x 128 level (4.0, 11.1).
+# configuration bitwise): 16 threads a row, 8 lanes each, the weight loaded with the row, 4096 x 128 2.88 -> 2.40 us.
+# (The sweep's 16 lanes a thread at 16384 and 65536 rows, 4.26 -> 3.74 and 11.20 -> 10.72, were level in the bench:
+# call f, two rounds each, 4.03-4.10 -> 4.03-4.06 and 11.14-11.17 -> 10.91-11.07; not taken.)
 FWD_TABLE: dict[int, Tuning] = {
-    128: ((4096, _fwd(8, weight_with_row=True)), (65536, _fwd(16, weight_with_row=True)),
-          (None, _fwd(32, min_threads=64))),
+    128: ((4096, _fwd(8, weight_with_row=True)), (None, _fwd(32, min_threads=64))),
     4096: ((128, _fwd(8, min_threads=64, weight_with_row=True)), (2048, _fwd(64)), (None, _fwd(32))),
     8192: ((None, _fwd(32)),),
     32768: ((None, _fwd(64, persistent=True, weight_with_row=True, unpredicated=False)),),
@@ -513,7 +512,7 @@ FWD_TABLE: dict[int, Tuning] = {
 BWD_TABLE: dict[int, Tuning] = {
     # xh and g held in fp32 between the passes: 262144 x 128 60.2 -> 58.7 us (run 13, call c; run 12, i: 62.7 -> 61.7)
     # 16 threads a row up to 16384 rows (run 36, call c): 4096 x 128 7.33 -> 7.11 us, 16384 x 128 11.10 -> 10.08;
-    # the anchored bench (calls d, e) 7.4 -> 6.7 and 10.5 -> 10.0
+    # the bench (call f, two rounds each) 7.17-7.26 -> 6.69-6.75 and 10.69-10.72 -> 9.92-9.98
     128: ((16384, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, hold_f32=True)),
           (None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, hold_f32=True))),
     4096: ((128, NormTuning(values=64, min_threads=256, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True,
