@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -501,3 +502,22 @@ def test_partial_probe_one_segment_keeps_the_planned_columns(monkeypatch):
     planned, one = partial_probe.PLANNED(4096, 128, 132), partial_probe.one_segment(4096, 128, 132)
     assert planned.segments == 4
     assert (one.segments, one.seg_rows, one.vec, one.col_blocks) == (1, 4096, planned.vec, planned.col_blocks)
+
+
+def test_ab_bench_runs_each_tree_in_turn_on_cpu(tmp_path):
+    """bench/ab_bench.py on the CPU: two trees (this checkout twice), two rounds; each tree's JSON of each round, the
+    trees' order rotated, and one table line per provider and shape with both trees' figures."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "ab"
+    p = subprocess.run([sys.executable, str(root / "bench/ab_bench.py"), str(out), "2", f"a={root}", f"b={root}",
+                        "--", "--device", "cpu", "--shapes", "8x32", "--rounds", "1", "--iters", "2",
+                        "--only", "strictnorm torch fast"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(f.name for f in out.glob("*.json")) == ["a-1.json", "a-2.json", "b-1.json", "b-2.json"]
+    assert (out / "a-1.json").stat().st_mtime < (out / "b-1.json").stat().st_mtime  # round 1: a first
+    assert (out / "b-2.json").stat().st_mtime < (out / "a-2.json").stat().st_mtime  # round 2: b first
+    lines = (out / "ab.txt").read_text().splitlines()
+    assert any(line.startswith("strictnorm torch fast") and "8x32" in line and " a " in f" {line} " and " b " in line
+               for line in lines), lines
+    usage = subprocess.run([sys.executable, str(root / "bench/ab_bench.py"), str(out)], capture_output=True)
+    assert usage.returncode == 2
