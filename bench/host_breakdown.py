@@ -134,6 +134,63 @@ def _cute_forward_pieces(x: torch.Tensor, w: torch.Tensor, spec) -> dict[str, Ca
     }
 
 
+class _PassThrough(torch.autograd.Function):
+    """An autograd node with no work: forward allocates its output, backward hands back tensors made beforehand.
+    A backward through it is the autograd engine's own cost (its device thread, the node's bookkeeping)."""
+
+    @staticmethod
+    def forward(ctx, x, w, grads):
+        ctx.grads = grads
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return *ctx.grads, None
+
+
+def _backward_pieces(xg: torch.Tensor, wg: torch.Tensor, dy: torch.Tensor, backend: str = "cuda") -> dict[str, float]:
+    """Where an eager backward's host time goes: the engine alone (_PassThrough), strictnorm's backward with the
+    time inside its backend call summed apart (ops._direct_bwd wrapped: the engine runs it on its device thread),
+    then a cProfile of that call on that thread (printed)."""
+    import cProfile
+    import pstats
+
+    from strictnorm import ops
+
+    grads = (torch.empty_like(xg), torch.empty_like(wg))
+    y_pass = _PassThrough.apply(xg, wg, grads)
+    y_sn = sn.rms_norm(xg, wg, backend=backend)
+    results = {"backward only, an empty autograd node (the engine)": per_call_us(
+        lambda: torch.autograd.grad(y_pass, (xg, wg), dy, retain_graph=True))}
+    direct, inside, prof = ops._direct_bwd, [0.0, 0], None
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        out = direct(*args)
+        if prof is not None:
+            prof.disable()
+        inside[0] += time.perf_counter() - t0
+        inside[1] += 1
+        return out
+
+    ops._direct_bwd = timed
+    try:
+        step = per_call_us(lambda: torch.autograd.grad(y_sn, (xg, wg), dy, retain_graph=True))
+        results[f"backward only, sn {backend}, timed inside"] = step
+        results["  of it inside the backend call (device thread)"] = inside[0] / inside[1] * 1e6
+        prof = cProfile.Profile()
+        for _ in range(500):
+            torch.autograd.grad(y_sn, (xg, wg), dy, retain_graph=True)
+        torch.cuda.synchronize()
+    finally:
+        ops._direct_bwd = direct
+    print("cProfile of 500 backend backward calls on the engine's device thread (tottime):", flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return results
+
+
 def _profile_step(step: Callable[[], object]) -> None:
     """torch.profiler's CPU view of eager training steps (every thread, the autograd engine's included)."""
     from torch.profiler import ProfilerActivity, profile
@@ -213,6 +270,12 @@ def main() -> None:
             results[name] = f"{type(e).__name__}: {e}"[:200]
         print(f"{name:45s} {results[name]:8.1f} us" if isinstance(results[name], float)
               else f"{name:45s} {results[name]}", flush=True)
+    try:
+        for name, us in _backward_pieces(xg, wg, dy).items():
+            results[name] = us
+            print(f"{name:45s} {us:8.1f} us", flush=True)
+    except Exception as e:  # as above
+        print(f"backward pieces: {type(e).__name__}: {e}"[:200], flush=True)
     _profile_step(lambda: torch.autograd.grad(sn.rms_norm(xg, wg, backend="cuda"), (xg, wg), dy))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
