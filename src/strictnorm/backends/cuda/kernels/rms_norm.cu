@@ -313,16 +313,20 @@ __device__ __forceinline__ void fetch_weight(float* wp, const Held<WC>& held, in
     effective_weight(wp, offset);
 }
 
-// Rows of the grid-stride loop: blocks take groups of RPB rows, blockIdx.x + j * gridDim.x.
+// Rows of the grid-stride loop: blocks take groups of RPB rows, blockIdx.x + j * gridDim.x. The loop runs while the
+// block's group is a real one: the same test for every thread of a block (row_sum synchronizes the block), and no
+// trip count to divide out before the first load (a one-group block's prologue lost its division by gridDim.x).
+// A thread's row < rows implies its group is real, so loads ahead (STAGED, PREFETCH) test the row alone.
 struct RowWalk {
-    long long row, stride, iters;
+    long long row, stride, group, groups;
     __device__ __forceinline__ RowWalk(long long rows) {
-        const long long groups = (rows + RPB - 1) / RPB;
+        groups = (rows + RPB - 1) / RPB;
         stride = static_cast<long long>(gridDim.x) * RPB;
-        row = static_cast<long long>(blockIdx.x) * RPB + threadIdx.x / TPR;
-        // every thread of a block runs the same number of iterations (row_sum synchronizes the block)
-        iters = groups > blockIdx.x ? (groups - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+        group = blockIdx.x;
+        row = group * RPB + threadIdx.x / TPR;
     }
+    __device__ __forceinline__ bool more() const { return group < groups; }
+    __device__ __forceinline__ void next() { group += gridDim.x, row += stride; }
 };
 
 // Weight row (head) of logical row r for per-head weights.
@@ -348,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
     RowWalk walk(rows);
     Held<WC> wh;  // HOLD_WEIGHT: the weight's lanes, loaded once (with each row: WEIGHT_EACH_ROW)
     if constexpr (HOLD_WEIGHT && !WEIGHT_EACH_ROW) load_held<WC>(wh, w, t, n, true, aligned);
-    for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
+    for (long long it = 0; walk.more(); ++it, walk.next()) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
         const x_t* xrow = x + offset_of(r, xs0, xs1, xsg, r1, g);
@@ -529,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         stage_row<DYC>(slot + KR * CHUNKS<NC> * THREADS, dy + offset_of(rs, ds0, ds1, dsg, r1, g), t, n, lv);
         cp_async_commit();
     };
-    stage(0, walk.row, walk.iters > 0 && walk.row < rows);
+    stage(0, walk.row, walk.row < rows);
 #endif
 #if PREFETCH
     Held<NC> next_z;  // the slot's next row, as held, and its rstd
@@ -541,9 +545,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         load_held<DYC>(next_d, dy + offset_of(rs, ds0, ds1, dsg, r1, g), t, n, lv, aligned);
         next_rstd = lv ? rstd_in[rs] : 0.0f;
     };
-    prefetch(walk.row, walk.iters > 0 && walk.row < rows);
+    prefetch(walk.row, walk.row < rows);
 #endif
-    for (long long it = 0; it < walk.iters; ++it, walk.row += walk.stride) {
+    for (long long it = 0; walk.more(); ++it, walk.next()) {
         const bool live = walk.row < rows;
         const long long r = live ? walk.row : 0;
         const n_t* zrow = zin + offset_of(r, zs0, zs1, zsg, r1, g);
@@ -556,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         {
             const long long next = walk.row + walk.stride;
             asm volatile("" ::: "memory");  // the previous row's reads of the stage refilled here come first
-            stage(static_cast<int>((it + 1) & 1), next, it + 1 < walk.iters && next < rows);
+            stage(static_cast<int>((it + 1) & 1), next, next < rows);
             cp_async_wait<1>();  // this thread's copies of this row landed (the next row's may be in flight)
             asm volatile("" ::: "memory");  // and the compiler reads them after the wait
             const uint4* slot = mine + static_cast<int>(it & 1) * STAGE_CHUNKS * THREADS;
@@ -568,7 +572,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
         const float rstd = next_rstd;
         {
             const long long next = walk.row + walk.stride;
-            prefetch(next, it + 1 < walk.iters && next < rows);
+            prefetch(next, next < rows);
         }
 #elif HOLD
         load_held<NC>(zh, zrow, t, n, live, aligned);
