@@ -50,6 +50,16 @@ def test_forward_compiles_with_only_rounded_fp32_ops(n, mode, vector, tmp_path):
     assert ("bar.sync" in ptx) == (shape.tpr > 32)
 
 
+@pytest.mark.parametrize("n", [128, 4096, 18432])
+def test_forward_divides_out_a_trip_count_only_on_a_persistent_grid(n, tmp_path):
+    """A forward whose grid is not persistent has one block a row group: no integer division (the grid-stride trip
+    count) ahead of its first load; a persistent one (N = 18432's table entry) keeps it."""
+    ptx = _ptx(tmp_path, n, "llama", cutlass.BFloat16, cutlass.BFloat16, vector=True)
+    divides = bool(re.search(r"\b(div|rem)\.[su]32\b", ptx))
+    assert divides == K.tuned_shape(n, backward=False).persistent
+    assert K.tuned_shape(18432, backward=False).persistent and not K.tuned_shape(128, backward=False).persistent
+
+
 @pytest.mark.parametrize("n, backward", [(128, False), (4096, False), (8192, False), (128, True), (4096, True)])
 def test_held_rows_are_read_once(n, backward, tmp_path):
     """The tables' shapes keep a row's lanes in registers between the passes: each 16-byte piece of x (forward)

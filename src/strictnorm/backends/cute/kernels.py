@@ -207,9 +207,13 @@ def thread_place(s: ForwardShape, rows) -> _Thread:
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
     scratch = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout((2, s.rpb, s.subtrees)), 16)
-    groups = (rows + s.rpb - 1) // s.rpb
+    # a grid that is not persistent has a block for each row group (_grid): one iteration, no trip count to divide
+    # out before the first load
+    iters = 1
+    if const_expr(s.persistent):
+        iters = ((rows + s.rpb - 1) // s.rpb - bidx + gdim - 1) // gdim
     return _Thread(t=tidx % s.tpr, slot=tidx // s.tpr, lane=tidx % _WARP, warp_in_row=(tidx % s.tpr) // _WARP,
-                   scratch=scratch, block=bidx, blocks=gdim, iters=(groups - bidx + gdim - 1) // gdim)
+                   scratch=scratch, block=bidx, blocks=gdim, iters=iters)
 
 
 def row_sum(s: ForwardShape, part: list, th: _Thread, parity):
