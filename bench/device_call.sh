@@ -9,6 +9,8 @@
 #   triton        the Triton tests (tests/test_triton.py, tests/test_gpu.py's Triton, batch-invariance,
 #                 determinism, graph and in-place tests)
 #   cute          tests/test_cute.py
+#   cuda          the CUDA backend's GPU tests: its forward and backward bitwise, random shapes, the tables' row
+#                 bounds, graph replay and batch invariance (~280 s with its kernels cached, ~2x where they compile)
 #   pytest:EXPR   tests/ -k EXPR (EXPR without spaces; '+' stands for a space)
 #   sweep-triton, sweep-cuda, sweep-cute, sweep-fold, sweep-onepass
 #                 bench/sweep_*.py, configured by the SWEEP_* variables; a Triton or CUDA sweep's choices are also
@@ -51,7 +53,7 @@ while [ $# -gt 0 ]; do
 done
 export PYTHONPATH="$PWD/src:$PWD/bench" PYTHONUNBUFFERED=1 STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
 export STRICTNORM_FAILURE_LOG="$W/failures.log"
-TESTS="env devices suite triton cute pytest"
+TESTS="env devices suite triton cute cuda pytest"
 
 # The command of one job (its log and JSON under $W).
 job_command() {
@@ -69,6 +71,9 @@ job_command() {
                  "-k 'triton or batch_invariance or determinism or graph_replay or in_place' > '$log' 2>&1" ;;
     cute) echo "timeout ${CUTE_TIMEOUT:-240} python3 -m pytest -n ${TEST_WORKERS:-12} -q -rfE -p no:cacheprovider" \
                "tests/test_cute.py > '$log' 2>&1" ;;
+    cuda) echo "timeout ${TEST_TIMEOUT:-450} python3 -m pytest -n ${TEST_WORKERS:-14} -q -rfE -p no:cacheprovider tests" \
+               "-k 'cuda_table_row_bounds or test_cuda_forward or test_cuda_backward_bitwise or test_cuda_random" \
+               "or (graph_replay and cuda) or (batch_invariance and cuda)' > '$log' 2>&1" ;;
     pytest:*) echo "timeout ${TEST_TIMEOUT:-400} python3 -m pytest -n ${TEST_WORKERS:-12} -q -rfE -p no:cacheprovider" \
                    "tests -k '$(echo "${job#pytest:}" | tr + ' ')' > '$log' 2>&1" ;;
     sweep-triton|sweep-cuda|sweep-triton:*|sweep-cuda:*)
