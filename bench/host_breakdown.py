@@ -249,6 +249,10 @@ def main() -> None:
                                                                                    True, None),
         "triton backend rms_norm_bwd fast": lambda: tb.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None),
         "sn.rms_norm_with_rstd cuda forward": lambda: sn.rms_norm_with_rstd(x, w, backend="cuda"),
+        # the forward that records an autograd node (the graph dropped unused): against the rows without grad, what
+        # the node costs each
+        "torch F.rms_norm forward, recording": lambda: torch.nn.functional.rms_norm(xg, (4096,), wg, 1e-6),
+        "sn.rms_norm cuda forward, recording": lambda: sn.rms_norm(xg, wg, backend="cuda"),
         "torch F.rms_norm fwd+bwd (autograd)": lambda: torch.autograd.grad(
             torch.nn.functional.rms_norm(xg, (4096,), wg, 1e-6), (xg, wg), dy),
         "sn.rms_norm cuda fwd+bwd (autograd)": lambda: torch.autograd.grad(
