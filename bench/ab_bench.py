@@ -5,9 +5,9 @@ temperature) falls on every tree alike; the table gives each (provider, shape)'s
 the median over the rounds, and every round's figure. Trees with the same kernels can still differ by a steady few
 percent at shapes of a few us (bench/results/2026-12-03-h200-run37, call d: an unchanged 5.9 us backward, 0.2 us
 apart in every round): name a tree twice (main=. again=.ab/main) to measure that spread in the same call.
-A tree is NAME=PATH (its `src/` holds the package), e.g. main's
-checkout and a branch's files unpacked beside it (`git archive BRANCH src | tar -x -C .ab/BRANCH`). Run on the GPU
-machine (or on the CPU, where the bench times by wall clock):
+A tree is NAME=PATH (its `src/` holds the package), e.g. main's checkout and a branch's files unpacked beside it
+(`git archive BRANCH src | tar -x -C .ab/BRANCH`). Run on the GPU machine (or on the CPU, where the bench times by
+wall clock):
     python3 bench/ab_bench.py OUT_DIR ROUNDS main=. row-walk=.ab/row-walk -- --shapes 4096x128 --only cuda
 """
 
