@@ -521,3 +521,33 @@ def test_ab_bench_runs_each_tree_in_turn_on_cpu(tmp_path):
                for line in lines), lines
     usage = subprocess.run([sys.executable, str(root / "bench/ab_bench.py"), str(out)], capture_output=True)
     assert usage.returncode == 2
+
+
+def test_host_breakdown_backward_pieces_on_cpu(monkeypatch):
+    """bench/host_breakdown.py's backward pieces on the CPU (the torch backend, a few calls a figure): the engine's
+    empty node, the step and the time inside the backend call (its wrapper reached on the engine's thread, so less
+    than the step), and ops._direct_bwd restored afterwards."""
+    from strictnorm import ops
+
+    _bench_scripts(monkeypatch)
+    import host_breakdown
+
+    real = ops._direct_bwd
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(host_breakdown, "per_call_us", _few_calls_us)
+    x = torch.randn(4, 64).bfloat16().requires_grad_(True)
+    w = torch.randn(64).bfloat16().requires_grad_(True)
+    got = host_breakdown._backward_pieces(x, w, torch.randn(4, 64).bfloat16(), backend="torch")
+    assert ops._direct_bwd is real
+    step, inside = got["backward only, sn torch, timed inside"], got["  of it inside the backend call (device thread)"]
+    assert got["backward only, an empty autograd node (the engine)"] > 0
+    assert 0 < inside < step
+
+
+def _few_calls_us(fn, calls: int = 5) -> float:
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
