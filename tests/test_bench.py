@@ -534,7 +534,8 @@ def test_host_breakdown_backward_pieces_on_cpu(monkeypatch):
 
     real = ops._direct_bwd
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(host_breakdown, "per_call_us", _few_calls_us)
+    few_calls = host_breakdown.per_call_us
+    monkeypatch.setattr(host_breakdown, "per_call_us", lambda fn: few_calls(fn, calls=5, loops=1, gpu=False))
     x = torch.randn(4, 64).bfloat16().requires_grad_(True)
     w = torch.randn(64).bfloat16().requires_grad_(True)
     got = host_breakdown._backward_pieces(x, w, torch.randn(4, 64).bfloat16(), backend="torch")
@@ -543,11 +544,3 @@ def test_host_breakdown_backward_pieces_on_cpu(monkeypatch):
     assert got["backward only, an empty autograd node (the engine)"] > 0
     assert 0 < inside < step
 
-
-def _few_calls_us(fn, calls: int = 5) -> float:
-    import time
-
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
