@@ -21,6 +21,7 @@
 #                 several sweeps in one call
 #   bench         `strictnorm bench` ($BENCH_ARGS)
 #   host          bench/host_breakdown.py
+#   kernel-split  bench/kernel_split.py (each kernel of a forward + backward call alone, median us; $SPLIT_ARGS)
 #   consumer-probe bench/consumer_probe.py (the fold consumer loops' cycles a row, one warp alone)
 #   supply-probe  bench/supply_probe.py (a default fold without its adds or without its loads; SUPPLY_SHAPES)
 #   pattern-probe bench/pattern_probe.py (the dW fold's column stripes read with nothing else to do; PATTERN_*)
@@ -91,6 +92,8 @@ job_command() {
     bench) echo "timeout ${BENCH_TIMEOUT:-330} python3 -m strictnorm.bench --json '$W/bench.json'" \
                 "--markdown '$W/bench.md' ${BENCH_ARGS:-} > '$log' 2>&1" ;;
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
+    kernel-split) echo "timeout ${SPLIT_TIMEOUT:-200} python3 bench/kernel_split.py '$W/kernel-split.json'" \
+                       "${SPLIT_ARGS:-} > '$log' 2>&1" ;;
     consumer-probe) echo "timeout 120 python3 bench/consumer_probe.py '$W/consumer-probe.json' > '$log' 2>&1" ;;
     reduction-probe) echo "timeout 200 python3 bench/reduction_probe.py '$W/reduction-probe.json' > '$log' 2>&1" ;;
     exactness-probe) echo "timeout ${PROBE_TIMEOUT:-200} python3 bench/exactness_probe.py '$W/exactness-probe.json'" \
