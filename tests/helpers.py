@@ -229,6 +229,32 @@ def check_random_case(backend, case: dict) -> None:
     assert (want_dw is None and got_dw is None) or bits_equal(want_dw, got_dw), f"dw: {case['what']}"
 
 
+def slot_partial_rows_model(contrib: torch.Tensor, rpb: int, grid: int, combine: bool) -> torch.Tensor:
+    """The fast dW's partial rows of a row kernel (rms_norm.cu's rms_bwd, the cute backward) on the CPU, from each
+    row's fp32 dW contribution: block b takes row groups b, b + grid, ... of rpb rows, and its slot j left-folds rows
+    g * rpb + j of them from +0.0 (one partial row a slot); with combine, the block's slot rows are then left-folded
+    in slot order from +0.0 into one row a block."""
+    contrib = contrib.float().cpu()
+    rows, n = contrib.shape
+    groups = -(-rows // rpb)
+    out = []
+    for b in range(grid):
+        slots = []
+        for j in range(rpb):
+            acc = torch.zeros(n)
+            for g in range(b, groups, grid):
+                if g * rpb + j < rows:
+                    acc = acc + contrib[g * rpb + j]
+            slots.append(acc)
+        if combine:
+            total = torch.zeros(n)
+            for acc in slots:
+                total = total + acc
+            slots = [total]
+        out += slots
+    return torch.stack(out)
+
+
 def partial_sum_model(part: torch.Tensor, seg_rows: int, groups: int) -> torch.Tensor:
     """partial_sum.cu's order on the CPU: per segment and column, group g left-folds rows start + g, start + g +
     groups, ... from +0.0, then the group sums are left-folded in group order from +0.0 (fp32 adds, one at a time)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import bits_equal, partial_sum_model, sprinkle_specials, zero_dy_case
+from helpers import bits_equal, partial_sum_model, slot_partial_rows_model, sprinkle_specials, zero_dy_case
 
 from strictnorm.backends.cuda.backend import (
     FoldTuning,
@@ -28,6 +28,7 @@ from strictnorm.backends.cuda.backend import (
 )
 from strictnorm.backends.torch_ref import TorchBackend
 from strictnorm.contract import make_spec
+from strictnorm.reference import dw_contributions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,7 +48,7 @@ def _emulate(defines: dict, rows: int, n: int, offset: float, tensors: dict, tmp
         tensors[name].contiguous().view(torch.int16).numpy().tofile(tmp / f"{name}.bin")
     tensors["rstd"].contiguous().numpy().tofile(tmp / "rstd.bin")
     macros = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items())
-                      if k not in ("XC", "RC", "NC", "WC", "YC", "DYC", "HAS_W", "PER_HEAD", "DW_SMEM"))
+                      if k not in ("XC", "RC", "NC", "WC", "YC", "DYC", "HAS_W", "PER_HEAD"))
     cmd = ["bash", str(ROOT / "bench/emulate/run.sh"), str(rows), str(n), macros, str(tmp), repr(offset)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     assert run.returncode == 0 and "ERROR" not in run.stderr, run.stdout + run.stderr[-3000:]
@@ -56,9 +57,13 @@ def _emulate(defines: dict, rows: int, n: int, offset: float, tensors: dict, tmp
         raw = torch.from_file(str(tmp / name), size=count, dtype=torch.int16 if dtype != torch.float32 else torch.int32)
         return raw.view(dtype)
 
-    return {"out": read("out.bin", torch.bfloat16, rows * n).view(rows, n),
-            "rstd": read("rstd_out.bin", torch.float32, rows),
-            "z": read("z.bin", torch.bfloat16, rows * n).view(rows, n)}
+    got = {"out": read("out.bin", torch.bfloat16, rows * n).view(rows, n),
+           "rstd": read("rstd_out.bin", torch.float32, rows),
+           "z": read("z.bin", torch.bfloat16, rows * n).view(rows, n)}
+    if (tmp / "dw_part.bin").exists():  # the backward's fast-dW partial rows
+        part = (tmp / "dw_part.bin").stat().st_size // 4
+        got["dw_part"] = read("dw_part.bin", torch.float32, part).view(-1, n)
+    return got
 
 
 def _inputs(rows: int, n: int, seed: int) -> dict:
@@ -192,6 +197,47 @@ def test_emulated_staged_backward_bitwise(n, tuning, seed, tmp_path):
     bl = norm_bwd_launch(n, bf16, bf16, bf16, "gemma", False, True, False, tuning, True)
     assert bl.defines.get("HOLD_F32", 0) == int(tuning.hold_f32)
     assert bits_equal(want, _emulate(dict(bl.defines, EMU_WALK=1), rows, n, spec.offset, t, tmp_path)["out"])
+
+
+# The fast dW's partial rows: (N, tuning, one block walking every row group): the P = 128 table's entries (8 and 16
+# row slots, partials in registers, xh and g in fp32), a prefetched 2-slot block, slots in shared memory (DW_SMEM),
+# rows read twice (4 slots), and the slots' rows written one a slot (dw_combine off)
+PARTIAL_CASES = [(128, NormTuning(values=8, hold_weight=False, hold_f32=True), False),
+                 (128, NormTuning(values=16, hold_weight=False, hold_f32=True), True),
+                 (1000, NormTuning(values=16, prefetch=True), True),
+                 (1024, NormTuning(values=32, min_threads=256, dw_smem=True), True),
+                 (1000, NormTuning(hold_max_p=0, stream_threads=128, min_threads=512), False),
+                 (128, NormTuning(values=8, dw_combine=False), True)]
+
+
+@pytest.mark.parametrize("n, tuning, walk", PARTIAL_CASES)
+def test_emulated_fast_dw_partial_rows(n, tuning, walk, seed, tmp_path):
+    """The backward's fast-dW partial rows (DW_PARTIALS) equal the model of their order bit for bit: each row slot's
+    left fold of its rows, and with DW_COMBINE (several slots a block) the slots' rows added in slot order into one
+    row a block; a row with special values; a last group with fewer rows than slots. dx as the reference's."""
+    bf16 = torch.bfloat16
+    bl = norm_bwd_launch(n, bf16, bf16, bf16, "gemma", False, False, True, tuning, True)
+    rpb, combine = bl.rows_per_block, bool(bl.defines.get("DW_COMBINE"))
+    assert rpb > 1 and combine == tuning.dw_combine
+    assert bl.defines["DW_SMEM"] == int(tuning.dw_smem) and bl.defines["HOLD"] == int(tuning.hold_max_p > 0)
+    rows = 3 * rpb + rpb // 2 + 1  # several groups, the last one partial
+    t = _inputs(rows, n, seed)
+    g = torch.Generator().manual_seed(seed)
+    t["w"] = (torch.randn(n, generator=g) * 0.5).bfloat16()
+    t["x"][3::2] = torch.randn(t["x"][3::2].shape, generator=g).bfloat16()  # special values in row 1 only
+    spec = make_spec(bf16, 1e-6, -0.5, "gemma", bf16)
+    ref = TorchBackend()
+    _, t["rstd"], _ = ref.rms_norm_fwd(t["x"], t["w"], None, spec)
+    want_dx, _ = ref.rms_norm_bwd(t["dy"], t["x"], t["w"], t["rstd"], None, spec, "strict", False, None)
+    defines = dict(bl.defines, EMU_WALK=1) if walk else bl.defines
+    got = _emulate(defines, rows, n, spec.offset, t, tmp_path)
+    assert bits_equal(want_dx, got["out"])
+    contrib = dw_contributions(t["dy"], t["x"], t["rstd"], spec)
+    grid = 1 if walk else -(-rows // rpb)  # one block walking every row group, or one launch a group
+    want = slot_partial_rows_model(contrib, rpb, grid, combine)
+    assert got["dw_part"].shape == want.shape and bits_equal(want, got["dw_part"])
+    # the order is the model's: the rows folded the other way round differ somewhere
+    assert not bits_equal(want, slot_partial_rows_model(contrib.flip(0), rpb, grid, combine))
 
 
 def _emulate_fold(defines: dict, shmem: int, dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,

@@ -109,7 +109,8 @@ def test_strided_rows_are_read_in_place_and_odd_layouts_through_a_copy(recording
 def test_backward_plans_fold_before_dx_and_sum_partials(recording):
     """dw="strict": the fold launches before the dx kernel (dx may overwrite dy in place); dw="fast": the dx
     kernel writes partial rows that partial_sum.cu then sums (one launch for one segment of rows, a second one
-    over the segment sums otherwise); zero rows launch nothing and give zeros."""
+    over the segment sums otherwise): one row a block where its row slots' rows are combined in shared memory
+    (DW_COMBINE, RPB * N fp32 of it), one a slot without; zero rows launch nothing and give zeros."""
     cb, log = recording
     x, dy, w = torch.randn(64, 128).bfloat16(), torch.randn(64, 128).bfloat16(), torch.randn(128).bfloat16()
     rstd = torch.rand(64) + 0.5
@@ -120,11 +121,19 @@ def test_backward_plans_fold_before_dx_and_sum_partials(recording):
     cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "fast", True, None)
     assert [e[0] for e in log] == ["rms_bwd", "partial_sum"]
     assert log[1][4][0] == log[0][4][-7]  # the sum reads the partial rows the dx kernel wrote
-    log.clear()
-    many = torch.randn(1 << 15, 8).bfloat16()  # few columns, many partial rows: two launches
-    cb.rms_norm_bwd(many, many, w[:8], torch.rand(1 << 15) + 0.5, None, _spec(), "fast", True, None)
-    assert [e[0] for e in log] == ["rms_bwd", "partial_sum", "partial_sum"], [e[0] for e in log]
+    rpb = cuda_backend.norm_bwd_launch(128, torch.bfloat16, torch.bfloat16, torch.bfloat16, "llama", False, False, True,
+                                       cuda_backend.tuning_for(cuda_backend.BWD_TABLE, 128, 64), False).rows_per_block
+    assert rpb > 1 and log[0][3] == rpb * 128 * 4 and log[1][4][1] == log[0][1][0]  # a partial row a block
+    many = torch.randn(1 << 15, 8).bfloat16()  # few columns, one partial row a row slot: many, two launches
+    for combine, sums in ((True, ["partial_sum"]), (False, ["partial_sum", "partial_sum"])):
+        log.clear()
+        cb.bwd_tuning = cuda_backend.NormTuning(dw_combine=combine)
+        cb.rms_norm_bwd(many, many, w[:8], torch.rand(1 << 15) + 0.5, None, _spec(), "fast", True, None)
+        assert [e[0] for e in log] == ["rms_bwd", *sums], [e[0] for e in log]
+        rpb = 128  # 8 columns: one thread a row, 128-thread blocks
+        assert log[1][4][1] == log[0][1][0] * (1 if combine else rpb)
     assert log[1][2] == log[2][2] == 256 and log[1][1][1] > 1 == log[2][1][1]  # segments, then one
+    cb.bwd_tuning = None
     log.clear()
     empty = torch.empty(0, 128).bfloat16()
     dx, dw = cb.rms_norm_bwd(empty, empty, w, torch.empty(0), None, _spec(), "strict", True, None)

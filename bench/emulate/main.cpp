@@ -3,7 +3,8 @@
 // Usage: emulate ROWS N [DIR [OFFSET]] (built with -DEMU_WALK, one block walks every row group). Dtypes: bf16
 // rows and weight (XC = NC = WC = DYC = 1); see run.sh for the macros. With DIR, the inputs are read from
 // DIR/{x,res,w,dy,rstd}.bin (raw little-endian bits; the backward reads x as its z and res as its dres) and the
-// outputs written to DIR/{out,rstd_out,z}.bin.
+// outputs written to DIR/{out,rstd_out,z}.bin; with DW_PARTIALS the backward's fast-dW partial rows too, each launch's
+// after the one before (DW_COMBINE: one a launch, else RPB), to DIR/dw_part.bin.
 #define STRICTNORM_EMULATED 1
 #include "shim.h"
 #include "host.h"
@@ -39,15 +40,25 @@ int main(int argc, char** argv) {
         load("dy.bin", dy, rows * n * 2), load("rstd.bin", rstd, rows * 4);
     }
     const int threads = TPR * RPB;
-#if defined(BACKWARD) && STAGED
-    EmuBlock blk(threads, 2LL * STAGE_CHUNKS * THREADS * 16);
-#else
-    EmuBlock blk(threads, 0);
-#endif
 #ifdef EMU_WALK
     const long long per_launch = rows;  // one block striding over every row group, as a persistent grid's blocks do
 #else
     const long long per_launch = RPB;  // each row group as a launch of one block
+#endif
+    const long long launches = (rows + per_launch - 1) / per_launch;
+#if defined(BACKWARD) && DW_PARTIALS
+    const long long part_rows = DW_COMBINE ? 1 : RPB;  // a launch's partial rows
+    float* part = buffer<float>(launches * part_rows * n);
+    const long long dyn_bytes = DW_COMBINE || DW_SMEM || !HOLD ? 4LL * RPB * n : 0;  // the host's shared memory
+#else
+    const long long part_rows = 0;
+    float* part = rstd;  // an unused pointer, as the host passes one
+    const long long dyn_bytes = 0;
+#endif
+#if defined(BACKWARD) && STAGED
+    EmuBlock blk(threads, 2LL * STAGE_CHUNKS * THREADS * 16);
+#else
+    EmuBlock blk(threads, dyn_bytes);
 #endif
     for (long long b = 0; b * per_launch < rows; ++b) {
         const long long off = b * per_launch * n, live = std::min<long long>(per_launch, rows - b * per_launch);
@@ -58,7 +69,8 @@ int main(int argc, char** argv) {
 #ifdef BACKWARD
                 rms_bwd(reinterpret_cast<const dy_t*>(dy + off), n, 0, 0, reinterpret_cast<const n_t*>(x + off), n, 0, 0,
                         reinterpret_cast<const w_t*>(w), 0, rstd + b * per_launch, reinterpret_cast<const n_t*>(res + off), n,
-                        0, 0, reinterpret_cast<n_t*>(out + off), n, 0, 0, rstd, live, n, 1, 1, offset, 1);
+                        0, 0, reinterpret_cast<n_t*>(out + off), n, 0, 0, part + b * part_rows * n, live, n, 1, 1,
+                        offset, 1);
 #else
                 rms_fwd(reinterpret_cast<const x_t*>(x + off), n, 0, 0, reinterpret_cast<const r_t*>(res + off), n, 0, 0,
                         reinterpret_cast<n_t*>(z + off), reinterpret_cast<const w_t*>(w), 0,
@@ -68,6 +80,7 @@ int main(int argc, char** argv) {
         for (auto& th : ts) th.join();
     }
     if (dir) save("out.bin", out, rows * n * 2), save("rstd_out.bin", rstd, rows * 4), save("z.bin", z, rows * n * 2);
+    if (dir && part_rows) save("dw_part.bin", part, launches * part_rows * n * 4);
     long long nan = 0;
     for (long long i = 0; i < rows * n; ++i) nan += std::isnan(__uint_as_float(unsigned(out[i]) << 16));
     printf("%lld x %d: %lld NaN outputs, out[0] = %g\n", rows, n, nan, __uint_as_float(unsigned(out[0]) << 16));

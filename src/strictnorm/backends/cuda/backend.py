@@ -437,6 +437,9 @@ class NormTuning:
     # each load just ahead of its use (an L2 round trip each: 4 in a row at 8192 x 4096, read in the sm_90 SASS)
     weight_with_row: bool = False
     dw_smem: bool = False  # held rows, fast dW: the fp32 partials in shared memory instead of registers
+    # fast dW with several rows a block: the slots' partial rows added in shared memory (slot order) and one row
+    # written a block (rms_norm.cu's DW_COMBINE), not one a slot; where RPB * N fp32 fit in _SMEM_LIMIT, not staged
+    dw_combine: bool = True
     # a grid of at most the resident blocks, striding over rows; False: one block per row group (not for the
     # fast dW, whose partial rows are one per block)
     persistent: bool = True
@@ -606,7 +609,16 @@ def norm_bwd_launch(n: int, z_dtype: torch.dtype, dy_dtype: torch.dtype, w_dtype
         defines["STAGED"] = 1
         if staged_smem(defines, z_dtype, dy_dtype) > _STAGED_SMEM_MAX:
             del defines["STAGED"]
+    if (dw_partials and tuning.dw_combine and fl.rows_per_block > 1 and not defines.get("STAGED")
+            and fl.rows_per_block * n * 4 <= _SMEM_LIMIT):
+        defines["DW_COMBINE"] = 1
     return NormLaunch(defines, fl.rows_per_block, fl.threads, fl.partial_blocks_per_sm, fl.persistent)
+
+
+def dw_partial_rows(defines: dict[str, int], grid: int) -> int:
+    """The fast dW's partial rows a backward launch of `grid` blocks writes: one a block with DW_COMBINE, else one
+    a row slot."""
+    return grid if defines.get("DW_COMBINE") else grid * defines["RPB"]
 
 
 def staged_smem(defines: dict[str, int], z_dtype: torch.dtype, dy_dtype: torch.dtype) -> int:
@@ -1063,7 +1075,7 @@ class CudaBackend:
                              aligned)
         # fp32 partials in shared memory (rows not held, or the tuning says so); where they do not fit,
         # the strict fold (deterministic too) serves dw="fast"
-        in_smem = partials and (not fl.defines["HOLD"] or fl.defines["DW_SMEM"])
+        in_smem = partials and (not fl.defines["HOLD"] or fl.defines["DW_SMEM"] or fl.defines.get("DW_COMBINE"))
         shmem = fl.rows_per_block * n * 4 if in_smem else 0
         if shmem > _SMEM_LIMIT:
             partials, shmem = False, 0
@@ -1090,7 +1102,7 @@ class CudaBackend:
         groups = -(-rows // fl.rows_per_block)
         grid = self._grid(dev, kernel, fl.threads, groups, fl.partial_blocks_per_sm if partials else 0, shmem,
                           persistent=fl.persistent or partials, sms_left=shared_sms)  # one partial row per block
-        part_rows = grid * fl.rows_per_block if partials else 0
+        part_rows = dw_partial_rows(fl.defines, grid) if partials else 0
         return _BwdPlan(views, rows, strict, kernel, grid, fl.threads, shmem, wsg, (*tail, np.int32(aligned)),
                         part_rows, self._partial_sum_plan(dev, part_rows, n, weight.dtype) if partials else ())
 

@@ -79,6 +79,9 @@ typedef Elem<YC>::T y_t;
 #ifndef PREFETCH  // host-set in the backward with HOLD (not STAGED): the slot's next row loaded into registers ahead
 #define PREFETCH 0
 #endif
+#ifndef DW_COMBINE  // host-set in the backward with DW_PARTIALS and RPB > 1: one partial row a block (rms_bwd)
+#define DW_COMBINE 0
+#endif
 constexpr bool EVEN_UNPREDICATED = EVEN && UNPREDICATED;
 static_assert(KR >= 1 && KR <= K, "pieces with data");
 // The weight's lanes held in registers: across rows (HOLD_W), or loaded with each row before its sum (per-head
@@ -91,6 +94,16 @@ constexpr int WARP_SIZE = 32;
 constexpr int ROW_WARPS = TPR > WARP_SIZE ? TPR / WARP_SIZE : 1;
 constexpr int SUBTREES = K * ROW_WARPS;  // partial sums per row after step 2
 static_assert(THREADS % WARP_SIZE == 0 && THREADS <= 1024, "block shape");
+
+// The block's dynamic shared memory as floats (on the CPU, the emulation's buffer: bench/emulate/shim.h).
+__device__ __forceinline__ float* dynamic_floats() {
+#ifdef STRICTNORM_EMULATED
+    return reinterpret_cast<float*>(g_dynamic_smem);
+#else
+    extern __shared__ float dynamic_f32[];
+    return dynamic_f32;
+#endif
+}
 
 __device__ __forceinline__ int piece_col(int k, int t) { return (k * TPR + t) * PIECE; }
 // Lanes of the row from piece k's first lane on, unclamped: <= 0 none of the piece, >= PIECE all of it. Kept
@@ -475,8 +488,10 @@ __device__ __forceinline__ void unstage_row(Held<CODE>& h, const uint4* slot) {
 // xh = z * rstd, c = canon_sum(xh * g) / N (contract, backward). With DW_PARTIALS each row slot of a
 // block also sums its rows' dW contributions (in row order) into dw_part[block * RPB + slot], reduced
 // afterwards in a fixed order ("fast" dW): in registers with HOLD (unless DW_SMEM), else in dynamic shared
-// memory (RPB * n floats). dx may alias dy (in place): a row's lanes are read and written by the same
-// thread, reads first.
+// memory (RPB * n floats). DW_COMBINE: the block's RPB slot rows are added in slot order (from +0.0) in that
+// shared memory first, and the block writes one row, dw_part[block]: RPB times fewer partial rows to write and
+// sum (at 128 columns RPB is 8-16: 4096 x 128 wrote 4096 partial rows, as many as dy has). dx may alias dy
+// (in place): a row's lanes are read and written by the same thread, reads first.
 // HOLD_F32: pass 1 keeps each lane's xh and g in fp32 registers and adds the row's dW contributions (rstd is an
 // input: they need not wait for the row's sum), so pass 2 only computes dx from them: about half the instructions
 // an element of widening z, dy and the weight twice, for twice the registers of the packed rows.
@@ -484,12 +499,13 @@ __device__ __forceinline__ void unstage_row(Held<CODE>& h, const uint4* slot) {
 // their loads are in flight while this row computes and stores; the same loads, earlier. (Measured slower at the
 // tables' grids before run 10; the Triton and cute backwards won with it at 2 blocks or programs an SM, fewer and
 // fuller: bench/NOTES.md, runs 14 and 16.)
-// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM, PADDED (N below P: padded lanes exist), STAGED,
-// HOLD_F32, PREFETCH.
+// Extra macros: DYC (dy's dtype code), HAS_DRES, DW_PARTIALS, DW_SMEM, DW_COMBINE, PADDED (N below P: padded lanes
+// exist), STAGED, HOLD_F32, PREFETCH.
 typedef Elem<DYC>::T dy_t;
 static_assert(!STAGED || (HOLD && EVEN && !DW_SMEM), "STAGED: held rows of whole pieces, shared memory for them");
 static_assert(!PREFETCH || (HOLD && !STAGED), "PREFETCH: held rows, not staged");
 static_assert(!HOLD_F32 || HOLD, "HOLD_F32: held rows");
+static_assert(!DW_COMBINE || (DW_PARTIALS && RPB > 1 && !STAGED), "DW_COMBINE: partial rows of several slots");
 constexpr int STAGE_CHUNKS = KR * (CHUNKS<NC> + CHUNKS<DYC>);  // a thread's chunks in one stage (z, then dy)
 
 extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
@@ -509,8 +525,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #pragma unroll
         for (int i = 0; i < PIECE; ++i) dw_acc.v[k][i] = 0.0f;
 #elif DW_PARTIALS
-    extern __shared__ float dw_smem[];  // RPB rows of n: this thread's lanes of its slot's row only
-    float* dw_row = dw_smem + (threadIdx.x / TPR) * n;
+    float* dw_row = dynamic_floats() + (threadIdx.x / TPR) * n;  // RPB rows of n: this thread's lanes of its slot's row
 #pragma unroll
     for (int k = 0; k < KR; ++k)
 #pragma unroll
@@ -684,7 +699,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #if STAGED
     cp_async_wait<0>();  // the last (empty) stage: no copy outlives the kernel
 #endif
-#if DW_PARTIALS
+#if DW_COMBINE
+#if HOLD && !DW_SMEM
+    float* dw_row = dynamic_floats() + (threadIdx.x / TPR) * n;
+#pragma unroll
+    for (int k = 0; k < KR; ++k)
+#pragma unroll
+        for (int i = 0; i < PIECE; ++i)
+            if (i < piece_left(k, t, n)) dw_row[piece_col(k, t) + i] = dw_acc.v[k][i];
+#endif
+    __syncthreads();  // every slot's row in shared memory
+    const float* slots = dynamic_floats();
+    float* out = dw_part + static_cast<long long>(blockIdx.x) * n;
+    for (int c = threadIdx.x; c < n; c += THREADS) {
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < RPB; ++j) s = __fadd_rn(s, slots[j * n + c]);
+        out[c] = s;
+    }
+#elif DW_PARTIALS
     const long long part_row = static_cast<long long>(blockIdx.x) * RPB + threadIdx.x / TPR;
 #pragma unroll
     for (int k = 0; k < KR; ++k) {
