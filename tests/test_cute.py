@@ -10,7 +10,13 @@ import re
 import pytest
 import torch
 from conftest import HAS_CUDA
-from helpers import bits_equal, check_fused_add_graph_replay, check_special_values, zero_dy_case
+from helpers import (
+    bits_equal,
+    check_fused_add_graph_replay,
+    check_special_values,
+    slot_partial_rows_model,
+    zero_dy_case,
+)
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when the DSL is imported: compile for the H100/H200
 cutlass = pytest.importorskip("cutlass")
@@ -300,6 +306,33 @@ def test_backward_bitwise_on_gpu(n, mode, seed, backward_prefetch):
         rel = ((dw.double() - want_dw.double()).norm() / want_dw.double().norm().clamp_min(1e-30)).item()
         assert rel < 1e-2
         assert bits_equal(K.backward(dy, z, w, rstd, dres, offset, mode, partials=True)[1], part)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [7, 128, 1000, 4096])
+def test_backward_partial_rows_in_their_order_on_gpu(n, seed):
+    """The fast dW's partial rows bit for bit as helpers.slot_partial_rows_model orders them: each row slot's left
+    fold of its rows over the persistent grid's strides, and where the shape combines its slots (several rows a block:
+    N = 7, 128, 1000) one row a block, the slots added in slot order."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+    from strictnorm.reference import dw_contributions
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = 5000
+    z = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
+    _, rstd, _ = get_backend("torch").rms_norm_fwd(z, w, None, spec)
+    _, part = K.backward(dy, z, w, rstd, None, 1.0, "gemma", partials=True)
+    s = K.tuned_shape(n, True)
+    combine = K.combines_slots(s)
+    assert combine == (n != 4096)
+    grid = K._grid(s, rows, z.device, K.backward_blocks_per_sm(n))
+    assert part.shape == (grid if combine else grid * s.rpb, n)
+    want = slot_partial_rows_model(dw_contributions(dy, z, rstd, spec), s.rpb, grid, combine)
+    assert bits_equal(part.cpu(), want)
 
 
 @pytest.mark.parametrize("n", [7, 1000, 4096])

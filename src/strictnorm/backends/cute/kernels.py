@@ -396,8 +396,8 @@ class RMSNormBackward(_RowKernel):
     gradient through residual_out: dx = rd((g - xh * c) * rstd [+ f32(dres)], D) with g = f32(dy) * wf,
     xh = z * rstd, c = canon_sum(xh * g) / N (contract, backward). With partials, row slot j of block b
     sums its rows' dW contributions, in row order, into mPart[b * RPB + j] (the "fast" dW, reduced over
-    that buffer in a fixed order afterwards). dx may alias dy: a thread reads its lanes of dy before it
-    writes them."""
+    that buffer in a fixed order afterwards); where combines_slots, the block's slots' sums are added in slot
+    order into mPart[b] instead. dx may alias dy: a thread reads its lanes of dy before it writes them."""
 
     def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
                  has_dres: bool = False, partials: bool = False) -> None:
@@ -495,7 +495,25 @@ class RMSNormBackward(_RowKernel):
                         contrib = _mul(ds[i], self._normalized(zs[i], rstd))
                         dw_acc[kk, i] = cutlass.select_(live, _add(dw_acc[kk, i], contrib), dw_acc[kk, i])
                 self._store(mDX[r, None], kk, t, n, live, out)
-        if const_expr(self.partials):
+        if const_expr(self.partials and combines_slots(s)):
+            # the slots' rows added in slot order (from +0.0) in shared memory, one row a block (as rms_norm.cu's
+            # DW_COMBINE): rpb times fewer partial rows to write and sum
+            width = s.k * s.tpr * s.piece
+            slots = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout((s.rpb, width)), 16)
+            for kk in cutlass.range_constexpr(s.live):
+                for i in cutlass.range_constexpr(s.piece):
+                    slots[th.slot, (kk * s.tpr + t) * s.piece + i] = dw_acc[kk, i]
+            cute.arch.sync_threads()
+            tidx, _, _ = cute.arch.thread_idx()
+            prow = mPart[th.block, None]
+            for q in cutlass.range_constexpr(-(-width // s.threads)):
+                col = q * s.threads + tidx
+                if col < n:
+                    acc = Float32(0.0)
+                    for j in cutlass.range_constexpr(s.rpb):
+                        acc = _add(acc, slots[j, col])
+                    prow[col] = acc
+        elif const_expr(self.partials):
             prow = mPart[th.block * s.rpb + th.slot, None]
             for kk in cutlass.range_constexpr(s.live):
                 vals = cute.make_rmem_tensor((s.piece,), Float32)
@@ -696,6 +714,16 @@ DX_BLOCKS_PER_SM: dict[int, int] = {8192: 2}
 PARTIALS_MAX_VALUES = 72
 
 
+# The most shared memory the backward's slot rows may take where they are combined (combines_slots)
+_COMBINE_SMEM_MAX = 32 * 1024
+
+
+def combines_slots(s: ForwardShape) -> bool:
+    """Whether the backward with partials adds its row slots' partial rows in shared memory and writes one row a
+    block (several slots whose padded rows fit in _COMBINE_SMEM_MAX)."""
+    return s.rpb > 1 and s.rpb * s.k * s.tpr * s.piece * 4 <= _COMBINE_SMEM_MAX
+
+
 def keeps_partials(n: int) -> bool:
     """Whether the backward with the fast dW keeps its fp32 partials in the kernel for rows of N."""
     s = tuned_shape(n, True)
@@ -781,7 +809,8 @@ def plan_backward(dy, z, weight, dres, dx, mode: str, partials: bool, sms_left: 
         _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None, mode,
         _vector_ok(n, dy, z, dx, *(t for t in (weight, dres) if t is not None)), dres is not None, partials, tvm_ffi)
     grid = _grid(shape, rows, z.device, backward_blocks_per_sm(n, partials), sms_left)
-    return BackwardLaunch(compiled, tvm_ffi, rows, n, grid, grid * shape.rpb if partials else 0,
+    part_rows = (grid if combines_slots(shape) else grid * shape.rpb) if partials else 0
+    return BackwardLaunch(compiled, tvm_ffi, rows, n, grid, part_rows,
                           torch.empty(n, dtype=z.dtype, device=z.device),
                           torch.empty((1, n), dtype=torch.float32, device=z.device))
 
