@@ -25,8 +25,8 @@ class _RecordingKernel:
         self.kernel = self
         self.occupancy = _Occupancy()
 
-    def launch(self, stream, grid, block, shmem, *args, cooperative: bool = False) -> None:
-        self.log.append((self.name, grid, block, shmem, args, stream))
+    def launch(self, stream, grid, block, shmem, *args, cooperative: bool = False, dependent: bool = False) -> None:
+        self.log.append((self.name, grid, block, shmem, args, dependent, stream))
         self.cooperative = cooperative
 
     def allow_dynamic_shared(self, nbytes: int) -> None:
@@ -44,7 +44,8 @@ class _RecordingCache:
 @pytest.fixture
 def recording(monkeypatch):
     """A CudaBackend whose kernels record their launches; CPU tensors stand in for device memory."""
-    props = type("Props", (), {"multi_processor_count": 132, "shared_memory_per_block_optin": 227 * 1024})()
+    props = type("Props", (), {"multi_processor_count": 132, "shared_memory_per_block_optin": 227 * 1024,
+                               "major": 9})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_backend, "current_stream", lambda device_index: 0)
@@ -65,7 +66,7 @@ def test_forward_plan_serves_new_tensors_of_the_same_signature(recording):
     for _ in range(3):
         x, w = torch.randn(5, 256).bfloat16(), torch.randn(256).bfloat16()
         y, rstd, z = cb.rms_norm_fwd(x, w, None, _spec())
-        name, grid, block, shmem, args, _ = log.pop()
+        name, grid, block, shmem, args, *_ = log.pop()
         assert name == "rms_fwd" and z is None
         assert args[0] == x.data_ptr() and args[9] == w.data_ptr()
         assert args[11] == y.data_ptr() and args[12] == rstd.data_ptr()
@@ -121,6 +122,7 @@ def test_backward_plans_fold_before_dx_and_sum_partials(recording):
     cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "fast", True, None)
     assert [e[0] for e in log] == ["rms_bwd", "partial_sum"]
     assert log[1][4][0] == log[0][4][-7]  # the sum reads the partial rows the dx kernel wrote
+    assert log[1][5] and not log[0][5]  # the sum as the dx kernel's dependent grid (sm_90: props.major)
     rpb = cuda_backend.norm_bwd_launch(128, torch.bfloat16, torch.bfloat16, torch.bfloat16, "llama", False, False, True,
                                        cuda_backend.tuning_for(cuda_backend.BWD_TABLE, 128, 64), False).rows_per_block
     assert rpb > 1 and log[0][3] == rpb * 128 * 4 and log[1][4][1] == log[0][1][0]  # a partial row a block
@@ -133,7 +135,11 @@ def test_backward_plans_fold_before_dx_and_sum_partials(recording):
         rpb = 128  # 8 columns: one thread a row, 128-thread blocks
         assert log[1][4][1] == log[0][1][0] * (1 if combine else rpb)
     assert log[1][2] == log[2][2] == 256 and log[1][1][1] > 1 == log[2][1][1]  # segments, then one
-    cb.bwd_tuning = None
+    cb.bwd_tuning, cb.dependent_sum = None, False
+    log.clear()
+    cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "fast", True, None)
+    assert [(e[0], e[5]) for e in log] == [("rms_bwd", False), ("partial_sum", False)]  # the plain launch
+    cb.dependent_sum = True
     log.clear()
     empty = torch.empty(0, 128).bfloat16()
     dx, dw = cb.rms_norm_bwd(empty, empty, w, torch.empty(0), None, _spec(), "strict", True, None)
@@ -182,7 +188,7 @@ def test_onepass_strict_backward_is_one_cooperative_launch(recording):
     x, dy, w = torch.randn(300, 1000).bfloat16(), torch.randn(300, 1000).bfloat16(), torch.randn(1000).bfloat16()
     rstd = torch.rand(300) + 0.5
     dx, dw = cb.rms_norm_bwd(dy, x, w, rstd, None, _spec(), "strict", True, None)
-    ((name, grid, block, shmem, args, _),) = log
+    ((name, grid, block, shmem, args, *_),) = log
     # 32 groups of 32 columns; warps: one folding (32 columns), four loading and summing, four computing dx,
     # two combining
     assert name == "strict_bwd_onepass" and grid == (32, 1, 1) and block == 32 * (1 + 4 + 4 + 2)

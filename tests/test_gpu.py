@@ -1093,6 +1093,33 @@ def test_cuda_launch_from_a_thread_without_a_current_context(seed, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["cuda", "triton", "cute"])
+@pytest.mark.parametrize("m, n", [(262144, 128), (4096, 128), (128, 4096), (8192, 4096), (999, 5120), (37, 1000)])
+def test_cuda_backward_bitwise_dependent_partial_sum(backend, m, n, seed):
+    """The fast dW's partial sum launched as the backward's dependent grid (CudaBackend.dependent_sum: scheduled
+    while the backward's last blocks run, waiting for them on the GPU) gives the bits of plain launches, for
+    calls queued back to back with a fresh dy each: a sum that read the partial-row buffer before this call's
+    backward had written it would read another call's rows."""
+    if not status(backend, torch.device(DEV)).available:
+        pytest.skip(status(backend, torch.device(DEV)).reason)
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch: sm_90 and newer")
+    cb = get_backend("cuda")
+    x, w, _ = _data(m, n, torch.bfloat16, torch.bfloat16, seed)
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    dys = [torch.randn(m, n, device=DEV, generator=g).bfloat16() for _ in range(3)]
+    cb.dependent_sum = False
+    try:
+        want = [_fwd_bwd(backend, x, w, dy, "llama", "fast")[3] for dy in dys]
+    finally:
+        cb.dependent_sum = True
+    got = [_fwd_bwd(backend, x, w, dy, "llama", "fast")[3] for dy in dys]
+    assert not bits_equal(want[0], want[1])
+    for a, b in zip(got, want, strict=True):
+        assert bits_equal(a, b)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows, n, out_dtype", [(264, 4096, torch.bfloat16), (528, 8192, torch.float32),
                                                 (16896, 128, torch.bfloat16), (37, 1000, torch.float16),
                                                 (5, 7, torch.float32), (3000, 18432, torch.float32)])

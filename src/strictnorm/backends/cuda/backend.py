@@ -518,8 +518,9 @@ BWD_TABLE: dict[int, Tuning] = {
     # the bench (call f, two rounds each) 7.17-7.26 -> 6.69-6.75 and 10.69-10.72 -> 9.92-9.98
     128: ((16384, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, hold_f32=True)),
           (None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, hold_f32=True))),
-    4096: ((128, NormTuning(values=64, min_threads=256, hold_max_p=_H, partial_blocks_per_sm=8, dw_smem=True,
-                            unpredicated=False)),
+    # up to 128 rows one row of 512 threads a block (run 40, call a, every configuration bitwise): 128 x 4096 7.2 ->
+    # 6.1 us; the former 4-row blocks' partials (64 KB) did not fit in shared memory, so the strict fold served it
+    4096: ((128, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4)),
            # the next row prefetched into registers (run 17, call a; unpredicated): 2048 x 4096 24.6 -> 21.0 us with
            # 2 blocks an SM, 8192 x 4096 61.4 -> 59.3, 32768 x 4096 210.2 -> 202.2 with 4
            (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=2, prefetch=True)),
@@ -759,6 +760,7 @@ class _SumPlan:
     grid: tuple[int, int, int]
     seg_rows: int
     out_dtype: torch.dtype
+    dependent: bool  # launched as a dependent of the kernel before it (programmatic stream serialization)
 
 
 @dataclass(frozen=True)
@@ -830,6 +832,9 @@ class CudaBackend:
         # faster (bench/results/2026-11-30-h200-run9)
         self.onepass_strict = False
         self.onepass_tuning: OnepassTuning | None = None
+        # the fast dW's partial sum launched as a dependent of the backward (sm_90 and newer): scheduled while the
+        # backward's last blocks run, it waits for them on the GPU (common.cuh); same bits either way
+        self.dependent_sum = True
 
     def _norm_kernel(self, dev: int, name: str, fl: NormLaunch):
         return self._kernels().get(dev, "rms_norm.cu", name, fl.defines)
@@ -1025,9 +1030,10 @@ class CudaBackend:
                      ) -> tuple[Tensor, Tensor | None]:
         """(dz, dw), as the Backend protocol says; see kernels/rms_norm.cu (BACKWARD). Planned once per
         input signature, like the forward."""
+        # fold_beside_dx: whether the plan shares the SMs out (shared_fold_sms)
         key = (z.get_device(), signature(dy, z, weight, rstd, dres, dx_out), spec.mode, spec.offset, dw_mode, need_dw,
                self.bwd_tuning, self.fold_tuning, self.fold_sms, self.fold_beside_dx, self.onepass_strict,
-               self.onepass_tuning)  # fold_beside_dx: whether the plan shares the SMs out (shared_fold_sms)
+               self.onepass_tuning, self.dependent_sum)
         plan = self._bwd_plans.get(key)
         if plan is None:
             plan = remember(self._bwd_plans, key,
@@ -1054,10 +1060,10 @@ class CudaBackend:
                            (w if w is not None else zk).data_ptr(), plan.wsg, rstd.data_ptr(), dresk.data_ptr(),
                            *lays.elay.args(), dxk.data_ptr(), *lays.xlay.args(), part.data_ptr(), *plan.tail)
         join()
+        if plan.partial_rows:  # right after the backward: launched as its dependent (dependent_sum)
+            dw = self._sum_partials(plan.partial_sum, part)
         if dxk is not dx:
             dx.copy_(dxk)
-        if plan.partial_rows:
-            dw = self._sum_partials(plan.partial_sum, part)
         return dx, dw
 
     def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
@@ -1174,7 +1180,8 @@ class CudaBackend:
         if out_dtype != torch.float32:
             defines["OUT_CODE"] = DTYPE_CODES[out_dtype]
         kernel = self._kernels().get(dev, "partial_sum.cu", "partial_sum", defines)
-        return _SumPlan(kernel, (shape.col_blocks, segments, 1), seg_rows, out_dtype)
+        dependent = self.dependent_sum and torch.cuda.get_device_properties(dev).major >= 9
+        return _SumPlan(kernel, (shape.col_blocks, segments, 1), seg_rows, out_dtype, dependent)
 
     def _sum_partials(self, plans: tuple[_SumPlan, ...], part: Tensor) -> Tensor:
         n = part.shape[-1]
@@ -1182,7 +1189,7 @@ class CudaBackend:
         for plan in plans:
             out = torch.empty((plan.grid[1], n), dtype=plan.out_dtype, device=part.device)
             plan.kernel.launch(stream, plan.grid, _SUM_THREADS, 0, part.data_ptr(), part.shape[0], np.int32(n),
-                               plan.seg_rows, out.data_ptr())
+                               plan.seg_rows, out.data_ptr(), dependent=plan.dependent)
             part = out
         return part.reshape(n)
 
@@ -1196,7 +1203,7 @@ class CudaBackend:
         if not part.is_contiguous() or part.data_ptr() % 16:
             part = part.clone(memory_format=torch.contiguous_format)
         dev = _device_index(part)
-        key = ("partial_sum", dev, rows, n, out_dtype)
+        key = ("partial_sum", dev, rows, n, out_dtype, self.dependent_sum)
         plans = self._fold_plans.get(key)
         if plans is None:
             plans = remember(self._fold_plans, key, self._partial_sum_plan(dev, rows, n, out_dtype))

@@ -207,6 +207,7 @@ class LoadedKernel:
         self.function = _checked(driver.cuKernelGetFunction(kernel.handle), "cuKernelGetFunction")
         self._sizes = _param_sizes(kernel)
         self._struct: struct.Struct | None = None
+        self._config = None  # cuLaunchKernelEx's configuration for dependent launches (_dependent_config)
         self._lock = threading.Lock()  # one block per kernel: pack and launch together
 
     def _build_block(self, args: tuple) -> None:
@@ -230,20 +231,23 @@ class LoadedKernel:
             raise CudaLaunchError(f"{nbytes} bytes of dynamic shared memory refused by the device: {err!r}")
 
     def launch(self, stream: int, grid: tuple[int, int, int], block: int, shmem: int, *args,
-               cooperative: bool = False) -> None:
+               cooperative: bool = False, dependent: bool = False) -> None:
         """cooperative: every block co-resident (cuLaunchCooperativeKernel; the launch fails where the grid does
-        not fit at once), for kernels whose blocks wait for each other."""
+        not fit at once), for kernels whose blocks wait for each other. dependent: launched with programmatic
+        stream serialization (cuLaunchKernelEx; sm_90 and newer), so that it may start while the grid before it
+        on the stream finishes: only for kernels that wait for that grid (common.cuh's wait_prerequisites)
+        before they touch memory."""
         driver = self._driver
         with self._lock:
             if self._struct is None:
                 self._build_block(args)
             self._struct.pack_into(self._block, 0, *args)
-            err = self._launch(grid, block, shmem, stream, cooperative)
+            err = self._launch(grid, block, shmem, stream, cooperative, dependent)
             if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
                 self.make_current()
-                err = self._launch(grid, block, shmem, stream, cooperative)
+                err = self._launch(grid, block, shmem, stream, cooperative, dependent)
         if err != driver.CUresult.CUDA_SUCCESS:
-            what = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernel"
+            what = "cuLaunchCooperativeKernel" if cooperative else "cuLaunchKernelEx" if dependent else "cuLaunchKernel"
             raise CudaLaunchError(f"{what} failed: {err!r} (grid {grid}, block {block}, shared {shmem} B)")
 
     def make_current(self) -> None:
@@ -255,15 +259,39 @@ class LoadedKernel:
         if not int(_checked(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")):
             _checked(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
-    def _launch(self, grid: tuple[int, int, int], block: int, shmem: int, stream: int, cooperative: bool):
+    def _launch(self, grid: tuple[int, int, int], block: int, shmem: int, stream: int, cooperative: bool,
+                dependent: bool):
         driver = self._driver
         if cooperative:
             (err,) = driver.cuLaunchCooperativeKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem,
                                                       stream, self._params)
+        elif dependent:
+            config = self._dependent_config(grid, block, shmem, stream)
+            (err,) = driver.cuLaunchKernelEx(config, self.function, self._params, 0)
         else:
             (err,) = driver.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block, 1, 1, shmem, stream,
                                            self._params, 0)
         return err
+
+
+    def _dependent_config(self, grid: tuple[int, int, int], block: int, shmem: int, stream: int):
+        """The cuLaunchKernelEx configuration with programmatic stream serialization, built once per kernel (a
+        fresh one costs several microseconds of host time) and updated per launch."""
+        driver = self._driver
+        config = self._config
+        if config is None:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = self._config = driver.CUlaunchConfig()
+            config.attrs = [attr]
+            config.numAttrs = 1
+            config.blockDimY = config.blockDimZ = 1
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX = block
+        config.sharedMemBytes = shmem
+        config.hStream = stream
+        return config
 
 
 def _checked(result: tuple, what: str):

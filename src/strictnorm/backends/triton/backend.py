@@ -476,10 +476,10 @@ class TritonBackend:
             plan.grid, z.get_device(), dyk, *lays.dlay.args(), zk, *lays.lay.args(), w if w is not None else zk,
             plan.wsg, rstd, dresk, *lays.elay.args(), _store_view(dxk), *lays.xlay.args(), part, *plan.scalars)
         join()
+        if partials:  # right after the backward: the CUDA partial sum is launched as its dependent (GDC)
+            dw = self._sum_rows(part, weight.dtype)
         if dxk is not dx:
             dx.copy_(dxk)
-        if partials:
-            dw = self._sum_rows(part, weight.dtype)
         return dx, dw
 
     def _plan_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,
@@ -509,6 +509,7 @@ class TritonBackend:
         piece = _warp_block_piece([t for t in (z, dy, w, dres, dx_out) if t is not None], layouts, wsg, z.dtype)
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[z.dtype], HAS_W=w is not None, PER_HEAD=views.per_head,
                     HAS_DRES=dres is not None, DW_PARTIALS=partials, MEAN_SCALE=exact_mean_scale(n),
+                    GDC=partials and self._dependent_sum(z),
                     **tile.backward_constexprs(piece), **tile.chunk_constexprs(), **tile.meta())
         return _Plan(views, (nprog,), wsg, (rows, n, lay.r1, lay.g, spec.offset),
                      meta, _Launcher(_kernels().rms_bwd_kernel, meta), fold_sms)
@@ -516,6 +517,15 @@ class TritonBackend:
     # ---- strict fold ---------------------------------------------------------------------------
     def _cuda_available(self, t: Tensor) -> bool:
         return self.use_cuda_fold and t.device.type == "cuda" and status("cuda", t.device).available
+
+    def _dependent_sum(self, t: Tensor) -> bool:
+        """Whether the backward lets the CUDA partial sum after it start early (kernels.py's GDC): that sum is
+        launched as a dependent grid there (CudaBackend.dependent_sum, sm_90 and newer) and this Triton has the
+        instruction."""
+        import triton.language.extra.cuda as tl_cuda
+
+        return (self._cuda_available(t) and get_backend("cuda").dependent_sum and not _interpreting()
+                and torch.cuda.get_device_capability(t.device)[0] >= 9 and hasattr(tl_cuda, "gdc_launch_dependents"))
 
     def _sum_rows(self, part: Tensor, dtype: torch.dtype) -> Tensor:
         """The fast dW's partial rows summed in a fixed order: the CUDA backend's fold where it is available

@@ -663,14 +663,18 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
                    PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1, CHUNK: tl.constexpr = 0,
                    LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1, LOG2NCH: tl.constexpr = 0,
                    WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8, WB_ST: tl.constexpr = 0,
-                   MEAN_SCALE: tl.constexpr = 0.0):
+                   MEAN_SCALE: tl.constexpr = 0.0, GDC: tl.constexpr = False):
     """dx for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T), or in column
     chunks of CHUNK lanes (CHUNK > 0, T = 0: _bwd_chunked). With DW_PARTIALS, each program also sums its rows' dW
-    contributions (shared weight only) into DW_PART[pid].
+    contributions (shared weight only) into DW_PART[pid]. GDC (sm_90 and newer): each program first lets the
+    partial rows' sum, launched after it as a dependent grid, be scheduled (it waits for this grid's end on the GPU:
+    the CUDA backend's partial_sum.cu).
     PREFETCH: the next block's rows loaded into registers before this block's sums (its loads in flight while this
     block computes and stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory, that many
     stages. WB_NW > 0 (num_warps = WB_NW; rows held whole): the row in warp blocks, as in rms_fwd_kernel. MEAN_SCALE:
     as rms_fwd_kernel's. None changes a value."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CHUNK > 0:

@@ -131,3 +131,19 @@ __device__ __forceinline__ long long row_offset(long long r, const Layout& l) {
     const long long t = r / l.g;
     return (t / l.r1) * l.s0 + (t % l.r1) * l.s1 + g * l.sg;
 }
+
+// Programmatic dependent launch (sm_90 and newer; nothing where compiled for older GPUs or emulated). A grid
+// launched after this one with programmatic stream serialization (the fast dW's partial sum after the backward)
+// may be scheduled once every block of this grid has called launch_dependents, and its blocks then wait in
+// wait_prerequisites until this grid has finished and its writes are visible: its launch overlaps this grid's
+// tail instead of following it. Neither touches memory or changes a result.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}

@@ -6,7 +6,8 @@
 // loads with VEC = 4), each column its own left fold from +0.0; then each column's GROUPS group sums are added in
 // group order, from +0.0, and stored as row s of the output (rounded once to OUT_CODE's dtype). With several
 // segments the host sums the segment rows again with one segment. Rows are dense (row r at r * n), 16-byte aligned
-// with VEC = 4 (then N % 4 == 0).
+// with VEC = 4 (then N % 4 == 0). Nothing is read before wait_prerequisites: a launch with programmatic stream
+// serialization may start this grid before the one writing `part` has finished.
 //
 // Macros: SUM_COLS, SUM_THREADS, VEC (1 or 4), OUT_CODE (default fp32).
 #include "common.cuh"
@@ -23,6 +24,7 @@ extern "C" __global__ void __launch_bounds__(SUM_THREADS) partial_sum(const floa
                                                                        int n, long long seg_rows,
                                                                        out_t* __restrict__ out) {
     __shared__ float sums[GROUPS][SUM_COLS];
+    wait_prerequisites();  // launched as a dependent of the backward: its partial rows first (common.cuh)
     const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
     const int col = blockIdx.x * SUM_COLS + lane * VEC;
     const long long start = static_cast<long long>(blockIdx.y) * seg_rows;

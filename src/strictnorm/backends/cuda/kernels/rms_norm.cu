@@ -516,6 +516,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
     n_t* dx, long long xs0, long long xs1, long long xsg, float* __restrict__ dw_part,
     long long rows, int n, long long r1, long long g, float offset, int aligned) {
     __shared__ float scratch[2][RPB][SUBTREES];
+#if DW_PARTIALS
+    launch_dependents();  // the partial sum may be scheduled now; it waits for this grid's end (common.cuh)
+#endif
     const int t = threadIdx.x % TPR;
     RowWalk walk(rows);
 #if DW_PARTIALS && HOLD && !DW_SMEM
