@@ -767,6 +767,6 @@ def test_direct_launch_passes_every_constexpr_in_order():
                 DW_PARTIALS=True, PREFETCH=True, num_warps=4)
     tail = tb.constexpr_tail(fn, len(runtime), meta)
     # the rest: their defaults
-    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1, 0, 0, 1, 0, 0, 8, 0, 0.0)
+    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1, 0, 0, 1, 0, 0, 8, 0, 0.0, False)
     with pytest.raises(TypeError, match="not constexprs"):
         tb.constexpr_tail(fn, len(runtime) - 1, meta)
