@@ -273,7 +273,6 @@ class LoadedKernel:
                                            self._params, 0)
         return err
 
-
     def _dependent_config(self, grid: tuple[int, int, int], block: int, shmem: int, stream: int):
         """The cuLaunchKernelEx configuration with programmatic stream serialization, built once per kernel (a
         fresh one costs several microseconds of host time) and updated per launch."""

@@ -519,13 +519,13 @@ class TritonBackend:
         return self.use_cuda_fold and t.device.type == "cuda" and status("cuda", t.device).available
 
     def _dependent_sum(self, t: Tensor) -> bool:
-        """Whether the backward lets the CUDA partial sum after it start early (kernels.py's GDC): that sum is
-        launched as a dependent grid there (CudaBackend.dependent_sum, sm_90 and newer) and this Triton has the
-        instruction."""
+        """Whether the backward lets the CUDA partial sum after it start early (kernels.py's GDC): on sm_90 and
+        newer with the CUDA sum (launched as a dependent grid where CudaBackend.dependent_sum says so; without
+        that the signal does nothing) and a Triton that has the instruction."""
         import triton.language.extra.cuda as tl_cuda
 
-        return (self._cuda_available(t) and get_backend("cuda").dependent_sum and not _interpreting()
-                and torch.cuda.get_device_capability(t.device)[0] >= 9 and hasattr(tl_cuda, "gdc_launch_dependents"))
+        return (self._cuda_available(t) and not _interpreting() and torch.cuda.get_device_capability(t.device)[0] >= 9
+                and hasattr(tl_cuda, "gdc_launch_dependents"))
 
     def _sum_rows(self, part: Tensor, dtype: torch.dtype) -> Tensor:
         """The fast dW's partial rows summed in a fixed order: the CUDA backend's fold where it is available
