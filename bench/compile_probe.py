@@ -107,6 +107,7 @@ def _stats(c) -> str:
     loads = "loads ahead {} (reusing a register {})".format(*load_reuse(sass)) if sass else ""
     return (f"ptx {len(ptx.splitlines()):6d} lines  bar.sync {ptx.count('bar.sync'):3d}  "
             f"ld.shared {ptx.count('ld.shared'):4d}  local {ptx.count('ld.local') + ptx.count('st.local'):3d}  "
+            f"launch_dependents {ptx.count('griddepcontrol.launch_dependents')}  "
             f"{_resources(c.asm['cubin'])}  {loads}")
 
 
@@ -132,7 +133,7 @@ def warp_block_kernels(n: int, rows: int, warps: int) -> dict:
             name = ("blocks" if blocks else "in order") + (" + residual" if res else "")
             common = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1)
             fwd = dict(common, YDT=1, HAS_RES=res, MEAN_SCALE=exact_mean_scale(n), **tile.forward_constexprs(piece=8))
-            bwd = dict(common, HAS_DRES=res, DW_PARTIALS=pa + t <= 8192, MEAN_SCALE=exact_mean_scale(n),
+            bwd = dict(common, HAS_DRES=res, DW_PARTIALS=pa + t <= 8192, MEAN_SCALE=exact_mean_scale(n), GDC=False,
                        **tile.backward_constexprs(piece=8),
                        **tile.chunk_constexprs())
             for label, fn, sig, const in (("", k.rms_fwd_kernel, _FWD_SIG, fwd),
@@ -173,7 +174,8 @@ def main(args: list[str]) -> None:
                         tile.max_registers)
         print(f"N={arg:>12s} fwd  {s:6.1f} s  {_stats(c)}", flush=True)
         tile, common = tiled("bwd")
-        c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True,
+        # GDC: the early signal to the dependent partial sum, as the backward with partials runs on sm_90
+        c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True, "GDC": True,
                                                     "MEAN_SCALE": exact_mean_scale(n),
                                                     **tile.backward_constexprs(PIECE), **tile.chunk_constexprs()},
                         tile.num_warps, tile.max_registers)

@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -345,9 +346,12 @@ def _compile_probe(*args: object) -> str:
 
 def test_compile_probe_compiles_every_kernel_for_sm90():
     """bench/compile_probe.py (the Triton kernels compiled for sm_90 without a GPU) keeps up with the kernels'
-    parameters (it passes every constexpr itself): the forward, the backward with partials and the fold, at one N."""
+    parameters (it passes every constexpr itself): the forward, the backward with partials and the fold, at one N.
+    The backward with partials (GDC, as on sm_90) signals its dependent partial sum once; the forward does not."""
     lines = _compile_probe(4096).splitlines()
-    assert [line.split()[2] for line in lines if line.startswith("N=")] == ["fwd", "bwd"]
+    kernels = [line for line in lines if line.startswith("N=")]
+    assert [line.split()[2] for line in kernels] == ["fwd", "bwd"]
+    assert [re.search(r"launch_dependents (\d+)", line).group(1) for line in kernels] == ["0", "1"]
     assert lines[-1].startswith("fold")
 
 
