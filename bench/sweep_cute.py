@@ -81,6 +81,8 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
         if chosen and name not in chosen.split(","):
             continue
         use(variant)
+        cute._fwd_plans.clear()  # the backend's plans hold the kernels the last variant's choices compiled
+        cute._bwd_plans.clear()
         for direction, blocks in [("fwd", 0)] + [("bwd", b) for b in BLOCKS]:
             if direction == "fwd" and name in ("hold + weight", "hold + prefetch", "fold past 8192"):
                 continue  # the forward's kernel is the "hold" (or "default") one
