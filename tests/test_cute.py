@@ -232,6 +232,8 @@ def test_backward_compiles_with_only_rounded_fp32_ops(n, mode, vector, has_dres,
     if vector and K.forward_shape(n).piece != 8:
         pytest.skip("vector loads need pieces of 8 lanes")
     ptx = _bwd_ptx(tmp_path, n, mode, vector, has_dres, partials)
+    # with partials it lets the dependent partial sum launch early (programmatic dependent launch)
+    assert ptx.count("griddepcontrol.launch_dependents") == partials
     assert "fma." not in ptx
     assert not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx), "an fp32 op without .rn"
     assert ("ld.global.v4" in ptx) == vector

@@ -428,6 +428,10 @@ class RMSNormBackward(_RowKernel):
     def kernel(self, mDY: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mRstd: cute.Tensor, mDres: cute.Tensor,
                mDX: cute.Tensor, mPart: cute.Tensor, rows: Int32, n: Int32, offset: Float32):
         s = self.s
+        if const_expr(self.partials):
+            # the partial rows' sum is launched after this grid as its dependent (CudaBackend.sum_rows on sm_90+):
+            # let it be scheduled now; it waits on the GPU for this grid's end before it reads a partial
+            cute.arch.griddepcontrol_launch_dependents()
         th = thread_place(s, rows)
         t = th.t
         dw_acc = cute.make_rmem_tensor((s.live, s.piece), Float32)
