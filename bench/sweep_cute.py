@@ -7,7 +7,8 @@ up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fas
 before run 17); for the forward, rows past 256 threads' hold read twice (HOLD["forward_trimmed"] = 0, the rule before
 run 18), the weight loaded with the row at every row count or at none (K.FORWARD_WEIGHT_FIRST_ROWS), and rows of
 4096 held by 64 threads, 64 lanes each, with or without it, and rows of 128 held by 16 or 8 threads, 8 or 16 lanes each
-(K.FORWARD_VALUES).
+(K.FORWARD_VALUES), and the forward at the CUDA table's unbounded entry at every row count (K.FORWARD_ROW_BOUNDS off,
+the rule up to run 41).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -48,11 +49,16 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "forward 64 a thread + weight first": {**DEFAULT, "forward_values": {4096: 64},
                                                   "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
             "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
-            "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}}}
+            "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}},
+            "forward unbounded": {**DEFAULT, "forward_row_bounds": False,
+                                  "weight_first_rows": {p: r for p, r in K.FORWARD_WEIGHT_FIRST_ROWS.items()
+                                                        if p != 128}}}
 FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum", "forward 64 a thread",
-                "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128")
+                "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128",
+                "forward unbounded")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
 FORWARD_VALUES = K.FORWARD_VALUES
+FORWARD_ROW_BOUNDS = K.FORWARD_ROW_BOUNDS
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
@@ -65,6 +71,7 @@ def use(variant: dict) -> None:
     K.PARTIALS_MAX_VALUES = variant.pop("partials_max_values", PARTIALS_MAX_VALUES)
     K.FORWARD_WEIGHT_FIRST_ROWS = variant.pop("weight_first_rows", WEIGHT_FIRST_ROWS)
     K.FORWARD_VALUES = variant.pop("forward_values", FORWARD_VALUES)
+    K.FORWARD_ROW_BOUNDS = variant.pop("forward_row_bounds", FORWARD_ROW_BOUNDS)
     K.HOLD.update(variant)
     for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
         cached.cache_clear()
@@ -90,8 +97,9 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
                 continue
             K.BACKWARD_BLOCKS_PER_SM = {**TABLE_BLOCKS, next_pow2(n): blocks}
             label = f"{name}, {blocks} blocks an SM" if blocks else name
+            row_bound = K.forward_row_bound(n, m) if direction == "fwd" else None
             row = {"M": m, "N": n, "direction": direction, "variant": label,
-                   "shape": str(K.tuned_shape(n, direction == "bwd"))}
+                   "shape": str(K.tuned_shape(n, direction == "bwd", row_bound=row_bound))}
             row.update(measure(timer, cute, case, direction, ceiling))
             rows.append(row)
             print(json.dumps(row), flush=True)
