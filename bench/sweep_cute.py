@@ -7,7 +7,7 @@ up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fas
 before run 17); for the forward, rows past 256 threads' hold read twice (HOLD["forward_trimmed"] = 0, the rule before
 run 18), the weight loaded with the row at every row count or at none (K.FORWARD_WEIGHT_FIRST_ROWS), and rows of
 4096 held by 64 threads, 64 lanes each, with or without it, and rows of 128 held by 16 or 8 threads, 8 or 16 lanes each
-(K.FORWARD_VALUES), the forward at the CUDA table's unbounded entry at every row count (K.FORWARD_ROW_BOUNDS off,
+(K.FORWARD_VALUES), the forward at the CUDA table's unbounded entry at every row count (K.FORWARD_ROW_BOUNDS empty,
 the rule up to run 41), and rows of 128 at the few-rows entry's shape at every row count (Quack's).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
@@ -51,7 +51,7 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
                                                   "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
             "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
             "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}},
-            "forward unbounded": {**DEFAULT, "forward_row_bounds": False,
+            "forward unbounded": {**DEFAULT, "forward_row_bounds": frozenset(),
                                   "weight_first_rows": {p: r for p, r in K.FORWARD_WEIGHT_FIRST_ROWS.items()
                                                         if p != 128}},
             # Quack's forward shape at N = 128 (16 threads a row, 8 rows a block) at every row count: the CUDA

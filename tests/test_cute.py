@@ -183,7 +183,7 @@ def test_forward_takes_the_table_entry_for_its_row_count(monkeypatch, fresh_shap
     block of 128 threads), compiled with the weight loaded with the row (one 16-byte load of x and one of the weight
     a thread, rounded fp32 ops only); from 4097 rows its unbounded entry, 4 threads a row of 32 lanes; at P = 4096 up
     to 128 rows one row of 512 threads. An entry whose shape is the unbounded one's gives None (one kernel for
-    both); with FORWARD_ROW_BOUNDS off, None everywhere."""
+    both); a P not in FORWARD_ROW_BOUNDS gives None."""
     bound = K.forward_row_bound(128, 4096)
     small = K.tuned_shape(128, False, row_bound=bound)
     assert (small.tpr, small.k * small.piece, small.rpb, small.hold) == (16, 8, 8, True)
@@ -197,8 +197,8 @@ def test_forward_takes_the_table_entry_for_its_row_count(monkeypatch, fresh_shap
     ptx = _compiled_ptx(tmp_path, op, args)
     assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2
-    monkeypatch.setattr(K, "FORWARD_ROW_BOUNDS", False)
-    assert K.forward_row_bound(128, 1) is None
+    monkeypatch.setattr(K, "FORWARD_ROW_BOUNDS", frozenset({4096}))
+    assert K.forward_row_bound(128, 1) is None and K.forward_row_bound(4096, 1) is not None
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

@@ -155,12 +155,12 @@ def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardSh
     return ForwardShape(piece, tpr, k, max(1, threads_min // tpr), kr=kr if kr < k else 0)
 
 
-# The forward takes the CUDA forward table's entry for its row count (FWD_TABLE's row bounds: at P = 128 up to 4096
-# rows 16 threads a row of 8 lanes, the CUDA forward's 4096 x 128 2.88 -> 2.40 us in run 36); False: the unbounded
-# entry at every row count (the rule up to run 41: 4 threads a row of 32 lanes at P = 128, 4096 x 128 3.0 us against
-# Quack's 2.0 in run 39). The backward keeps the unbounded entry (its table's smaller row counts are not measured
-# for the cute kernel).
-FORWARD_ROW_BOUNDS = True
+# The padded lengths whose forward takes the CUDA forward table's entry for its row count (FWD_TABLE's row bounds: at
+# P = 128 up to 4096 rows 16 threads a row of 8 lanes, the CUDA forward's 4096 x 128 2.88 -> 2.40 us in run 36; at
+# P = 4096 up to 128 rows one row of 512 threads); any other P takes the unbounded entry at every row count (the rule
+# for every P up to run 41: 4 threads a row of 32 lanes at P = 128, 4096 x 128 3.0 us against Quack's 2.0 in run 39).
+# The backward keeps the unbounded entry (its table's smaller row counts are not measured for the cute kernel).
+FORWARD_ROW_BOUNDS: frozenset[int] = frozenset({128, 4096})
 
 
 def forward_row_bound(n: int, rows: int) -> int | None:
@@ -169,7 +169,7 @@ def forward_row_bound(n: int, rows: int) -> int | None:
     distinct shape, not per row count."""
     from ..cuda.backend import FWD_TABLE, entries_for
 
-    if not FORWARD_ROW_BOUNDS:
+    if next_pow2(n) not in FORWARD_ROW_BOUNDS:
         return None
     bound = next(bound for bound, _ in entries_for(FWD_TABLE, n) if bound is None or rows <= bound)
     return bound if tuned_shape(n, False, True, bound) != tuned_shape(n, False, True, None) else None
