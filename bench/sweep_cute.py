@@ -7,7 +7,8 @@ up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fas
 before run 17); for the forward, rows past 256 threads' hold read twice (HOLD["forward_trimmed"] = 0, the rule before
 run 18), the weight loaded with the row at every row count or at none (K.FORWARD_WEIGHT_FIRST_ROWS), and rows of
 4096 held by 64 threads, 64 lanes each, with or without it, and rows of 128 held by 16 or 8 threads, 8 or 16 lanes each
-(K.FORWARD_VALUES).
+(K.FORWARD_VALUES), the forward at the CUDA table's unbounded entry at every row count (K.FORWARD_ROW_BOUNDS empty,
+the rule up to run 41), and rows of 128 at the few-rows entry's shape at every row count (Quack's).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -26,6 +27,7 @@ import sys
 import torch
 from sweep_cuda import Case, Sweep, measure, shapes_from_env
 
+from strictnorm.backends.cuda.backend import FWD_TABLE
 from strictnorm.backends.cute import kernels as K
 from strictnorm.bench import NORM_SHAPES, Timer
 from strictnorm.reference import next_pow2
@@ -48,14 +50,24 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "forward 64 a thread + weight first": {**DEFAULT, "forward_values": {4096: 64},
                                                   "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
             "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
-            "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}}}
+            "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}},
+            "forward unbounded": {**DEFAULT, "forward_row_bounds": frozenset(),
+                                  "weight_first_rows": {p: r for p, r in K.FORWARD_WEIGHT_FIRST_ROWS.items()
+                                                        if p != 128}},
+            # Quack's forward shape at N = 128 (16 threads a row, 8 rows a block) at every row count: the CUDA
+            # table's entry for up to 4096 rows made its P = 128 entry for any row count, the weight with the row
+            "forward few-rows shape at 128": {**DEFAULT, "fwd_table": {128: ((None, FWD_TABLE[128][0][1]),)},
+                                              "weight_first_rows": {**K.FORWARD_WEIGHT_FIRST_ROWS, 128: 1 << 40}}}
 FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum", "forward 64 a thread",
-                "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128")
+                "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128",
+                "forward unbounded", "forward few-rows shape at 128")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
 FORWARD_VALUES = K.FORWARD_VALUES
+FORWARD_ROW_BOUNDS = K.FORWARD_ROW_BOUNDS
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
+TABLE_FWD = dict(FWD_TABLE)
 TABLE_BLOCKS = dict(K.BACKWARD_BLOCKS_PER_SM)  # 0 in a row's label: what 2048 threads an SM allow, not the table's
 
 
@@ -65,6 +77,9 @@ def use(variant: dict) -> None:
     K.PARTIALS_MAX_VALUES = variant.pop("partials_max_values", PARTIALS_MAX_VALUES)
     K.FORWARD_WEIGHT_FIRST_ROWS = variant.pop("weight_first_rows", WEIGHT_FIRST_ROWS)
     K.FORWARD_VALUES = variant.pop("forward_values", FORWARD_VALUES)
+    K.FORWARD_ROW_BOUNDS = variant.pop("forward_row_bounds", FORWARD_ROW_BOUNDS)
+    FWD_TABLE.clear()  # the CUDA forward table the cute forward's shapes come from (only cute is timed here)
+    FWD_TABLE.update({**TABLE_FWD, **variant.pop("fwd_table", {})})
     K.HOLD.update(variant)
     for cached in (K.tuned_shape, K.compile_forward, K.compile_backward):
         cached.cache_clear()
@@ -90,8 +105,9 @@ def _sweep_shape(timer: Timer, cute, ref, spec, m: int, n: int, ceiling: float) 
                 continue
             K.BACKWARD_BLOCKS_PER_SM = {**TABLE_BLOCKS, next_pow2(n): blocks}
             label = f"{name}, {blocks} blocks an SM" if blocks else name
+            row_bound = K.forward_row_bound(n, m) if direction == "fwd" else None
             row = {"M": m, "N": n, "direction": direction, "variant": label,
-                   "shape": str(K.tuned_shape(n, direction == "bwd"))}
+                   "shape": str(K.tuned_shape(n, direction == "bwd", row_bound=row_bound))}
             row.update(measure(timer, cute, case, direction, ceiling))
             rows.append(row)
             print(json.dumps(row), flush=True)

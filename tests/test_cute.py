@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -177,6 +178,29 @@ def test_forward_bitwise_on_gpu(n, mode, seed):
     _check_forward(n, mode, seed)
 
 
+def test_forward_takes_the_table_entry_for_its_row_count(monkeypatch, fresh_shapes, tmp_path):
+    """K.FORWARD_ROW_BOUNDS: up to 4096 rows of P = 128 the CUDA forward table's 16 threads a row of 8 lanes (8 rows a
+    block of 128 threads), compiled with the weight loaded with the row (one 16-byte load of x and one of the weight
+    a thread, rounded fp32 ops only); from 4097 rows its unbounded entry, 4 threads a row of 32 lanes; at P = 4096 up
+    to 128 rows one row of 512 threads. An entry whose shape is the unbounded one's gives None (one kernel for
+    both); a P not in FORWARD_ROW_BOUNDS gives None."""
+    bound = K.forward_row_bound(128, 4096)
+    small = K.tuned_shape(128, False, row_bound=bound)
+    assert (small.tpr, small.k * small.piece, small.rpb, small.hold) == (16, 8, 8, True)
+    assert K.forward_row_bound(128, 4097) is None and K.tuned_shape(128, False).tpr == 4
+    assert K.forward_row_bound(127, 1) == bound
+    assert K.tuned_shape(4096, False, row_bound=K.forward_row_bound(4096, 128)).tpr == 512
+    assert K.forward_row_bound(4096, 2048) is None  # that entry's 64 lanes a thread are held as 32: the same shape
+    bf16 = cutlass.BFloat16
+    op, args = K.forward_args(128, bf16, bf16, bf16, "gemma", True, weight_first=True, row_bound=bound)
+    assert op.s == replace(small, hold_weight=True)
+    ptx = _compiled_ptx(tmp_path, op, args)
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2
+    monkeypatch.setattr(K, "FORWARD_ROW_BOUNDS", frozenset({4096}))
+    assert K.forward_row_bound(128, 1) is None and K.forward_row_bound(4096, 1) is not None
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [1000, 4096, 16384, 18432, 20000])
 @pytest.mark.parametrize("mode", ["llama", "gemma"])
@@ -232,6 +256,8 @@ def test_backward_compiles_with_only_rounded_fp32_ops(n, mode, vector, has_dres,
     if vector and K.forward_shape(n).piece != 8:
         pytest.skip("vector loads need pieces of 8 lanes")
     ptx = _bwd_ptx(tmp_path, n, mode, vector, has_dres, partials)
+    # with partials it lets the dependent partial sum launch early (programmatic dependent launch)
+    assert ptx.count("griddepcontrol.launch_dependents") == partials
     assert "fma." not in ptx
     assert not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx), "an fp32 op without .rn"
     assert ("ld.global.v4" in ptx) == vector

@@ -543,11 +543,16 @@ def _load_tuning_file() -> None:
 _load_tuning_file()
 
 
+def entries_for(table: dict[int, Tuning], n: int) -> Tuning:
+    """The row-bounded entries for N's padded length (or the nearest one on a log scale)."""
+    p = next_pow2(n)
+    return table[min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))]
+
+
 def tuning_for(table: dict[int, Tuning], n: int, rows: int | None = None) -> NormTuning:
     """The entry for N's padded length (or the nearest one on a log scale) and the row count (the
     unbounded entry when rows is not given)."""
-    p = next_pow2(n)
-    return for_rows(table[min(table, key=lambda q: (abs(q.bit_length() - p.bit_length()), q))], rows)
+    return for_rows(entries_for(table, n), rows)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -39,6 +39,7 @@ from cutlass.cute.math import RoundingMode
 
 from ...reference import next_pow2
 from ..base import MODE_CODES
+from ..tuning import for_rows
 
 _RN = RoundingMode.NEAREST_EVEN
 _WARP = 32
@@ -130,8 +131,9 @@ HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_p
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
 # 128 x 4096 3.7 -> 2.7, 512 x 4096 4.6 -> 4.2, 128 x 8192 4.2 -> 3.2; slower from 1024 rows of 4096 (6.2 -> 7.6;
-# more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3).
-FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {4096: 512, 8192: 128}
+# more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3). At P = 128 up to 4096 rows as the CUDA
+# table's entry there (FORWARD_ROW_BOUNDS; measured for the CUDA forward in run 36, not yet alone for this one).
+FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 4096, 4096: 512, 8192: 128}
 # the lanes a thread of the held forward takes per padded length, past the table's entry and _HOLD_MAX_VALUES (fewer
 # threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the
 # CUDA table's entry for 129-2048 rows does. Empty until measured (sweep_cute's "forward 64 a thread").
@@ -153,17 +155,38 @@ def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardSh
     return ForwardShape(piece, tpr, k, max(1, threads_min // tpr), kr=kr if kr < k else 0)
 
 
+# The padded lengths whose forward takes the CUDA forward table's entry for its row count (FWD_TABLE's row bounds: at
+# P = 128 up to 4096 rows 16 threads a row of 8 lanes, the CUDA forward's 4096 x 128 2.88 -> 2.40 us in run 36; at
+# P = 4096 up to 128 rows one row of 512 threads); any other P takes the unbounded entry at every row count (the rule
+# for every P up to run 41: 4 threads a row of 32 lanes at P = 128, 4096 x 128 3.0 us against Quack's 2.0 in run 39).
+# The backward keeps the unbounded entry (its table's smaller row counts are not measured for the cute kernel).
+FORWARD_ROW_BOUNDS: frozenset[int] = frozenset({128, 4096})
+
+
+def forward_row_bound(n: int, rows: int) -> int | None:
+    """The row bound of the CUDA forward table's entry that the forward of `rows` rows of N takes (None: the unbounded
+    entry, or an entry giving its shape); tuned_shape and compile_forward take it, so a kernel is compiled per
+    distinct shape, not per row count."""
+    from ..cuda.backend import FWD_TABLE, entries_for
+
+    if next_pow2(n) not in FORWARD_ROW_BOUNDS:
+        return None
+    bound = next(bound for bound, _ in entries_for(FWD_TABLE, n) if bound is None or rows <= bound)
+    return bound if tuned_shape(n, False, True, bound) != tuned_shape(n, False, True, None) else None
+
+
 @cache
-def tuned_shape(n: int, backward: bool, partials: bool = True) -> ForwardShape:
-    """The block shape of the CUDA backend's table entry for N's padded length at its largest row counts
-    (../cuda/backend.py: the same mapping of a row onto threads, swept on an H200), holding at most
+def tuned_shape(n: int, backward: bool, partials: bool = True, row_bound: int | None = None) -> ForwardShape:
+    """The block shape of the CUDA backend's table entry for N's padded length at its largest row counts, or for the
+    forward the entry of row bound `row_bound` (forward_row_bound; ../cuda/backend.py: the same mapping of a row onto
+    threads, swept on an H200), holding at most
     _HOLD_MAX_VALUES lanes a thread; rows past the entry's hold_max_p, or longer than HOLD["threads"] threads holding
     that many (HOLD["prefetch_threads"] for the backward that prefetches), are read twice. The backward prefetches
     only with the fast dW's partials: without them (the strict backward beside the CUDA fold) it keeps the shape
     measured up to run 15."""
-    from ..cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
+    from ..cuda.backend import BWD_TABLE, FWD_TABLE, entries_for
 
-    t = tuning_for(BWD_TABLE if backward else FWD_TABLE, n)
+    t = for_rows(entries_for(BWD_TABLE if backward else FWD_TABLE, n), None if backward else row_bound)
     p = next_pow2(n)
     # held only where 256 threads a row can hold it: on an H200 rows held by 512 or 1024 threads lost to rows read
     # twice by 256 (bench/results/2026-11-30-h200-run11, d-sweep-cute: 2048 x 18432 forward 56.5 -> 72.3 us,
@@ -428,6 +451,10 @@ class RMSNormBackward(_RowKernel):
     def kernel(self, mDY: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mRstd: cute.Tensor, mDres: cute.Tensor,
                mDX: cute.Tensor, mPart: cute.Tensor, rows: Int32, n: Int32, offset: Float32):
         s = self.s
+        if const_expr(self.partials):
+            # the partial rows' sum is launched after this grid as its dependent (CudaBackend.sum_rows on sm_90+):
+            # let it be scheduled now; it waits on the GPU for this grid's end before it reads a partial
+            cute.arch.griddepcontrol_launch_dependents()
         th = thread_place(s, rows)
         t = th.t
         dw_acc = cute.make_rmem_tensor((s.live, s.piece), Float32)
@@ -526,8 +553,9 @@ class _Fakes:
     """Fake tensors cute.compile specializes on, for rows of N lanes: with `vector`, every row (and the
     weight) 16-byte aligned and N % PIECE == 0. Row strides are 64-bit: offsets past 2^31 elements."""
 
-    def __init__(self, n: int, vector: bool, backward: bool, partials: bool = True) -> None:
-        self.shape = tuned_shape(n, backward, partials)
+    def __init__(self, n: int, vector: bool, backward: bool, partials: bool = True, row_bound: int | None = None
+                 ) -> None:
+        self.shape = tuned_shape(n, backward, partials, row_bound)
         self.div = self.shape.piece if vector else 1
         self.align = 16 if vector else None
         self.m, self.n = cute.sym_int(), cute.sym_int(divisibility=self.div)
@@ -553,12 +581,12 @@ class _Fakes:
 
 
 def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
-                 tvm_ffi: bool = False, weight_first: bool = False) -> tuple:
+                 tvm_ffi: bool = False, weight_first: bool = False, row_bound: int | None = None) -> tuple:
     """The forward operator and the fake arguments cute.compile specializes on: dtypes, mode, block
     shape, and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0).
     tvm_ffi: the stream comes from TVM FFI's environment (torch's current stream) at each call. weight_first: the
-    weight loaded with held rows (ForwardShape.hold_weight)."""
-    f = _Fakes(n, vector, backward=False)
+    weight loaded with held rows (ForwardShape.hold_weight). row_bound: the table entry's (forward_row_bound)."""
+    f = _Fakes(n, vector, backward=False, row_bound=row_bound)
     norm_dtype = res_dtype or x_dtype
     shape = replace(f.shape, hold_weight=f.shape.hold and weight_first)
     op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
@@ -591,10 +619,10 @@ def compile_backward(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool
 
 @lru_cache(maxsize=256)
 def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
-                    tvm_ffi: bool = False, weight_first: bool = False):
-    """The compiled forward for one (N, dtypes, mode, vector, residual, calling convention, weight first): the
-    cache key holds everything baked into the kernel. The offset and eps are runtime fp32 arguments."""
-    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector, res_dtype, tvm_ffi, weight_first)
+                    tvm_ffi: bool = False, weight_first: bool = False, row_bound: int | None = None):
+    """The compiled forward for one (N, dtypes, mode, vector, residual, calling convention, weight first, table
+    entry): the cache key holds everything baked into the kernel. The offset and eps are runtime fp32 arguments."""
+    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector, res_dtype, tvm_ffi, weight_first, row_bound)
     return _compile(op, args, tvm_ffi), op.s
 
 
@@ -671,7 +699,7 @@ def plan_forward(x, weight, residual, mode: str, out_dtype) -> ForwardLaunch:
     tvm_ffi = calls() == "tvm-ffi"
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
                                       vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
-                                      tvm_ffi, weight_first)
+                                      tvm_ffi, weight_first, forward_row_bound(n, rows))
     return ForwardLaunch(compiled, tvm_ffi, rows, n, _grid(shape, rows, x.device),
                          torch.empty(n, dtype=x.dtype, device=x.device))
 
