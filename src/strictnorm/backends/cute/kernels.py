@@ -132,7 +132,7 @@ HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_p
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
 # 128 x 4096 3.7 -> 2.7, 512 x 4096 4.6 -> 4.2, 128 x 8192 4.2 -> 3.2; slower from 1024 rows of 4096 (6.2 -> 7.6;
 # more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3). At P = 128 up to 4096 rows as the CUDA
-# table's entry there (FORWARD_ROW_BOUNDS; measured for the CUDA forward in run 36, not yet alone for this one).
+# table's entry there (FORWARD_ROW_BOUNDS: bench/results/2026-12-04-h200-run41, 4096 x 128 2.91 -> 2.10 us).
 FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 4096, 4096: 512, 8192: 128}
 # the lanes a thread of the held forward takes per padded length, past the table's entry and _HOLD_MAX_VALUES (fewer
 # threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the
@@ -157,8 +157,9 @@ def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardSh
 
 # The padded lengths whose forward takes the CUDA forward table's entry for its row count (FWD_TABLE's row bounds: at
 # P = 128 up to 4096 rows 16 threads a row of 8 lanes, the CUDA forward's 4096 x 128 2.88 -> 2.40 us in run 36; at
-# P = 4096 up to 128 rows one row of 512 threads); any other P takes the unbounded entry at every row count (the rule
-# for every P up to run 41: 4 threads a row of 32 lanes at P = 128, 4096 x 128 3.0 us against Quack's 2.0 in run 39).
+# P = 4096 up to 128 rows one row of 512 threads); any other P takes the unbounded entry at every row count. On an
+# H200 (bench/results/2026-12-04-h200-run41, A/B against the unbounded entry): 4096 x 128 2.91 -> 2.10 us (Quack 2.0),
+# 128 x 4096 2.85 -> 2.46.
 # The backward keeps the unbounded entry (its table's smaller row counts are not measured for the cute kernel).
 FORWARD_ROW_BOUNDS: frozenset[int] = frozenset({128, 4096})
 
