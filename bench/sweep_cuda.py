@@ -9,8 +9,10 @@ SWEEP_PBS=a,b: the backward's partial blocks per SM); SWEEP_LEAN=1 keeps held ro
 forward's weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the block-shape grid by the tables' entry
 per shape with EVEN off, on with predicated loads and on with unpredicated ones (16-byte aligned rows: only the
 16-byte paths), in the backward at each SWEEP_PBS partial blocks an SM where that is set;
-SWEEP_DIRECTIONS=fwd (or bwd) sweeps one direction; SWEEP_STAGED=1 tries each backward
-configuration also with the next row copied ahead into shared memory (`staged`; held rows with EVEN only);
+SWEEP_DIRECTIONS=fwd,bwd picks the directions (fwd_nr: the inference forward, no rstd stored, the kernel the
+bench's forward times; bwd_dx: dx alone); the tables' own entry is always swept (its rows "table": true, the
+baseline of the same run); SWEEP_STAGED=1 tries each backward configuration also with the next row copied
+ahead into shared memory (`staged`; held rows with EVEN only);
 SWEEP_F32=1 each held backward configuration also with xh and g kept in fp32 between the passes (`hold_f32`);
 SWEEP_PREFETCH=1 each held backward configuration also with the next row loaded into registers (`prefetch`);
 SWEEP_W_WITH_ROW=1 each held configuration whose weight is reloaded also with the weight's lanes loaded with the
@@ -94,16 +96,23 @@ def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
     return tunings + [dataclasses.replace(t, trim=False) for t in tunings]
 
 
+def table_tuning(direction: str, m: int, n: int) -> NormTuning:
+    """The tables' entry for m rows of n in one direction (fwd_nr, the inference forward, takes the forward's)."""
+    return tuning_for(FWD_TABLE if direction.startswith("fwd") else BWD_TABLE, n, m)
+
+
 def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
-    """The configurations swept at one shape and direction."""
+    """The configurations swept at one shape and direction; the tables' own entry always among them (the
+    baseline of the same run)."""
+    forward = direction.startswith("fwd")
     if VARIANTS:
-        base = tuning_for(FWD_TABLE if direction == "fwd" else BWD_TABLE, n, m)
+        base = table_tuning(direction, m, n)
         out = [dataclasses.replace(base, even=even, unpredicated=unpred)
                for even, unpred in ((False, True), (True, False), (True, True))]
         if direction == "bwd" and "SWEEP_PBS" in os.environ:  # each also at every SWEEP_PBS partial blocks an SM
             out = [dataclasses.replace(t, partial_blocks_per_sm=b) for t in out for b in _PBS]
     else:
-        out = tunings_for(n, FWD_TUNINGS if direction == "fwd" else BWD_TUNINGS)
+        out = tunings_for(n, FWD_TUNINGS if forward else BWD_TUNINGS) + [table_tuning(direction, m, n)]
     if STAGED and direction == "bwd":  # staged needs EVEN, held rows, no dw_smem (else it compiles the same kernel)
         out = out + [dataclasses.replace(t, staged=True) for t in out
                      if t.even and t.hold_max_p >= next_pow2(n) and not t.dw_smem]
@@ -125,9 +134,10 @@ def precompile() -> None:
     jobs = []
     bf16 = torch.bfloat16
     for m, n in SHAPES:  # the sweep's tensors are fresh allocations: 16-byte aligned
-        if "fwd" in DIRECTIONS:
-            jobs += [norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu, True).defines
-                     for tu in shape_tunings("fwd", m, n)]
+        for direction in ("fwd", "fwd_nr"):  # fwd_nr: the inference forward's kernels (no rstd stored)
+            if direction in DIRECTIONS:
+                jobs += [norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu, True, direction == "fwd").defines
+                         for tu in shape_tunings(direction, m, n)]
         if "bwd" in DIRECTIONS:
             jobs += [norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tu, True).defines
                      for tu in shape_tunings("bwd", m, n)]
@@ -217,7 +227,8 @@ def _sweep_shape(timer: Timer, cb, ref, spec, m: int, n: int, ceiling: float) ->
     for direction in DIRECTIONS:
         for tu in shape_tunings(direction, m, n):
             cb.fwd_tuning = cb.bwd_tuning = tu
-            row = dict(M=m, N=n, direction=direction, **dataclasses.asdict(tu))
+            row = dict(M=m, N=n, direction=direction, table=tu == table_tuning(direction, m, n),
+                       **dataclasses.asdict(tu))
             row.update(measure(timer, cb, case, direction, ceiling))
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -265,11 +276,12 @@ def main() -> None:
              "weight_with_row")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
-        for key in ("fwd", "bwd"):
+        for key in DIRECTIONS:
             ok = [r for r in results if r["M"] == m and r["N"] == n and r["direction"] == key and "us" in r]
             if ok:
                 b = min(ok, key=lambda r: r["us"])
-                line += f" {key} {b['us']:7.1f} us {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
+                table = next((f" (table {r['us']:.2f})" for r in ok if r.get("table")), "")
+                line += f" {key} {b['us']:7.2f} us{table} {b['frac_copy']:4.0%} {[b[k] for k in knobs]}"
         print(line)
     if VARIANTS:
         print("\nper variant (EVEN off 0 / predicated 1 / unpredicated 2; s: staged, f: hold_f32, p: prefetch; w: "

@@ -257,6 +257,50 @@ def test_cuda_sweep_adds_the_weight_with_each_row(monkeypatch):
             assert {dataclasses.replace(t, weight_with_row=False) for t in with_row} <= set(swept)
 
 
+def test_cuda_sweep_times_the_tables_entry_and_the_inference_forward(monkeypatch):
+    """bench/sweep_cuda.shape_tunings: the tables' own entry for the shape's row count is among the configurations
+    (the baseline of the same run) though the grid lacks it; fwd_nr (the inference forward the bench times) sweeps
+    the forward's configurations, not the backward's; precompile builds fwd_nr's kernels without rstd (NO_RSTD)."""
+    _bench_scripts(monkeypatch)
+    import sweep_cuda
+
+    from strictnorm.backends.cuda.backend import FWD_TABLE, tuning_for
+
+    monkeypatch.setattr(sweep_cuda, "FWD_TUNINGS", sweep_cuda.FWD_TUNINGS[:2])
+    table = tuning_for(FWD_TABLE, 128, 65536)
+    assert table not in sweep_cuda.FWD_TUNINGS[:2]
+    for direction in ("fwd", "fwd_nr"):
+        swept = sweep_cuda.shape_tunings(direction, 65536, 128)
+        assert swept == sweep_cuda.FWD_TUNINGS[:2] + [table]
+    compiled = []
+    monkeypatch.setattr(sweep_cuda, "SHAPES", [(65536, 128)])
+    monkeypatch.setattr(sweep_cuda, "DIRECTIONS", ["fwd_nr"])
+    monkeypatch.setattr(sweep_cuda, "_compile", compiled.append)
+    monkeypatch.setattr(sweep_cuda, "ProcessPoolExecutor", _InlinePool)
+    sweep_cuda.precompile()
+    bf16 = torch.bfloat16
+    expected = {tuple(sorted(sweep_cuda.norm_launch(128, bf16, None, bf16, bf16, "llama", False, tu, True,
+                                                    False).defines.items())) for tu in swept}
+    assert sorted(tuple(sorted(d.items())) for d in compiled) == sorted(expected)
+    assert all(d.get("NO_RSTD") == 1 for d in compiled)
+
+
+class _InlinePool:
+    """A stand-in for ProcessPoolExecutor that maps in this process."""
+
+    def __init__(self, max_workers: int) -> None:
+        pass
+
+    def __enter__(self) -> _InlinePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def map(self, fn, items):
+        return [fn(item) for item in items]
+
+
 def test_device_call_plans_its_jobs(tmp_path):
     """bench/device_call.sh (DRY_RUN): --alone first with every GPU visible, then --first's and --second's jobs in
     order (on one GPU, or none, one after the other), each job's command with its log; an unknown argument fails."""
