@@ -10,9 +10,10 @@ forward's weight reloaded: the tables' form). SWEEP_VARIANTS=1 replaces the bloc
 per shape with EVEN off, on with predicated loads and on with unpredicated ones (16-byte aligned rows: only the
 16-byte paths), in the backward at each SWEEP_PBS partial blocks an SM where that is set;
 SWEEP_DIRECTIONS=fwd,bwd picks the directions (fwd_nr: the inference forward, no rstd stored, the kernel the
-bench's forward times; bwd_dx: dx alone); the tables' own entry is always swept (its rows "table": true, the
-baseline of the same run); SWEEP_STAGED=1 tries each backward configuration also with the next row copied
-ahead into shared memory (`staged`; held rows with EVEN only);
+bench's forward times; fwd_api: that forward through strictnorm.rms_norm, as the bench calls it; bwd_dx: dx alone);
+the tables' own entry is always swept (its rows "table": true, the baseline of the same run); SWEEP_STAGED=1 tries
+each backward configuration also with the next row copied ahead into shared memory (`staged`; held rows with EVEN
+only);
 SWEEP_F32=1 each held backward configuration also with xh and g kept in fp32 between the passes (`hold_f32`);
 SWEEP_PREFETCH=1 each held backward configuration also with the next row loaded into registers (`prefetch`);
 SWEEP_W_WITH_ROW=1 each held configuration whose weight is reloaded also with the weight's lanes loaded with the
@@ -32,6 +33,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
+import strictnorm
 from strictnorm.backends.cuda import nvrtc
 from strictnorm.backends.cuda.backend import (
     BWD_TABLE,
@@ -134,7 +136,7 @@ def precompile() -> None:
     jobs = []
     bf16 = torch.bfloat16
     for m, n in SHAPES:  # the sweep's tensors are fresh allocations: 16-byte aligned
-        for direction in ("fwd", "fwd_nr"):  # fwd_nr: the inference forward's kernels (no rstd stored)
+        for direction in ("fwd", "fwd_nr", "fwd_api"):  # fwd_nr, fwd_api: the inference forward (no rstd stored)
             if direction in DIRECTIONS:
                 jobs += [norm_launch(n, bf16, None, bf16, bf16, "llama", False, tu, True, direction == "fwd").defines
                          for tu in shape_tunings(direction, m, n)]
@@ -194,7 +196,8 @@ class Sweep:
 def measure(timer: Timer, backend, case: Case, direction: str, ceiling: float) -> dict:
     """A backend's kernel-only time on one case and direction, and whether it gave the reference's bits (y and
     rstd; dx, and for the fast dW the same bits twice); an error's message instead where it raised. Direction
-    "fwd_nr": the forward of an inference call (need_rstd=False: a backend may skip rstd, 4 bytes a row); "bwd_dx":
+    "fwd_nr": the forward of an inference call (need_rstd=False: a backend may skip rstd, 4 bytes a row); "fwd_api":
+    that call through strictnorm.rms_norm, as the bench times it (the case's spec: bf16 llama, eps 1e-6); "bwd_dx":
     the backward without a weight gradient (dx alone: the dx pass a strict dW's fold runs after)."""
     c, row = case, {}
     try:
@@ -206,6 +209,9 @@ def measure(timer: Timer, backend, case: Case, direction: str, ceiling: float) -
             fn = lambda: backend.rms_norm_fwd(c.x, c.w, None, c.spec, need_rstd=False)  # noqa: E731
             y, rstd, _ = fn()
             row["bitwise"] = bool(torch.equal(y, c.y) and (rstd is None or torch.equal(rstd, c.rstd)))
+        elif direction == "fwd_api":  # the public call, as the bench's forward times it (the same backend object)
+            fn = lambda: strictnorm.rms_norm(c.x, c.w, 1e-6, backend=backend.name)  # noqa: E731
+            row["bitwise"] = bool(torch.equal(fn(), c.y))
         elif direction == "bwd_dx":
             fn = lambda: backend.rms_norm_bwd(c.dy, c.x, c.w, c.rstd, None, c.spec, "fast", False, None)  # noqa: E731
             row["bitwise"] = bool(torch.equal(fn()[0], c.dx))
@@ -214,7 +220,8 @@ def measure(timer: Timer, backend, case: Case, direction: str, ceiling: float) -
             dx, dw = fn()
             row["bitwise"] = bool(torch.equal(dx, c.dx) and torch.equal(dw, fn()[1]))
         row["us"] = timer.kernel_us(fn)
-        moved = {"fwd": c.fwd_bytes, "fwd_nr": c.fwd_bytes - 4 * c.x.shape[0]}.get(direction, c.bwd_bytes)
+        moved = {"fwd": c.fwd_bytes, "fwd_nr": c.fwd_bytes - 4 * c.x.shape[0],
+                 "fwd_api": c.fwd_bytes - 4 * c.x.shape[0]}.get(direction, c.bwd_bytes)
         row["frac_copy"] = moved / row["us"] / 1e3 / ceiling
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:300]

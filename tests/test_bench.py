@@ -269,7 +269,7 @@ def test_cuda_sweep_times_the_tables_entry_and_the_inference_forward(monkeypatch
     monkeypatch.setattr(sweep_cuda, "FWD_TUNINGS", sweep_cuda.FWD_TUNINGS[:2])
     table = tuning_for(FWD_TABLE, 128, 65536)
     assert table not in sweep_cuda.FWD_TUNINGS[:2]
-    for direction in ("fwd", "fwd_nr"):
+    for direction in ("fwd", "fwd_nr", "fwd_api"):
         swept = sweep_cuda.shape_tunings(direction, 65536, 128)
         assert swept == sweep_cuda.FWD_TUNINGS[:2] + [table]
     compiled = []
