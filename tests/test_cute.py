@@ -117,6 +117,50 @@ def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, fresh_shap
     assert not K.tuned_shape(18432, False).hold
 
 
+def _registers(tmp_path, op, args) -> int:
+    """Registers a thread of the sm_90a cubin takes (cuobjdump from Triton's install)."""
+    import pathlib
+    import subprocess
+
+    import cutlass.cute as cute
+
+    triton = pytest.importorskip("triton")
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump in this Triton install")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cute.compile(op, *args, options=f"--keep-cubin --dump-dir {tmp_path}")
+    (cubin,) = list(tmp_path.glob("*.cubin"))
+    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+@pytest.mark.parametrize("n, rows, saves", [(128, 1 << 18, True), (4096, 1 << 15, True), (18432, 2048, False)])
+def test_forward_holds_its_lanes_as_loaded(n, rows, saves, monkeypatch, fresh_shapes, tmp_path):
+    """HOLD["forward_raw"] (the default): the held forward keeps bf16 lanes as loaded between the passes (laundered:
+    an empty asm per 32-bit word), so the compiler cannot keep pass 1's fp32 widening alive instead: a thread takes
+    at least a quarter of its held lanes fewer registers than with the lanes held in fp32 (half, ideally; at N =
+    18432, 512 threads a row on a persistent grid, both take 64 with the DSL 4.8.1: never more). fp32
+    rows are held as they are, with no asm."""
+    bf16 = cutlass.BFloat16
+    s = K.tuned_shape(n, False, True, K.forward_row_bound(n, rows))
+    assert s.hold and s.hold_raw
+    for sub in ("ptx", "f32"):
+        (tmp_path / sub).mkdir()
+    raw = _registers(tmp_path / "raw", *K.forward_args(n, bf16, bf16, bf16, "llama", True))
+    ptx = _compiled_ptx(tmp_path / "ptx", *K.forward_args(n, bf16, bf16, bf16, "llama", True))
+    assert ptx.count("begin inline asm") == s.live * s.piece // 2
+    f32_ptx = _compiled_ptx(tmp_path / "f32", *K.forward_args(n, cutlass.Float32, cutlass.Float32, cutlass.Float32,
+                                                               "llama", True))
+    assert "begin inline asm" not in f32_ptx
+    monkeypatch.setitem(K.HOLD, "forward_raw", False)
+    fresh_shapes()
+    assert not K.tuned_shape(n, False, True, K.forward_row_bound(n, rows)).hold_raw
+    held_f32 = _registers(tmp_path / "held-f32", *K.forward_args(n, bf16, bf16, bf16, "llama", True))
+    assert raw <= held_f32 - (s.live * s.piece // 4 if saves else 0), (raw, held_f32)
+
+
 @pytest.mark.parametrize("weight_first", [False, True])
 def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, tmp_path):
     """With weight_first (K.FORWARD_WEIGHT_FIRST_ROWS: 512 rows at P = 4096) the held forward issues its weight
@@ -208,7 +252,8 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     """The forward's shape choices the other way round from their defaults, against the reference: rows read twice
     where their trimmed lanes would be held (HOLD["forward_trimmed"] = 0) and the weight loaded with the row at every
     row count (the default: up to 512 rows at P = 4096, 128 at 8192), then the weight loaded after the row sum at
-    every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES)."""
+    every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES), then held lanes kept
+    in fp32 (HOLD["forward_raw"] off)."""
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
     fresh_shapes()
@@ -217,6 +262,10 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     fresh_shapes()
     _check_forward(n, mode, seed)
     monkeypatch.setattr(K, "FORWARD_VALUES", {next_pow2(n): 64})  # rows held by fewer threads (a sweep variant)
+    fresh_shapes()
+    _check_forward(n, mode, seed)
+    monkeypatch.setitem(K.HOLD, "forward_raw", False)  # held lanes kept in fp32 (the rule before HOLD's forward_raw)
+    monkeypatch.setattr(K, "FORWARD_VALUES", {})
     fresh_shapes()
     _check_forward(n, mode, seed)
 
@@ -725,3 +774,19 @@ def test_backward_grid_blocks_per_sm(monkeypatch):
     assert K._grid(shape, 100_000, dev, 2, sms_left=500) == 2  # one SM's worth at least
     assert [K.backward_blocks_per_sm(n) for n in (100, 4096, 5000, 8192, 18432, 65536)] == [4, 2, 1, 1, 1, 0]
     assert [K.backward_blocks_per_sm(n, partials=False) for n in (100, 4096, 8192)] == [0, 0, 2]  # without partials
+
+
+def test_sweep_variants_name_known_choices(monkeypatch):
+    """bench/sweep_cute.py's variants: names without a comma (SWEEP_VARIANTS splits on commas), forward-only names
+    among them, and every key a choice use() sets or a key of K.HOLD (a misspelt key would add a HOLD entry nothing
+    reads, and the variant would time the defaults under its name)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    import sweep_cute
+
+    popped = {"trim", "partials_max_values", "weight_first_rows", "forward_values", "forward_row_bounds", "fwd_table"}
+    assert set(sweep_cute.FORWARD_ONLY) <= set(sweep_cute.VARIANTS)
+    for name, variant in sweep_cute.VARIANTS.items():
+        assert "," not in name
+        assert set(variant) - popped <= set(K.HOLD), name

@@ -35,7 +35,9 @@ import cuda.bindings.driver as cuda_driver
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.math import RoundingMode
+from cutlass.cutlass_dsl import T
 
 from ...reference import next_pow2
 from ..base import MODE_CODES
@@ -62,6 +64,17 @@ def _round_to(v, dtype):
     if const_expr(dtype == Float32):
         return v
     return v.to(dtype).to(Float32)
+
+
+@cute.jit
+def _launder(raw: cute.Tensor) -> None:
+    """Hides a held piece's 32-bit words from the optimizer at this point (rms_norm.cu's launder): without it the
+    compiler keeps pass 1's fp32 widening alive for pass 2 instead of the words as loaded. An empty asm: no
+    instruction, the same values."""
+    words = cute.recast_tensor(raw, Int32)
+    for j in cutlass.range_constexpr(cute.size(words)):
+        words[j] = Int32(llvm.inline_asm(T.i32(), [words[j].ir_value()], "", "=r,0", has_side_effects=True,
+                                         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def _pair_tree(values: list):
@@ -93,6 +106,10 @@ class ForwardShape:
     # PIECE >= N), so their piece sums are the +0.0 canon_sum pads with and they are neither loaded, held nor
     # stored (the CUDA backend's trim). A kernel with kr < k is for its N's pieces only (its compile key holds N)
     kr: int = 0
+    # the forward with hold: its lanes held as loaded (x's dtype; with the fused add z rounded to D) and widened to
+    # fp32 again in pass 2, as the CUDA forward holds them: half the registers for bf16/fp16 rows (the widening is
+    # exact, so the bits are the same)
+    hold_raw: bool = False
 
     @property
     def threads(self) -> int:
@@ -125,8 +142,12 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # 512 threads, 32 lanes each, N = 18432 by 512, 40 live lanes each, as the CUDA forward (bench/results/
 # 2026-12-01-h200-run18, call b, sweep_cute "forward held trimmed", bitwise: 4096 x 16384 76.6 -> 71.9 us, 2048 x
 # 18432 51.2 -> 42.2; Quack 45.9).
+# "forward_raw": the held forward keeps its lanes as loaded (ForwardShape.hold_raw; sweep_cute's "forward held in
+# fp32" is the rule before it). Offline, sm_90a cubins of bf16 rows, registers a thread: P = 4096 with 32 lanes a
+# thread 48 -> 32, with 64 lanes (FORWARD_VALUES) 80 -> 48 (the CUDA forward's: 61); P = 128, 32 lanes 56 -> 40. Not
+# yet timed on a GPU.
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
-        "prefetch_threads": 512, "forward_trimmed": 40}
+        "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": True}
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
@@ -200,13 +221,14 @@ def tuned_shape(n: int, backward: bool, partials: bool = True, row_bound: int | 
     if not (hold or backward) and HOLD["forward"] and HOLD["forward_trimmed"] and p <= t.hold_max_p:
         s = forward_shape(n, t.min_threads, t.values)
         if s.live * s.piece <= HOLD["forward_trimmed"]:
-            return replace(s, hold=True, persistent=t.persistent)
+            return replace(s, hold=True, persistent=t.persistent, hold_raw=HOLD["forward_raw"])
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     if hold and not backward:
         values = FORWARD_VALUES.get(p, values)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
-                   hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch)
+                   hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch,
+                   hold_raw=hold and not backward and HOLD["forward_raw"])
 
 
 @dataclass
@@ -383,7 +405,9 @@ class RMSNormForward(_RowKernel):
             xrow = mX[r, None]
             part, held, wheld = [None] * s.k, [], []  # trimmed pieces: None parts (row_sum)
             for kk in cutlass.range_constexpr(s.live):
-                v = self._piece(xrow, kk, t, n, live)
+                raw = cute.make_rmem_tensor((s.piece,), xrow.element_type)
+                self._load_piece(xrow, kk, t, n, live, raw)
+                v = self._widen_piece(raw.load(), kk, t, n, live)
                 if const_expr(self.has_weight and s.hold_weight):
                     wheld.append(self._piece(mW, kk, t, n, live))
                 if const_expr(self.has_res):
@@ -391,17 +415,25 @@ class RMSNormForward(_RowKernel):
                     for i in cutlass.range_constexpr(s.piece):
                         v[i] = _round_to(_add(v[i], res[i]), self.norm_dtype)
                     self._store(mZ[r, None], kk, t, n, live, v)
+                    raw = cute.make_rmem_tensor((s.piece,), self.norm_dtype)  # z's values are D's: exact
+                    raw.store(v.load().to(self.norm_dtype))
                 part[kk] = _pair_tree([_mul(v[i], v[i]) for i in range(s.piece)])
-                held.append(v)
+                held.append(raw if const_expr(s.hold_raw) else v)
             if const_expr(self.has_res):
                 xrow = mZ[r, None]  # without hold, pass 2 reads z back: this thread's own lanes
             ss = row_sum(s, part, th, it % 2)
             rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
             if live & (t == 0):
                 mRstd[r] = rstd
+            if const_expr(s.hold and s.hold_raw and held[0].element_type.width < 32):
+                for raw in held:
+                    _launder(raw)
             # pass 2: y (the held lanes, or x read again: this thread's own lanes, from L1/L2; w read again)
             for kk in cutlass.range_constexpr(s.live):
-                xs = held[kk] if const_expr(s.hold) else self._piece(xrow, kk, t, n, live)
+                if const_expr(s.hold and s.hold_raw):
+                    xs = self._widen_piece(held[kk].load(), kk, t, n, live)
+                else:
+                    xs = held[kk] if const_expr(s.hold) else self._piece(xrow, kk, t, n, live)
                 if const_expr(self.has_weight):
                     ws = wheld[kk] if const_expr(s.hold_weight) else self._piece(mW, kk, t, n, live)
                 out = cute.make_rmem_tensor((s.piece,), Float32)
