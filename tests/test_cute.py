@@ -136,29 +136,34 @@ def _registers(tmp_path, op, args) -> int:
     return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
-@pytest.mark.parametrize("n, rows, saves", [(128, 1 << 18, True), (4096, 1 << 15, True), (18432, 2048, False)])
-def test_forward_holds_its_lanes_as_loaded(n, rows, saves, monkeypatch, fresh_shapes, tmp_path):
+@pytest.mark.parametrize("n, rows, saves, weight_first", [(128, 1 << 18, True, False), (4096, 1 << 15, True, False),
+                                                           (4096, 1 << 15, True, True), (18432, 2048, False, False)])
+def test_forward_holds_its_lanes_as_loaded(n, rows, saves, weight_first, monkeypatch, fresh_shapes, tmp_path):
     """HOLD["forward_raw"] (the default): the held forward keeps bf16 lanes as loaded between the passes (laundered:
     an empty asm per 32-bit word), so the compiler cannot keep pass 1's fp32 widening alive instead: a thread takes
     at least a quarter of its held lanes fewer registers than with the lanes held in fp32 (half, ideally; at N =
-    18432, 512 threads a row on a persistent grid, both take 64 with the DSL 4.8.1: never more). fp32
-    rows are held as they are, with no asm."""
+    18432, 512 threads a row on a persistent grid, both take 64 with the DSL 4.8.1: never more). With the weight
+    loaded beside the row (weight_first) its lanes are held the same way. fp32 rows are held as they are, with no
+    asm."""
     bf16 = cutlass.BFloat16
     s = K.tuned_shape(n, False, True, K.forward_row_bound(n, rows))
     assert s.hold and s.hold_raw
     for sub in ("ptx", "f32"):
         (tmp_path / sub).mkdir()
-    raw = _registers(tmp_path / "raw", *K.forward_args(n, bf16, bf16, bf16, "llama", True))
-    ptx = _compiled_ptx(tmp_path / "ptx", *K.forward_args(n, bf16, bf16, bf16, "llama", True))
-    assert ptx.count("begin inline asm") == s.live * s.piece // 2
+    held_lanes = s.live * s.piece * (2 if weight_first else 1)
+    raw = _registers(tmp_path / "raw", *K.forward_args(n, bf16, bf16, bf16, "llama", True, weight_first=weight_first))
+    ptx = _compiled_ptx(tmp_path / "ptx", *K.forward_args(n, bf16, bf16, bf16, "llama", True,
+                                                          weight_first=weight_first))
+    assert ptx.count("begin inline asm") == held_lanes // 2
     f32_ptx = _compiled_ptx(tmp_path / "f32", *K.forward_args(n, cutlass.Float32, cutlass.Float32, cutlass.Float32,
-                                                               "llama", True))
+                                                               "llama", True, weight_first=weight_first))
     assert "begin inline asm" not in f32_ptx
     monkeypatch.setitem(K.HOLD, "forward_raw", False)
     fresh_shapes()
     assert not K.tuned_shape(n, False, True, K.forward_row_bound(n, rows)).hold_raw
-    held_f32 = _registers(tmp_path / "held-f32", *K.forward_args(n, bf16, bf16, bf16, "llama", True))
-    assert raw <= held_f32 - (s.live * s.piece // 4 if saves else 0), (raw, held_f32)
+    held_f32 = _registers(tmp_path / "held-f32", *K.forward_args(n, bf16, bf16, bf16, "llama", True,
+                                                                 weight_first=weight_first))
+    assert raw <= held_f32 - (held_lanes // 4 if saves else 0), (raw, held_f32)
 
 
 @pytest.mark.parametrize("weight_first", [False, True])

@@ -106,9 +106,9 @@ class ForwardShape:
     # PIECE >= N), so their piece sums are the +0.0 canon_sum pads with and they are neither loaded, held nor
     # stored (the CUDA backend's trim). A kernel with kr < k is for its N's pieces only (its compile key holds N)
     kr: int = 0
-    # the forward with hold: its lanes held as loaded (x's dtype; with the fused add z rounded to D) and widened to
-    # fp32 again in pass 2, as the CUDA forward holds them: half the registers for bf16/fp16 rows (the widening is
-    # exact, so the bits are the same)
+    # the forward with hold: its lanes held as loaded (x's dtype; with the fused add z rounded to D; with hold_weight
+    # the weight's too) and widened to fp32 again in pass 2, as the CUDA forward holds them: half the registers for
+    # bf16/fp16 rows (the widening is exact, so the bits are the same)
     hold_raw: bool = False
 
     @property
@@ -408,7 +408,11 @@ class RMSNormForward(_RowKernel):
                 raw = cute.make_rmem_tensor((s.piece,), xrow.element_type)
                 self._load_piece(xrow, kk, t, n, live, raw)
                 v = self._widen_piece(raw.load(), kk, t, n, live)
-                if const_expr(self.has_weight and s.hold_weight):
+                if const_expr(self.has_weight and s.hold_weight and s.hold_raw):
+                    wraw = cute.make_rmem_tensor((s.piece,), mW.element_type)
+                    self._load_piece(mW, kk, t, n, live, wraw)
+                    wheld.append(wraw)
+                elif const_expr(self.has_weight and s.hold_weight):
                     wheld.append(self._piece(mW, kk, t, n, live))
                 if const_expr(self.has_res):
                     res = self._piece(mRes[r, None], kk, t, n, live)
@@ -425,16 +429,19 @@ class RMSNormForward(_RowKernel):
             rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
             if live & (t == 0):
                 mRstd[r] = rstd
-            if const_expr(s.hold and s.hold_raw and held[0].element_type.width < 32):
-                for raw in held:
-                    _launder(raw)
+            if const_expr(s.hold and s.hold_raw):
+                for raw in held + wheld:
+                    if const_expr(raw.element_type.width < 32):
+                        _launder(raw)
             # pass 2: y (the held lanes, or x read again: this thread's own lanes, from L1/L2; w read again)
             for kk in cutlass.range_constexpr(s.live):
                 if const_expr(s.hold and s.hold_raw):
                     xs = self._widen_piece(held[kk].load(), kk, t, n, live)
                 else:
                     xs = held[kk] if const_expr(s.hold) else self._piece(xrow, kk, t, n, live)
-                if const_expr(self.has_weight):
+                if const_expr(self.has_weight and s.hold_weight and s.hold_raw):
+                    ws = self._widen_piece(wheld[kk].load(), kk, t, n, live)
+                elif const_expr(self.has_weight):
                     ws = wheld[kk] if const_expr(s.hold_weight) else self._piece(mW, kk, t, n, live)
                 out = cute.make_rmem_tensor((s.piece,), Float32)
                 for i in cutlass.range_constexpr(s.piece):
