@@ -166,6 +166,33 @@ def test_forward_holds_its_lanes_as_loaded(n, rows, saves, weight_first, monkeyp
     assert raw <= held_f32 - (held_lanes // 4 if saves else 0), (raw, held_f32)
 
 
+@pytest.mark.parametrize("n", [128, 1000, 4096, 8192])
+@pytest.mark.parametrize("weight_first", [False, True])
+def test_staged_forward_copies_rows_into_shared_memory(n, weight_first, monkeypatch, fresh_shapes, tmp_path):
+    """HOLD["forward_staged"]: the held forward of 16-byte rows copies each of a thread's live pieces of x into shared
+    memory with cp.async (bypassing L1), the weight's too where it comes first, all before one wait, and reads them
+    there in both passes (no global load of x; the weight, where it comes after the sum, loaded in pass 2); only
+    rounded fp32 arithmetic. Rows that are not 16-byte aligned, and the fused add, keep the held path (no cp.async);
+    P = 16384 (past _STAGED_MAX_P) is not staged."""
+    monkeypatch.setitem(K.HOLD, "forward_staged", True)
+    fresh_shapes()
+    s = K.tuned_shape(n, False)
+    assert s.staged and s.hold and not s.persistent
+    assert not K.tuned_shape(16384, False).staged
+    bf16 = cutlass.BFloat16
+    ptx = _compiled_ptx(tmp_path, *K.forward_args(n, bf16, bf16, bf16, "llama", True, weight_first=weight_first))
+    copies = re.findall(r"cp\.async\.cg\.shared\.global", ptx)
+    assert len(copies) == s.live * (2 if weight_first else 1)
+    assert ptx.count("cp.async.wait_group") == 1 and ptx.count("cp.async.commit_group") == 1
+    assert ptx.index("cp.async.wait_group") > ptx.rindex("cp.async.cg")
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (0 if weight_first else s.live)
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+    for sub, args in (("scalar", K.forward_args(n, bf16, bf16, bf16, "llama", False)),
+                      ("fused", K.forward_args(n, bf16, bf16, bf16, "llama", True, bf16))):
+        (tmp_path / sub).mkdir()
+        assert "cp.async" not in _compiled_ptx(tmp_path / sub, *args)
+
+
 @pytest.mark.parametrize("weight_first", [False, True])
 def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, tmp_path):
     """With weight_first (K.FORWARD_WEIGHT_FIRST_ROWS: 512 rows at P = 4096) the held forward issues its weight
@@ -251,14 +278,15 @@ def test_forward_takes_the_table_entry_for_its_row_count(monkeypatch, fresh_shap
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [1000, 4096, 16384, 18432, 20000])
+@pytest.mark.parametrize("n", [128, 1000, 4096, 16384, 18432, 20000])
 @pytest.mark.parametrize("mode", ["llama", "gemma"])
 def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes):
     """The forward's shape choices the other way round from their defaults, against the reference: rows read twice
     where their trimmed lanes would be held (HOLD["forward_trimmed"] = 0) and the weight loaded with the row at every
     row count (the default: up to 512 rows at P = 4096, 128 at 8192), then the weight loaded after the row sum at
     every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES), then held lanes kept
-    in fp32 (HOLD["forward_raw"] off)."""
+    in fp32 (HOLD["forward_raw"] off), then x staged in shared memory (HOLD["forward_staged"]) with the weight after
+    the sum and with it staged beside x."""
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
     fresh_shapes()
@@ -271,6 +299,13 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     _check_forward(n, mode, seed)
     monkeypatch.setitem(K.HOLD, "forward_raw", False)  # held lanes kept in fp32 (the rule before HOLD's forward_raw)
     monkeypatch.setattr(K, "FORWARD_VALUES", {})
+    fresh_shapes()
+    _check_forward(n, mode, seed)
+    monkeypatch.setitem(K.HOLD, "forward_raw", True)
+    monkeypatch.setitem(K.HOLD, "forward_staged", True)  # x staged in shared memory, the weight after the sum
+    fresh_shapes()
+    _check_forward(n, mode, seed)
+    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})  # and the weight staged beside it
     fresh_shapes()
     _check_forward(n, mode, seed)
 
