@@ -172,8 +172,8 @@ def test_staged_forward_copies_rows_into_shared_memory(n, weight_first, monkeypa
     """HOLD["forward_staged"]: the held forward of 16-byte rows copies each of a thread's live pieces of x into shared
     memory with cp.async (bypassing L1), the weight's too where it comes first, all before one wait, and reads them
     there in both passes (no global load of x; the weight, where it comes after the sum, loaded in pass 2); only
-    rounded fp32 arithmetic. Rows that are not 16-byte aligned, and the fused add, keep the held path (no cp.async);
-    P = 16384 (past _STAGED_MAX_P) is not staged."""
+    rounded fp32 arithmetic. Rows that are not 16-byte aligned, the fused add and fp32 rows keep the held path (no
+    cp.async); an fp32 weight is loaded, not staged; P = 16384 (past _STAGED_MAX_P) is not staged."""
     monkeypatch.setitem(K.HOLD, "forward_staged", True)
     fresh_shapes()
     s = K.tuned_shape(n, False)
@@ -188,9 +188,17 @@ def test_staged_forward_copies_rows_into_shared_memory(n, weight_first, monkeypa
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (0 if weight_first else s.live)
     assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
     for sub, args in (("scalar", K.forward_args(n, bf16, bf16, bf16, "llama", False)),
-                      ("fused", K.forward_args(n, bf16, bf16, bf16, "llama", True, bf16))):
+                      ("fused", K.forward_args(n, bf16, bf16, bf16, "llama", True, bf16)),
+                      ("fp32", K.forward_args(n, cutlass.Float32, cutlass.Float32, cutlass.Float32, "llama", True,
+                                              weight_first=weight_first))):
         (tmp_path / sub).mkdir()
         assert "cp.async" not in _compiled_ptx(tmp_path / sub, *args)
+    # pieces of 8 fp32 lanes (32 bytes) are not staged: an fp32 weight is loaded into registers beside staged bf16 x
+    (tmp_path / "w32").mkdir()
+    ptx = _compiled_ptx(tmp_path / "w32", *K.forward_args(n, bf16, cutlass.Float32, bf16, "llama", True,
+                                                          weight_first=weight_first))
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == s.live
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2 * s.live
 
 
 @pytest.mark.parametrize("weight_first", [False, True])
@@ -308,6 +316,29 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})  # and the weight staged beside it
     fresh_shapes()
     _check_forward(n, mode, seed)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [128, 4096])
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.float32, torch.float32), (torch.float16, torch.bfloat16)])
+def test_staged_forward_mixed_dtypes_bitwise_on_gpu(n, x_dtype, w_dtype, seed, monkeypatch, fresh_shapes):
+    """The staged forward (HOLD["forward_staged"]) with the weight staged beside x or loaded (fp32 weights), and fp32
+    rows on the held path, against the reference, Gemma offset."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    monkeypatch.setitem(K.HOLD, "forward_staged", True)
+    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
+    fresh_shapes()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for rows in (1, 3000):
+        x = torch.randn(rows, n, device="cuda", generator=g).to(x_dtype)
+        w = (torch.randn(n, device="cuda", generator=g) * 0.01).to(w_dtype)
+        spec = make_spec(x_dtype, 1e-6, 1.0, "gemma", x_dtype)
+        want_y, want_rstd, _ = get_backend("torch").rms_norm_fwd(x, w, None, spec)
+        y, rstd, _ = K.forward(x, w, 1e-6, 1.0, "gemma", x_dtype)
+        assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n} {x_dtype} {w_dtype}"
 
 
 def _check_forward(n: int, mode: str, seed: int) -> None:

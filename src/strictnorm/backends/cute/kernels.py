@@ -111,8 +111,8 @@ class ForwardShape:
     # bf16/fp16 rows (the widening is exact, so the bits are the same)
     hold_raw: bool = False
     # the forward of 16-byte rows (vector) without a residual: x's pieces copied into shared memory by cp.async (a
-    # thread's pieces all issued, then the weight's loads where it comes first, one wait) and both passes reading
-    # them there, so the loads in flight hold no registers (Quack's forward); on a grid that is not persistent only
+    # thread's pieces all issued, the weight's too where it comes first, then one wait) and both passes reading them
+    # there, so the loads in flight hold no registers (Quack's forward); on a grid that is not persistent only
     staged: bool = False
 
     @property
@@ -389,8 +389,6 @@ class _RowKernel:
                 if ok & (col < n):
                     line[col] = raw[i]
 
-
-
     @cute.jit
     def _stage_piece(self, line: cute.Tensor, stage_row: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32,
                      ok: cutlass.Boolean) -> None:
@@ -439,8 +437,10 @@ class RMSNormForward(_RowKernel):
     def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor,
                mRstd: cute.Tensor, rows: Int32, n: Int32, eps: Float32, offset: Float32):
         s = self.s
-        staged = s.staged and self.vector and not self.has_res  # trace-time: the staged path (ForwardShape.staged)
-        stage_w = staged and self.has_weight and s.hold_weight  # the weight staged beside x
+        # trace-time: the staged path (ForwardShape.staged) for pieces of 16 bytes, one cp.async each (a piece of 8
+        # fp32 lanes took one 16-byte copy, half the piece, in the DSL 4.8.1: such rows and weights are not staged)
+        staged = s.staged and self.vector and not self.has_res and mX.element_type.width * s.piece == 128
+        stage_w = staged and self.has_weight and s.hold_weight and mW.element_type.width * s.piece == 128
         th = thread_place(s, rows, ((mX.element_type,) + ((mW.element_type,) if const_expr(stage_w) else ()))
                           if const_expr(staged) else ())
         t = th.t
@@ -470,14 +470,13 @@ class RMSNormForward(_RowKernel):
                     raw = cute.make_rmem_tensor((s.piece,), xrow.element_type)
                     self._load_piece(xrow, kk, t, n, live, raw)
                     v = self._widen_piece(raw.load(), kk, t, n, live)
-                if const_expr(staged):
-                    pass  # the weight (where it comes first) is staged above, beside x
-                elif const_expr(self.has_weight and s.hold_weight and s.hold_raw):
-                    wraw = cute.make_rmem_tensor((s.piece,), mW.element_type)
-                    self._load_piece(mW, kk, t, n, live, wraw)
-                    wheld.append(wraw)
-                elif const_expr(self.has_weight and s.hold_weight):
-                    wheld.append(self._piece(mW, kk, t, n, live))
+                if const_expr(self.has_weight and s.hold_weight and not stage_w):  # (stage_w: beside x, above)
+                    if const_expr(s.hold_raw):
+                        wraw = cute.make_rmem_tensor((s.piece,), mW.element_type)
+                        self._load_piece(mW, kk, t, n, live, wraw)
+                        wheld.append(wraw)
+                    else:
+                        wheld.append(self._piece(mW, kk, t, n, live))
                 if const_expr(self.has_res):
                     res = self._piece(mRes[r, None], kk, t, n, live)
                     for i in cutlass.range_constexpr(s.piece):
