@@ -6,9 +6,13 @@ next row prefetched into registers (where rows are held), also with rows of up t
 up to 16 a thread (K.PARTIALS_MAX_VALUES; past it the strict fold serves dw="fast": rows of P <= 8192, the rule
 before run 17); for the forward, rows past 256 threads' hold read twice (HOLD["forward_trimmed"] = 0, the rule before
 run 18), the weight loaded with the row at every row count or at none (K.FORWARD_WEIGHT_FIRST_ROWS), and rows of
-4096 held by 64 threads, 64 lanes each, with or without it, and rows of 128 held by 16 or 8 threads, 8 or 16 lanes each
+4096 held by 64 threads, 64 lanes each, with or without it, or by 256 threads, 16 lanes each (the Triton forward's
+shape from 2048 rows), and rows of 128 held by 16 or 8 threads, 8 or 16 lanes each
 (K.FORWARD_VALUES), the forward at the CUDA table's unbounded entry at every row count (K.FORWARD_ROW_BOUNDS empty,
-the rule up to run 41), and rows of 128 at the few-rows entry's shape at every row count (Quack's).
+the rule up to run 41), rows of 128 at the few-rows entry's shape at every row count (Quack's), and the held
+forward's lanes kept in fp32 between the passes (HOLD["forward_raw"] off, the rule before it; with 64 lanes too),
+and x staged in shared memory by cp.async (HOLD["forward_staged"]), with the weight after the sum or staged beside x
+at every row count (Quack's forward).
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -49,6 +53,12 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "forward 64 a thread": {**DEFAULT, "forward_values": {4096: 64}},
             "forward 64 a thread + weight first": {**DEFAULT, "forward_values": {4096: 64},
                                                   "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
+            "forward held in fp32": {**DEFAULT, "forward_raw": False},
+            "forward 64 a thread held in fp32": {**DEFAULT, "forward_values": {4096: 64}, "forward_raw": False},
+            "forward 16 a thread at 4096": {**DEFAULT, "forward_values": {4096: 16}},
+            "forward staged": {**DEFAULT, "forward_staged": True},
+            "forward staged + weight first": {**DEFAULT, "forward_staged": True,
+                                              "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
             "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
             "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}},
             "forward unbounded": {**DEFAULT, "forward_row_bounds": frozenset(),
@@ -59,6 +69,8 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "forward few-rows shape at 128": {**DEFAULT, "fwd_table": {128: ((None, FWD_TABLE[128][0][1]),)},
                                               "weight_first_rows": {**K.FORWARD_WEIGHT_FIRST_ROWS, 128: 1 << 40}}}
 FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum", "forward 64 a thread",
+                "forward held in fp32", "forward 64 a thread held in fp32", "forward 16 a thread at 4096",
+                "forward staged", "forward staged + weight first",
                 "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128",
                 "forward unbounded", "forward few-rows shape at 128")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS

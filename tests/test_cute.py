@@ -117,6 +117,90 @@ def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, fresh_shap
     assert not K.tuned_shape(18432, False).hold
 
 
+def _registers(tmp_path, op, args) -> int:
+    """Registers a thread of the sm_90a cubin takes (cuobjdump from Triton's install)."""
+    import pathlib
+    import subprocess
+
+    import cutlass.cute as cute
+
+    triton = pytest.importorskip("triton")
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump in this Triton install")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cute.compile(op, *args, options=f"--keep-cubin --dump-dir {tmp_path}")
+    (cubin,) = list(tmp_path.glob("*.cubin"))
+    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+@pytest.mark.parametrize("n, rows, saves, weight_first", [(128, 1 << 18, True, False), (4096, 1 << 15, True, False),
+                                                           (4096, 1 << 15, True, True), (18432, 2048, False, False)])
+def test_forward_holds_its_lanes_as_loaded(n, rows, saves, weight_first, monkeypatch, fresh_shapes, tmp_path):
+    """HOLD["forward_raw"] (the default): the held forward keeps bf16 lanes as loaded between the passes (laundered:
+    an empty asm per 32-bit word), so the compiler cannot keep pass 1's fp32 widening alive instead: a thread takes
+    at least a quarter of its held lanes fewer registers than with the lanes held in fp32 (half, ideally; at N =
+    18432, 512 threads a row on a persistent grid, both take 64 with the DSL 4.8.1: never more). With the weight
+    loaded beside the row (weight_first) its lanes are held the same way. fp32 rows are held as they are, with no
+    asm."""
+    bf16 = cutlass.BFloat16
+    s = K.tuned_shape(n, False, True, K.forward_row_bound(n, rows))
+    assert s.hold and s.hold_raw
+    for sub in ("ptx", "f32"):
+        (tmp_path / sub).mkdir()
+    held_lanes = s.live * s.piece * (2 if weight_first else 1)
+    raw = _registers(tmp_path / "raw", *K.forward_args(n, bf16, bf16, bf16, "llama", True, weight_first=weight_first))
+    ptx = _compiled_ptx(tmp_path / "ptx", *K.forward_args(n, bf16, bf16, bf16, "llama", True,
+                                                          weight_first=weight_first))
+    assert ptx.count("begin inline asm") == held_lanes // 2
+    f32_ptx = _compiled_ptx(tmp_path / "f32", *K.forward_args(n, cutlass.Float32, cutlass.Float32, cutlass.Float32,
+                                                               "llama", True, weight_first=weight_first))
+    assert "begin inline asm" not in f32_ptx
+    monkeypatch.setitem(K.HOLD, "forward_raw", False)
+    fresh_shapes()
+    assert not K.tuned_shape(n, False, True, K.forward_row_bound(n, rows)).hold_raw
+    held_f32 = _registers(tmp_path / "held-f32", *K.forward_args(n, bf16, bf16, bf16, "llama", True,
+                                                                 weight_first=weight_first))
+    assert raw <= held_f32 - (held_lanes // 4 if saves else 0), (raw, held_f32)
+
+
+@pytest.mark.parametrize("n", [128, 1000, 4096, 8192])
+@pytest.mark.parametrize("weight_first", [False, True])
+def test_staged_forward_copies_rows_into_shared_memory(n, weight_first, monkeypatch, fresh_shapes, tmp_path):
+    """HOLD["forward_staged"]: the held forward of 16-byte rows copies each of a thread's live pieces of x into shared
+    memory with cp.async (bypassing L1), the weight's too where it comes first, all before one wait, and reads them
+    there in both passes (no global load of x; the weight, where it comes after the sum, loaded in pass 2); only
+    rounded fp32 arithmetic. Rows that are not 16-byte aligned, the fused add and fp32 rows keep the held path (no
+    cp.async); an fp32 weight is loaded, not staged; P = 16384 (past _STAGED_MAX_P) is not staged."""
+    monkeypatch.setitem(K.HOLD, "forward_staged", True)
+    fresh_shapes()
+    s = K.tuned_shape(n, False)
+    assert s.staged and s.hold and not s.persistent
+    assert not K.tuned_shape(16384, False).staged
+    bf16 = cutlass.BFloat16
+    ptx = _compiled_ptx(tmp_path, *K.forward_args(n, bf16, bf16, bf16, "llama", True, weight_first=weight_first))
+    copies = re.findall(r"cp\.async\.cg\.shared\.global", ptx)
+    assert len(copies) == s.live * (2 if weight_first else 1)
+    assert ptx.count("cp.async.wait_group") == 1 and ptx.count("cp.async.commit_group") == 1
+    assert ptx.index("cp.async.wait_group") > ptx.rindex("cp.async.cg")
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (0 if weight_first else s.live)
+    assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
+    for sub, args in (("scalar", K.forward_args(n, bf16, bf16, bf16, "llama", False)),
+                      ("fused", K.forward_args(n, bf16, bf16, bf16, "llama", True, bf16)),
+                      ("fp32", K.forward_args(n, cutlass.Float32, cutlass.Float32, cutlass.Float32, "llama", True,
+                                              weight_first=weight_first))):
+        (tmp_path / sub).mkdir()
+        assert "cp.async" not in _compiled_ptx(tmp_path / sub, *args)
+    # pieces of 8 fp32 lanes (32 bytes) are not staged: an fp32 weight is loaded into registers beside staged bf16 x
+    (tmp_path / "w32").mkdir()
+    ptx = _compiled_ptx(tmp_path / "w32", *K.forward_args(n, bf16, cutlass.Float32, bf16, "llama", True,
+                                                          weight_first=weight_first))
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == s.live
+    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2 * s.live
+
+
 @pytest.mark.parametrize("weight_first", [False, True])
 def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, tmp_path):
     """With weight_first (K.FORWARD_WEIGHT_FIRST_ROWS: 512 rows at P = 4096) the held forward issues its weight
@@ -202,13 +286,15 @@ def test_forward_takes_the_table_entry_for_its_row_count(monkeypatch, fresh_shap
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [1000, 4096, 16384, 18432, 20000])
+@pytest.mark.parametrize("n", [128, 1000, 4096, 16384, 18432, 20000])
 @pytest.mark.parametrize("mode", ["llama", "gemma"])
 def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes):
     """The forward's shape choices the other way round from their defaults, against the reference: rows read twice
     where their trimmed lanes would be held (HOLD["forward_trimmed"] = 0) and the weight loaded with the row at every
     row count (the default: up to 512 rows at P = 4096, 128 at 8192), then the weight loaded after the row sum at
-    every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES)."""
+    every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES), then held lanes kept
+    in fp32 (HOLD["forward_raw"] off), then x staged in shared memory (HOLD["forward_staged"]) with the weight after
+    the sum and with it staged beside x."""
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
     fresh_shapes()
@@ -219,6 +305,40 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     monkeypatch.setattr(K, "FORWARD_VALUES", {next_pow2(n): 64})  # rows held by fewer threads (a sweep variant)
     fresh_shapes()
     _check_forward(n, mode, seed)
+    monkeypatch.setitem(K.HOLD, "forward_raw", False)  # held lanes kept in fp32 (the rule before HOLD's forward_raw)
+    monkeypatch.setattr(K, "FORWARD_VALUES", {})
+    fresh_shapes()
+    _check_forward(n, mode, seed)
+    monkeypatch.setitem(K.HOLD, "forward_raw", True)
+    monkeypatch.setitem(K.HOLD, "forward_staged", True)  # x staged in shared memory, the weight after the sum
+    fresh_shapes()
+    _check_forward(n, mode, seed)
+    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})  # and the weight staged beside it
+    fresh_shapes()
+    _check_forward(n, mode, seed)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [128, 4096])
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.float32, torch.float32), (torch.float16, torch.bfloat16)])
+def test_staged_forward_mixed_dtypes_bitwise_on_gpu(n, x_dtype, w_dtype, seed, monkeypatch, fresh_shapes):
+    """The staged forward (HOLD["forward_staged"]) with the weight staged beside x or loaded (fp32 weights), and fp32
+    rows on the held path, against the reference, Gemma offset."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    monkeypatch.setitem(K.HOLD, "forward_staged", True)
+    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
+    fresh_shapes()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for rows in (1, 3000):
+        x = torch.randn(rows, n, device="cuda", generator=g).to(x_dtype)
+        w = (torch.randn(n, device="cuda", generator=g) * 0.01).to(w_dtype)
+        spec = make_spec(x_dtype, 1e-6, 1.0, "gemma", x_dtype)
+        want_y, want_rstd, _ = get_backend("torch").rms_norm_fwd(x, w, None, spec)
+        y, rstd, _ = K.forward(x, w, 1e-6, 1.0, "gemma", x_dtype)
+        assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n} {x_dtype} {w_dtype}"
 
 
 def _check_forward(n: int, mode: str, seed: int) -> None:
@@ -725,3 +845,19 @@ def test_backward_grid_blocks_per_sm(monkeypatch):
     assert K._grid(shape, 100_000, dev, 2, sms_left=500) == 2  # one SM's worth at least
     assert [K.backward_blocks_per_sm(n) for n in (100, 4096, 5000, 8192, 18432, 65536)] == [4, 2, 1, 1, 1, 0]
     assert [K.backward_blocks_per_sm(n, partials=False) for n in (100, 4096, 8192)] == [0, 0, 2]  # without partials
+
+
+def test_sweep_variants_name_known_choices(monkeypatch):
+    """bench/sweep_cute.py's variants: names without a comma (SWEEP_VARIANTS splits on commas), forward-only names
+    among them, and every key a choice use() sets or a key of K.HOLD (a misspelt key would add a HOLD entry nothing
+    reads, and the variant would time the defaults under its name)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    import sweep_cute
+
+    popped = {"trim", "partials_max_values", "weight_first_rows", "forward_values", "forward_row_bounds", "fwd_table"}
+    assert set(sweep_cute.FORWARD_ONLY) <= set(sweep_cute.VARIANTS)
+    for name, variant in sweep_cute.VARIANTS.items():
+        assert "," not in name
+        assert set(variant) - popped <= set(K.HOLD), name

@@ -35,7 +35,9 @@ import cuda.bindings.driver as cuda_driver
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.math import RoundingMode
+from cutlass.cutlass_dsl import T
 
 from ...reference import next_pow2
 from ..base import MODE_CODES
@@ -62,6 +64,17 @@ def _round_to(v, dtype):
     if const_expr(dtype == Float32):
         return v
     return v.to(dtype).to(Float32)
+
+
+@cute.jit
+def _launder(raw: cute.Tensor) -> None:
+    """Hides a held piece's 32-bit words from the optimizer at this point (rms_norm.cu's launder): without it the
+    compiler keeps pass 1's fp32 widening alive for pass 2 instead of the words as loaded. An empty asm: no
+    instruction, the same values."""
+    words = cute.recast_tensor(raw, Int32)
+    for j in cutlass.range_constexpr(cute.size(words)):
+        words[j] = Int32(llvm.inline_asm(T.i32(), [words[j].ir_value()], "", "=r,0", has_side_effects=True,
+                                         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def _pair_tree(values: list):
@@ -93,6 +106,14 @@ class ForwardShape:
     # PIECE >= N), so their piece sums are the +0.0 canon_sum pads with and they are neither loaded, held nor
     # stored (the CUDA backend's trim). A kernel with kr < k is for its N's pieces only (its compile key holds N)
     kr: int = 0
+    # the forward with hold: its lanes held as loaded (x's dtype; with the fused add z rounded to D; with hold_weight
+    # the weight's too) and widened to fp32 again in pass 2, as the CUDA forward holds them: half the registers for
+    # bf16/fp16 rows (the widening is exact, so the bits are the same)
+    hold_raw: bool = False
+    # the forward of 16-byte rows (vector) without a residual: x's pieces copied into shared memory by cp.async (a
+    # thread's pieces all issued, the weight's too where it comes first, then one wait) and both passes reading them
+    # there, so the loads in flight hold no registers (Quack's forward); on a grid that is not persistent only
+    staged: bool = False
 
     @property
     def threads(self) -> int:
@@ -125,8 +146,14 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # 512 threads, 32 lanes each, N = 18432 by 512, 40 live lanes each, as the CUDA forward (bench/results/
 # 2026-12-01-h200-run18, call b, sweep_cute "forward held trimmed", bitwise: 4096 x 16384 76.6 -> 71.9 us, 2048 x
 # 18432 51.2 -> 42.2; Quack 45.9).
+# "forward_raw": the held forward keeps its lanes as loaded (ForwardShape.hold_raw; sweep_cute's "forward held in
+# fp32" is the rule before it). Offline, sm_90a cubins of bf16 rows, registers a thread: P = 4096 with 32 lanes a
+# thread 48 -> 32, with 64 lanes (FORWARD_VALUES) 80 -> 48 (the CUDA forward's: 61); P = 128, 32 lanes 56 -> 40. Not
+# yet timed on a GPU.
+# "forward_staged": the held forward of P <= _STAGED_MAX_P on a grid that is not persistent stages x in shared memory
+# (ForwardShape.staged; sweep_cute's "forward staged"). Off until timed on a GPU.
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
-        "prefetch_threads": 512, "forward_trimmed": 40}
+        "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": True, "forward_staged": False}
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
@@ -142,6 +169,8 @@ FORWARD_VALUES: dict[int, int] = {}
 
 # whether shapes trim the pieces wholly past N (ForwardShape.kr; the same bits either way)
 TRIM = True
+# the longest padded rows a staged forward takes (a block's rows in shared memory: 16 KB a row of bf16 at P = 8192)
+_STAGED_MAX_P = 8192
 
 
 def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardShape:
@@ -200,13 +229,15 @@ def tuned_shape(n: int, backward: bool, partials: bool = True, row_bound: int | 
     if not (hold or backward) and HOLD["forward"] and HOLD["forward_trimmed"] and p <= t.hold_max_p:
         s = forward_shape(n, t.min_threads, t.values)
         if s.live * s.piece <= HOLD["forward_trimmed"]:
-            return replace(s, hold=True, persistent=t.persistent)
+            return replace(s, hold=True, persistent=t.persistent, hold_raw=HOLD["forward_raw"])
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     if hold and not backward:
         values = FORWARD_VALUES.get(p, values)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
+    staged = hold and not (backward or t.persistent) and HOLD["forward_staged"] and p <= _STAGED_MAX_P
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
-                   hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch)
+                   hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch,
+                   hold_raw=hold and not backward and HOLD["forward_raw"], staged=staged)
 
 
 @dataclass
@@ -221,23 +252,31 @@ class _Thread:
     block: object
     blocks: object
     iters: object  # grid-stride iterations over groups of RPB rows (the same for the whole block)
+    stages: list | None = None  # a staged forward's rows in shared memory (thread_place)
 
     def row(self, s: ForwardShape, it):
         return (self.block + it * self.blocks) * s.rpb + self.slot
 
 
-def thread_place(s: ForwardShape, rows) -> _Thread:
+def thread_place(s: ForwardShape, rows, stage_dtypes: tuple = ()) -> _Thread:
+    """The thread's place; for each of stage_dtypes, a block's staging rows in shared memory too (a staged forward:
+    (RPB, the live pieces' lanes) of x's dtype, and of the weight's where it comes first; from the same allocator as
+    the reduction's scratch)."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
-    scratch = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout((2, s.rpb, s.subtrees)), 16)
+    smem = cutlass.memory.SmemAllocator()
+    scratch = smem.allocate_tensor(Float32, cute.make_layout((2, s.rpb, s.subtrees)), 16)
+    lanes = s.live * s.tpr * s.piece
+    stages = [smem.allocate_tensor(dtype, cute.make_layout((s.rpb, lanes), stride=(lanes, 1)), 16)
+              for dtype in stage_dtypes]
     # a grid that is not persistent has a block for each row group (_grid): one iteration, no trip count to divide
     # out before the first load
     iters = 1
     if const_expr(s.persistent):
         iters = ((rows + s.rpb - 1) // s.rpb - bidx + gdim - 1) // gdim
     return _Thread(t=tidx % s.tpr, slot=tidx // s.tpr, lane=tidx % _WARP, warp_in_row=(tidx % s.tpr) // _WARP,
-                   scratch=scratch, block=bidx, blocks=gdim, iters=iters)
+                   scratch=scratch, block=bidx, blocks=gdim, iters=iters, stages=stages)
 
 
 def row_sum(s: ForwardShape, part: list, th: _Thread, parity):
@@ -350,6 +389,31 @@ class _RowKernel:
                 if ok & (col < n):
                     line[col] = raw[i]
 
+    @cute.jit
+    def _stage_piece(self, line: cute.Tensor, stage_row: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32,
+                     ok: cutlass.Boolean) -> None:
+        """Piece kk of thread t of a 16-byte row copied into its place in stage_row (shared memory) by cp.async;
+        zeros there past N or when not ok (16-byte rows only: vector)."""
+        s = self.s
+        idx = kk * s.tpr + t
+        dst = cute.zipped_divide(stage_row, (s.piece,))[None, idx]
+        if ok & (idx * s.piece < n):
+            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                      line.element_type, num_bits_per_copy=128)
+            cute.copy(atom, cute.zipped_divide(line, (s.piece,))[None, idx], dst)
+        else:
+            zeros = cute.make_rmem_tensor((s.piece,), line.element_type)
+            zeros.fill(0)
+            cute.autovec_copy(zeros, dst)
+
+    @cute.jit
+    def _staged_piece(self, stage_row: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32,
+                      ok: cutlass.Boolean) -> cute.Tensor:
+        """Piece kk of thread t from stage_row (_stage_piece's copy, landed), widened to fp32."""
+        s = self.s
+        raw = cute.make_rmem_tensor((s.piece,), stage_row.element_type)
+        cute.autovec_copy(cute.zipped_divide(stage_row, (s.piece,))[None, kk * s.tpr + t], raw)
+        return self._widen_piece(raw.load(), kk, t, n, ok)
 
 
 class RMSNormForward(_RowKernel):
@@ -373,7 +437,12 @@ class RMSNormForward(_RowKernel):
     def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor,
                mRstd: cute.Tensor, rows: Int32, n: Int32, eps: Float32, offset: Float32):
         s = self.s
-        th = thread_place(s, rows)
+        # trace-time: the staged path (ForwardShape.staged) for pieces of 16 bytes, one cp.async each (a piece of 8
+        # fp32 lanes took one 16-byte copy, half the piece, in the DSL 4.8.1: such rows and weights are not staged)
+        staged = s.staged and self.vector and not self.has_res and mX.element_type.width * s.piece == 128
+        stage_w = staged and self.has_weight and s.hold_weight and mW.element_type.width * s.piece == 128
+        th = thread_place(s, rows, ((mX.element_type,) + ((mW.element_type,) if const_expr(stage_w) else ()))
+                          if const_expr(staged) else ())
         t = th.t
         for it in cutlass.range(th.iters):
             row = th.row(s, it)
@@ -382,27 +451,65 @@ class RMSNormForward(_RowKernel):
             # pass 1: z (x, or rd(x + residual) stored as residual_out), its squares, the piece trees
             xrow = mX[r, None]
             part, held, wheld = [None] * s.k, [], []  # trimmed pieces: None parts (row_sum)
+            if const_expr(staged):
+                # every piece's copy issued (the weight's too where it comes first), then one wait; the weight loaded
+                # into registers here instead would sink past the row sum (ptxas places the loads by their use)
+                stage_row = th.stages[0][th.slot, None]
+                for kk in cutlass.range_constexpr(s.live):
+                    self._stage_piece(xrow, stage_row, kk, t, n, live)
+                if const_expr(stage_w):
+                    wstage_row = th.stages[1][th.slot, None]
+                    for kk in cutlass.range_constexpr(s.live):
+                        self._stage_piece(mW, wstage_row, kk, t, n, live)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
             for kk in cutlass.range_constexpr(s.live):
-                v = self._piece(xrow, kk, t, n, live)
-                if const_expr(self.has_weight and s.hold_weight):
-                    wheld.append(self._piece(mW, kk, t, n, live))
+                if const_expr(staged):
+                    v = self._staged_piece(stage_row, kk, t, n, live)
+                else:
+                    raw = cute.make_rmem_tensor((s.piece,), xrow.element_type)
+                    self._load_piece(xrow, kk, t, n, live, raw)
+                    v = self._widen_piece(raw.load(), kk, t, n, live)
+                if const_expr(self.has_weight and s.hold_weight and not stage_w):  # (stage_w: beside x, above)
+                    if const_expr(s.hold_raw):
+                        wraw = cute.make_rmem_tensor((s.piece,), mW.element_type)
+                        self._load_piece(mW, kk, t, n, live, wraw)
+                        wheld.append(wraw)
+                    else:
+                        wheld.append(self._piece(mW, kk, t, n, live))
                 if const_expr(self.has_res):
                     res = self._piece(mRes[r, None], kk, t, n, live)
                     for i in cutlass.range_constexpr(s.piece):
                         v[i] = _round_to(_add(v[i], res[i]), self.norm_dtype)
                     self._store(mZ[r, None], kk, t, n, live, v)
+                    raw = cute.make_rmem_tensor((s.piece,), self.norm_dtype)  # z's values are D's: exact
+                    raw.store(v.load().to(self.norm_dtype))
                 part[kk] = _pair_tree([_mul(v[i], v[i]) for i in range(s.piece)])
-                held.append(v)
+                if const_expr(not staged):
+                    held.append(raw if const_expr(s.hold_raw) else v)
             if const_expr(self.has_res):
                 xrow = mZ[r, None]  # without hold, pass 2 reads z back: this thread's own lanes
             ss = row_sum(s, part, th, it % 2)
             rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
             if live & (t == 0):
                 mRstd[r] = rstd
-            # pass 2: y (the held lanes, or x read again: this thread's own lanes, from L1/L2; w read again)
+            if const_expr(s.hold and s.hold_raw):
+                for raw in held + wheld:
+                    if const_expr(raw.element_type.width < 32):
+                        _launder(raw)
+            # pass 2: y (the held or staged lanes, or x read again: this thread's own lanes, from L1/L2; w read again)
             for kk in cutlass.range_constexpr(s.live):
-                xs = held[kk] if const_expr(s.hold) else self._piece(xrow, kk, t, n, live)
-                if const_expr(self.has_weight):
+                if const_expr(staged):
+                    xs = self._staged_piece(stage_row, kk, t, n, live)
+                elif const_expr(s.hold and s.hold_raw):
+                    xs = self._widen_piece(held[kk].load(), kk, t, n, live)
+                else:
+                    xs = held[kk] if const_expr(s.hold) else self._piece(xrow, kk, t, n, live)
+                if const_expr(stage_w):
+                    ws = self._staged_piece(wstage_row, kk, t, n, live)
+                elif const_expr(self.has_weight and s.hold_weight and s.hold_raw):
+                    ws = self._widen_piece(wheld[kk].load(), kk, t, n, live)
+                elif const_expr(self.has_weight):
                     ws = wheld[kk] if const_expr(s.hold_weight) else self._piece(mW, kk, t, n, live)
                 out = cute.make_rmem_tensor((s.piece,), Float32)
                 for i in cutlass.range_constexpr(s.piece):
