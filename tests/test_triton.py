@@ -439,6 +439,28 @@ def test_forward_weight_first_and_column_chunks_give_the_reference_bits(n, split
     _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
 
 
+@pytest.mark.parametrize("n, split, qk, w_first, persistent", [(128, False, False, False, False),
+                                                                (100, False, True, False, False),
+                                                                (40, True, False, True, False),
+                                                                (64, False, False, False, True),
+                                                                (5, False, True, True, True)])
+def test_forward_weight_in_the_rows_layout_gives_the_reference_bits(n, split, qk, w_first, persistent, seed,
+                                                                     monkeypatch):
+    """TileChoice.w_rows (the forward's shared weight loaded as (rows, lanes) in the rows' layout) against the
+    reference: one or two column tiles, fused add or per-head weights (which are loaded per row already), the weight
+    first or after the sum, the persistent grid (the weight loaded once a program)."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    choice = tb.TileChoice(rows=4, num_warps=2, w_first=w_first, split=split, w_rows=True, prefetch=persistent)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {next_pow2(n): choice}, "bwd": {}})
+    monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+    tile = tb.row_tile(n, "fwd")
+    assert tile.w_rows and tile.forward_constexprs()["W_ROWS"] and tile.forward_persistent == persistent
+    x, w, dy, kw = _per_head_or_fused_case(n, qk, 11, "strict", g)
+    _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+
+
 def test_register_bound_reaches_the_launch_options_and_keeps_the_bits(seed, monkeypatch):
     """TileChoice.max_registers becomes Triton's maxnreg in both directions' launch options (absent where 0); the
     interpreter drops it, so here the plan's options and the bits are checked (the bound's effect on the GPU:
