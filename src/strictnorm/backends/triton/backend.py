@@ -120,8 +120,9 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # P = 128 to 16384 rows: 16 rows of 8 warps a program (bench/results/2026-12-03-h200-run33, call c, and run34,
     # call d; every configuration bitwise: 16384 x 128 3.80 -> 3.55 us and 3.84 -> 3.58, 4096 x 128 2.34 -> 2.21);
     # past them 8 rows of 2 warps (at 65536 rows 16 x 8 took 11.0 us against 10.5; at 262144 and more no one tile
-    # was ahead in both runs)
-    "fwd": {128: ((16384, TileChoice(rows=16, num_warps=8)), (None, TileChoice(rows=8, num_warps=2))),
+    # was ahead in both runs), the weight loaded in the rows' layout (w_rows: compiled for sm_90 by Triton 3.6, 3 -> 1
+    # barriers a program, 40 registers either way; not yet timed on a GPU)
+    "fwd": {128: ((16384, TileChoice(rows=16, num_warps=8)), (None, TileChoice(rows=8, num_warps=2, w_rows=True))),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
                    (None, TileChoice(rows=2, num_warps=8, warp_blocks=True))),
