@@ -10,6 +10,10 @@ of 4096 without its rstd store, 22% slower on an H200). ptxas ships with triton,
 machine with the same triton version gets. Usage: python bench/compile_probe.py [N[@ROWS] ...] (ROWS: the
 table's entry for that row count; default its unbounded one)
 
+    python bench/compile_probe.py --weight-layout N ROWS WARPS
+prints, as JSON, the forward of bf16 rows with its shared weight loaded as one row and in the rows' layout
+(TileChoice.w_rows): each one's bar.sync count and registers.
+
     python bench/compile_probe.py --warp-blocks N ROWS WARPS
 prints, as JSON, the forward of bf16 rows (with and without a residual) and the backward (with and without the
 residual's gradient; the fast dW's partials where rows of N take them) compiled with the row's columns in order and
@@ -146,9 +150,27 @@ def warp_block_kernels(n: int, rows: int, warps: int) -> dict:
     return out
 
 
+def weight_layout_kernels(n: int, rows: int, warps: int) -> dict:
+    """The forward of `rows` bf16 rows of N (a power of two) a program at `warps` warps with the shared weight loaded
+    as one row and in the rows' layout (TileChoice.w_rows): {"weight row" | "weight in the rows' layout": {"barriers":
+    count, "registers": count}}."""
+    out = {}
+    for w_rows in (False, True):
+        tile = tb.RowTile(rows, n, 0, warps, w_rows=w_rows)
+        const = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1, YDT=1, HAS_RES=False,
+                     MEAN_SCALE=exact_mean_scale(n), **tile.forward_constexprs(piece=8))
+        c = _compile(k.rms_fwd_kernel, _FWD_SIG, const, warps)[0]
+        out["weight in the rows' layout" if w_rows else "weight row"] = {
+            "barriers": c.asm["ptx"].count("bar.sync"), "registers": _registers(c.asm["cubin"])}
+    return out
+
+
 def main(args: list[str]) -> None:
     if args[:1] == ["--warp-blocks"]:
         print(json.dumps(warp_block_kernels(*(int(v) for v in args[1:4]))))
+        return
+    if args[:1] == ["--weight-layout"]:
+        print(json.dumps(weight_layout_kernels(*(int(v) for v in args[1:4]))))
         return
     ptr16, ptr32 = "*bf16", "*fp32"
     fwd_sig, bwd_sig = _FWD_SIG, _BWD_SIG

@@ -418,6 +418,19 @@ def test_warp_blocks_meet_once_when_compiled(n, rows, warps):
             assert blocks["xors"][:len(butterfly)] == butterfly, (kernel, res)
 
 
+def test_weight_in_the_rows_layout_drops_its_conversion_when_compiled():
+    """The Triton forward at 8 rows of 128 lanes in 2 warps (the table's tile past 16384 rows of 128), compiled for
+    sm_90 by the installed Triton (bench/compile_probe.py --weight-layout): its weight loaded as one row took a layout
+    Triton converted through shared memory (4 of the kernel's 5 barriers with Triton 3.6 and 3.9); loaded in the rows'
+    layout (TileChoice.w_rows) it needs no conversion, with no more registers. At 16 rows of 128 in 8 warps the row's
+    layout already fits: the same barriers either way."""
+    got = json.loads(_compile_probe("--weight-layout", 128, 8, 2))
+    row, rows = got["weight row"], got["weight in the rows' layout"]
+    assert rows["barriers"] < row["barriers"] and rows["registers"] <= row["registers"]
+    got = json.loads(_compile_probe("--weight-layout", 128, 16, 8))
+    assert got["weight row"]["barriers"] == got["weight in the rows' layout"]["barriers"]
+
+
 def test_compile_probe_counts_loads_that_reuse_a_register(monkeypatch):
     """bench/compile_probe.load_reuse on SASS lines: the global loads before the first barrier or branch, and those
     writing a register an earlier one wrote (a 128-bit load writes four from its first, a 64-bit two), as in run

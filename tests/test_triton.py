@@ -335,14 +335,15 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
 
 def test_forward_tile_at_128_columns_depends_on_the_row_count():
     """P = 128's forward: 16 rows of 8 warps a program up to 16384 rows, 8 rows of 2 warps past them (and where the
-    row count is unknown); every column count of that padded length alike."""
+    row count is unknown) with the weight loaded in the rows' layout; every column count of that padded length
+    alike."""
     from strictnorm.backends.triton import backend as tb
 
     for n in (65, 100, 128):
         assert tb.forward_tile(n, 1, 8) == tb.RowTile(16, 128, 0, 8), n
         assert tb.forward_tile(n, 16384, 8) == tb.RowTile(16, 128, 0, 8), n
-        assert tb.forward_tile(n, 16385, 8) == tb.RowTile(8, 128, 0, 2), n
-        assert tb.forward_tile(n, None, 8) == tb.RowTile(8, 128, 0, 2), n
+        assert tb.forward_tile(n, 16385, 8) == tb.RowTile(8, 128, 0, 2, w_rows=True), n
+        assert tb.forward_tile(n, None, 8) == tb.RowTile(8, 128, 0, 2, w_rows=True), n
 
 
 def test_forward_warp_block_entry_only_where_its_warp_blocks_apply(monkeypatch):
@@ -436,6 +437,28 @@ def test_forward_weight_first_and_column_chunks_give_the_reference_bits(n, split
     tile = tb.row_tile(n, "fwd")
     assert tile.w_first != bool(chunk) and tile.chunk == chunk
     x, w, dy, kw = _per_head_or_fused_case(n, qk, 4, "strict", g)
+    _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+
+
+@pytest.mark.parametrize("n, split, qk, w_first, persistent", [(128, False, False, False, False),
+                                                                (100, False, True, False, False),
+                                                                (40, True, False, True, False),
+                                                                (64, False, False, False, True),
+                                                                (5, False, True, True, True)])
+def test_forward_weight_in_the_rows_layout_gives_the_reference_bits(n, split, qk, w_first, persistent, seed,
+                                                                     monkeypatch):
+    """TileChoice.w_rows (the forward's shared weight loaded as (rows, lanes) in the rows' layout) against the
+    reference: one or two column tiles, fused add or per-head weights (which are loaded per row already), the weight
+    first or after the sum, the persistent grid (the weight loaded once a program)."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    choice = tb.TileChoice(rows=4, num_warps=2, w_first=w_first, split=split, w_rows=True, prefetch=persistent)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {next_pow2(n): choice}, "bwd": {}})
+    monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+    tile = tb.row_tile(n, "fwd")
+    assert tile.w_rows and tile.forward_constexprs()["W_ROWS"] and tile.forward_persistent == persistent
+    x, w, dy, kw = _per_head_or_fused_case(n, qk, 11, "strict", g)
     _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
 
 

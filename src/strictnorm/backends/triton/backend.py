@@ -64,6 +64,9 @@ class TileChoice:
     num_warps: int | None = None
     split: bool = False
     w_first: bool = False  # forward: the weight loaded with the rows, before their sum (kernels.py, W_FIRST)
+    # forward: a shared weight loaded as (rows, lanes) in the rows' own layout, not as one row that Triton converts
+    # through shared memory where its layout differs from the rows' (kernels.py, W_ROWS; _fwd_weight)
+    w_rows: bool = False
     # rows of P > chunk lanes in one tile: summed and scaled in column chunks of `chunk` lanes, read twice
     # (kernels.py, CHUNK; fewer registers a row, so more rows in flight; in the backward, the fast dW's partials in
     # a row of global memory per program instead of registers); 0: held whole
@@ -117,8 +120,9 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # P = 128 to 16384 rows: 16 rows of 8 warps a program (bench/results/2026-12-03-h200-run33, call c, and run34,
     # call d; every configuration bitwise: 16384 x 128 3.80 -> 3.55 us and 3.84 -> 3.58, 4096 x 128 2.34 -> 2.21);
     # past them 8 rows of 2 warps (at 65536 rows 16 x 8 took 11.0 us against 10.5; at 262144 and more no one tile
-    # was ahead in both runs)
-    "fwd": {128: ((16384, TileChoice(rows=16, num_warps=8)), (None, TileChoice(rows=8, num_warps=2))),
+    # was ahead in both runs), the weight loaded in the rows' layout (w_rows: compiled for sm_90 by Triton 3.6, 3 -> 1
+    # barriers a program, 40 registers either way; not yet timed on a GPU)
+    "fwd": {128: ((16384, TileChoice(rows=16, num_warps=8)), (None, TileChoice(rows=8, num_warps=2, w_rows=True))),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
                    (None, TileChoice(rows=2, num_warps=8, warp_blocks=True))),
@@ -189,6 +193,7 @@ class RowTile:
     stages: int = 1
     warp_blocks: bool = False
     max_registers: int = 0
+    w_rows: bool = False
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -226,10 +231,10 @@ class RowTile:
         return not self.chunk and (self.prefetch or self.stages > 1)
 
     def forward_constexprs(self, piece: int = 0) -> dict:
-        """The forward's weight-first, chunk, persistent-grid, stage and warp-block constexprs (the chunk loops'
-        stages, or the persistent grid's; warp_block_constexprs)."""
+        """The forward's weight-first, weight-layout, chunk, persistent-grid, stage and warp-block constexprs (the
+        chunk loops' stages, or the persistent grid's; warp_block_constexprs)."""
         persistent = self.forward_persistent
-        return dict(W_FIRST=self.w_first, STAGES=self.stages if self.chunk or persistent else 1,
+        return dict(W_FIRST=self.w_first, W_ROWS=self.w_rows, STAGES=self.stages if self.chunk or persistent else 1,
                     PERSISTENT=persistent, PREFETCH=self.prefetch and persistent,
                     **self.warp_block_constexprs(piece), **self.chunk_constexprs())
 
@@ -284,7 +289,7 @@ def _tile_of(n: int, choice: TileChoice) -> RowTile:
     num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
     chunk = choice.chunk if t == 0 and 0 < choice.chunk < pa else 0
     return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk, choice.programs_per_sm, choice.prefetch,
-                   choice.stages, choice.warp_blocks, choice.max_registers)
+                   choice.stages, choice.warp_blocks, choice.max_registers, choice.w_rows)
 
 
 class _Launcher:
