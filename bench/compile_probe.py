@@ -12,7 +12,8 @@ table's entry for that row count; default its unbounded one)
 
     python bench/compile_probe.py --weight-layout N ROWS WARPS
 prints, as JSON, the forward of bf16 rows with its shared weight loaded as one row and in the rows' layout
-(TileChoice.w_rows): each one's bar.sync count and registers.
+(TileChoice.w_rows), the latter also without rstd's store (TileChoice.drop_rstd): each one's bar.sync count and
+registers.
 
     python bench/compile_probe.py --warp-blocks N ROWS WARPS
 prints, as JSON, the forward of bf16 rows (with and without a residual) and the backward (with and without the
@@ -152,16 +153,17 @@ def warp_block_kernels(n: int, rows: int, warps: int) -> dict:
 
 def weight_layout_kernels(n: int, rows: int, warps: int) -> dict:
     """The forward of `rows` bf16 rows of N (a power of two) a program at `warps` warps with the shared weight loaded
-    as one row and in the rows' layout (TileChoice.w_rows): {"weight row" | "weight in the rows' layout": {"barriers":
-    count, "registers": count}}."""
+    as one row, in the rows' layout (TileChoice.w_rows), and so without rstd's store (an inference call's kernel
+    where the tile drops it, TileChoice.drop_rstd): {"weight row" | "weight in the rows' layout" | "... no rstd":
+    {"barriers": count, "registers": count}}."""
     out = {}
-    for w_rows in (False, True):
+    for name, w_rows, store in (("weight row", False, True), ("weight in the rows' layout", True, True),
+                                ("weight in the rows' layout, no rstd", True, False)):
         tile = tb.RowTile(rows, n, 0, warps, w_rows=w_rows)
         const = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1, YDT=1, HAS_RES=False,
-                     MEAN_SCALE=exact_mean_scale(n), **tile.forward_constexprs(piece=8))
+                     MEAN_SCALE=exact_mean_scale(n), STORE_RSTD=store, **tile.forward_constexprs(piece=8))
         c = _compile(k.rms_fwd_kernel, _FWD_SIG, const, warps)[0]
-        out["weight in the rows' layout" if w_rows else "weight row"] = {
-            "barriers": c.asm["ptx"].count("bar.sync"), "registers": _registers(c.asm["cubin"])}
+        out[name] = {"barriers": c.asm["ptx"].count("bar.sync"), "registers": _registers(c.asm["cubin"])}
     return out
 
 

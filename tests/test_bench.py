@@ -422,11 +422,13 @@ def test_weight_in_the_rows_layout_drops_its_conversion_when_compiled():
     """The Triton forward at 8 rows of 128 lanes in 2 warps (the table's tile past 16384 rows of 128), compiled for
     sm_90 by the installed Triton (bench/compile_probe.py --weight-layout): its weight loaded as one row took a layout
     Triton converted through shared memory (4 of the kernel's 5 barriers with Triton 3.6 and 3.9); loaded in the rows'
-    layout (TileChoice.w_rows) it needs no conversion, with no more registers. At 16 rows of 128 in 8 warps the row's
-    layout already fits: the same barriers either way."""
+    layout (TileChoice.w_rows) it needs no conversion, with no more registers; without rstd's store
+    (TileChoice.drop_rstd) none is left. At 16 rows of 128 in 8 warps the row's layout already fits: the same
+    barriers either way."""
     got = json.loads(_compile_probe("--weight-layout", 128, 8, 2))
     row, rows = got["weight row"], got["weight in the rows' layout"]
     assert rows["barriers"] < row["barriers"] and rows["registers"] <= row["registers"]
+    assert got["weight in the rows' layout, no rstd"]["barriers"] == 0  # an inference call's (TileChoice.drop_rstd)
     got = json.loads(_compile_probe("--weight-layout", 128, 16, 8))
     assert got["weight row"]["barriers"] == got["weight in the rows' layout"]["barriers"]
 

@@ -335,15 +335,15 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
 
 def test_forward_tile_at_128_columns_depends_on_the_row_count():
     """P = 128's forward: 16 rows of 8 warps a program up to 16384 rows, 8 rows of 2 warps past them (and where the
-    row count is unknown) with the weight loaded in the rows' layout; every column count of that padded length
-    alike."""
+    row count is unknown) with the weight loaded in the rows' layout and an inference call's rstd not stored; every
+    column count of that padded length alike."""
     from strictnorm.backends.triton import backend as tb
 
     for n in (65, 100, 128):
         assert tb.forward_tile(n, 1, 8) == tb.RowTile(16, 128, 0, 8), n
         assert tb.forward_tile(n, 16384, 8) == tb.RowTile(16, 128, 0, 8), n
-        assert tb.forward_tile(n, 16385, 8) == tb.RowTile(8, 128, 0, 2, w_rows=True), n
-        assert tb.forward_tile(n, None, 8) == tb.RowTile(8, 128, 0, 2, w_rows=True), n
+        assert tb.forward_tile(n, 16385, 8) == tb.RowTile(8, 128, 0, 2, w_rows=True, drop_rstd=True), n
+        assert tb.forward_tile(n, None, 8) == tb.RowTile(8, 128, 0, 2, w_rows=True, drop_rstd=True), n
 
 
 def test_forward_warp_block_entry_only_where_its_warp_blocks_apply(monkeypatch):
@@ -460,6 +460,29 @@ def test_forward_weight_in_the_rows_layout_gives_the_reference_bits(n, split, qk
     assert tile.w_rows and tile.forward_constexprs()["W_ROWS"] and tile.forward_persistent == persistent
     x, w, dy, kw = _per_head_or_fused_case(n, qk, 11, "strict", g)
     _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+
+
+@pytest.mark.parametrize("n, chunk", [(128, 0), (100, 0), (64, 16)])
+def test_inference_forward_drops_rstd_only_where_its_tile_says(n, chunk, seed, monkeypatch):
+    """TileChoice.drop_rstd: an inference call (no grad, so no rstd asked for) compiles the forward without rstd's
+    store (STORE_RSTD False) and gives the reference's y; a call that needs rstd, for the same inputs, has its own plan
+    that stores it and gives the reference's rstd; rows in column chunks store it always."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    choice = tb.TileChoice(rows=4, num_warps=2, w_rows=True, drop_rstd=True, chunk=chunk)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {next_pow2(n): choice}, "bwd": {}})
+    triton = get_backend("triton")
+    monkeypatch.setattr(triton, "_fwd_plans", {})
+    x, w = randn(9, n, dtype=torch.bfloat16, gen=g).to(DEV), randn(n, gen=g).to(DEV)
+    kw = dict(offset=-0.5, casting_mode="gemma")
+    want_y, want_rstd = sn.rms_norm_with_rstd(x, w, backend="torch", **kw)
+    with torch.no_grad():
+        y = sn.rms_norm(x, w, backend="triton", **kw)
+    y2, rstd = sn.rms_norm_with_rstd(x, w, backend="triton", **kw)
+    assert bits_equal(y, want_y) and bits_equal(y2, want_y) and bits_equal(rstd, want_rstd)
+    stores = sorted(plan.meta["STORE_RSTD"] for plan in triton._fwd_plans.values())
+    assert stores == ([True, True] if chunk else [False, True])
 
 
 def test_register_bound_reaches_the_launch_options_and_keeps_the_bits(seed, monkeypatch):

@@ -67,6 +67,11 @@ class TileChoice:
     # forward: a shared weight loaded as (rows, lanes) in the rows' own layout, not as one row that Triton converts
     # through shared memory where its layout differs from the rows' (kernels.py, W_ROWS; _fwd_weight)
     w_rows: bool = False
+    # forward, rows held whole: an inference call (no rstd asked for) compiles without rstd's store (kernels.py,
+    # STORE_RSTD), which Triton converts through shared memory at 8 rows of 128 lanes in 2 warps (the kernel's last
+    # barrier there). Not everywhere: without the store ptxas serialized the loads of 2-row tiles at 4096 columns (run
+    # 27: 22% slower), so elsewhere an inference call stores rstd into a sink (layout.rstd_sink)
+    drop_rstd: bool = False
     # rows of P > chunk lanes in one tile: summed and scaled in column chunks of `chunk` lanes, read twice
     # (kernels.py, CHUNK; fewer registers a row, so more rows in flight; in the backward, the fast dW's partials in
     # a row of global memory per program instead of registers); 0: held whole
@@ -120,9 +125,11 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # P = 128 to 16384 rows: 16 rows of 8 warps a program (bench/results/2026-12-03-h200-run33, call c, and run34,
     # call d; every configuration bitwise: 16384 x 128 3.80 -> 3.55 us and 3.84 -> 3.58, 4096 x 128 2.34 -> 2.21);
     # past them 8 rows of 2 warps (at 65536 rows 16 x 8 took 11.0 us against 10.5; at 262144 and more no one tile
-    # was ahead in both runs), the weight loaded in the rows' layout (w_rows: compiled for sm_90 by Triton 3.6, 3 -> 1
-    # barriers a program, 40 registers either way; not yet timed on a GPU)
-    "fwd": {128: ((16384, TileChoice(rows=16, num_warps=8)), (None, TileChoice(rows=8, num_warps=2, w_rows=True))),
+    # was ahead in both runs), the weight loaded in the rows' layout and an inference call's rstd not stored (w_rows,
+    # drop_rstd: compiled for sm_90 by Triton 3.6, 3 -> 1 -> 0 barriers a program, 40 -> 40 -> 38 registers, no load
+    # reusing an earlier one's register; not yet timed on a GPU)
+    "fwd": {128: ((16384, TileChoice(rows=16, num_warps=8)),
+                  (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True))),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
                    (None, TileChoice(rows=2, num_warps=8, warp_blocks=True))),
@@ -194,6 +201,7 @@ class RowTile:
     warp_blocks: bool = False
     max_registers: int = 0
     w_rows: bool = False
+    drop_rstd: bool = False
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -289,7 +297,7 @@ def _tile_of(n: int, choice: TileChoice) -> RowTile:
     num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
     chunk = choice.chunk if t == 0 and 0 < choice.chunk < pa else 0
     return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk, choice.programs_per_sm, choice.prefetch,
-                   choice.stages, choice.warp_blocks, choice.max_registers, choice.w_rows)
+                   choice.stages, choice.warp_blocks, choice.max_registers, choice.w_rows, choice.drop_rstd)
 
 
 class _Launcher:
@@ -414,14 +422,15 @@ class TritonBackend:
     def rms_norm_fwd(self, x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
                      need_rstd: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Planned once per input signature (layout.signature), like the CUDA backend's launches. need_rstd False:
-        no rstd tensor is allocated (None is returned for it), but the same kernel still stores rstd, into
-        layout.rstd_sink: compiled without that store, the forward ran 22% slower on an H200 at 32768 x 4096 (ptxas
-        then issued a block's last row load after the first's use; bench/NOTES.md, run 27)."""
+        no rstd tensor is allocated (None is returned for it); the kernel stores rstd into layout.rstd_sink all the
+        same (compiled without that store, the forward ran 22% slower on an H200 at 32768 x 4096: ptxas then issued a
+        block's last row load after the first's use; bench/NOTES.md, run 27), except where its tile drops the store
+        (TileChoice.drop_rstd)."""
         device = x.get_device()
-        key = (device, signature(x, weight, residual), spec)
+        key = (device, signature(x, weight, residual), spec, need_rstd)
         plan = self._fwd_plans.get(key)
         if plan is None:
-            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
+            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec, need_rstd))
         y, rstd, z = forward_outputs(x, residual, spec.out_dtype, need_rstd)
         if not plan.grid:
             return y, rstd, z
@@ -433,7 +442,8 @@ class TritonBackend:
         return y, rstd, z
 
     @staticmethod
-    def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec) -> _Plan:
+    def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec,
+                  need_rstd: bool = True) -> _Plan:
         v = forward_views(x, weight, residual, spec.out_dtype)
         views, lay, w = ForwardPlan.of(v, x, weight, residual), v.lay, v.weight
         if lay.rows == 0:
@@ -447,7 +457,8 @@ class TritonBackend:
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
-                    MEAN_SCALE=exact_mean_scale(lay.n), **tile.forward_constexprs(piece), **tile.meta())
+                    MEAN_SCALE=exact_mean_scale(lay.n), **tile.forward_constexprs(piece), **tile.meta(),
+                    STORE_RSTD=need_rstd or not tile.drop_rstd or bool(tile.chunk))
         nprog = _programs(_cdiv(lay.rows, tile.rows), tile, x.device, tile.forward_persistent)
         return _Plan(views, (nprog,), wsg,
                      (lay.rows, lay.n, lay.r1, lay.g, spec.eps, spec.offset), meta,
