@@ -137,7 +137,8 @@ def warp_block_kernels(n: int, rows: int, warps: int) -> dict:
         for res in (False, True):
             name = ("blocks" if blocks else "in order") + (" + residual" if res else "")
             common = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1)
-            fwd = dict(common, YDT=1, HAS_RES=res, MEAN_SCALE=exact_mean_scale(n), **tile.forward_constexprs(piece=8))
+            fwd = dict(common, YDT=1, HAS_RES=res, MEAN_SCALE=exact_mean_scale(n), STORE_RSTD=True,
+                       **tile.forward_constexprs(piece=8))
             bwd = dict(common, HAS_DRES=res, DW_PARTIALS=pa + t <= 8192, MEAN_SCALE=exact_mean_scale(n), GDC=False,
                        **tile.backward_constexprs(piece=8),
                        **tile.chunk_constexprs())
@@ -192,7 +193,7 @@ def main(args: list[str]) -> None:
 
         # ASTSource takes no parameter defaults: every constexpr is passed
         tile, common = tiled("fwd")
-        c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False,
+        c, s = _compile(k.rms_fwd_kernel, fwd_sig, {**common, "YDT": 1, "HAS_RES": False, "STORE_RSTD": True,
                                                     "MEAN_SCALE": exact_mean_scale(n),
                                                     **tile.forward_constexprs(PIECE)}, tile.num_warps,
                         tile.max_registers)
