@@ -220,8 +220,9 @@ def measure(timer: Timer, backend, case: Case, direction: str, ceiling: float) -
             dx, dw = fn()
             row["bitwise"] = bool(torch.equal(dx, c.dx) and torch.equal(dw, fn()[1]))
         row["us"] = timer.kernel_us(fn)
-        moved = {"fwd": c.fwd_bytes, "fwd_nr": c.fwd_bytes - 4 * c.x.shape[0],
-                 "fwd_api": c.fwd_bytes - 4 * c.x.shape[0]}.get(direction, c.bwd_bytes)
+        moved = c.bwd_bytes
+        if direction.startswith("fwd"):  # the inference forwards (fwd_nr, fwd_api) store no rstd: 4 bytes a row fewer
+            moved = c.fwd_bytes - (0 if direction == "fwd" else 4 * c.x.shape[0])
         row["frac_copy"] = moved / row["us"] / 1e3 / ceiling
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:300]

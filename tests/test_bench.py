@@ -261,6 +261,8 @@ def test_cuda_sweep_times_the_tables_entry_and_the_inference_forward(monkeypatch
     """bench/sweep_cuda.shape_tunings: the tables' own entry for the shape's row count is among the configurations
     (the baseline of the same run) though the grid lacks it; fwd_nr (the inference forward the bench times) sweeps
     the forward's configurations, not the backward's; precompile builds fwd_nr's kernels without rstd (NO_RSTD)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     _bench_scripts(monkeypatch)
     import sweep_cuda
 
@@ -276,29 +278,13 @@ def test_cuda_sweep_times_the_tables_entry_and_the_inference_forward(monkeypatch
     monkeypatch.setattr(sweep_cuda, "SHAPES", [(65536, 128)])
     monkeypatch.setattr(sweep_cuda, "DIRECTIONS", ["fwd_nr"])
     monkeypatch.setattr(sweep_cuda, "_compile", compiled.append)
-    monkeypatch.setattr(sweep_cuda, "ProcessPoolExecutor", _InlinePool)
+    monkeypatch.setattr(sweep_cuda, "ProcessPoolExecutor", ThreadPoolExecutor)  # compiled.append in this process
     sweep_cuda.precompile()
     bf16 = torch.bfloat16
     expected = {tuple(sorted(sweep_cuda.norm_launch(128, bf16, None, bf16, bf16, "llama", False, tu, True,
                                                     False).defines.items())) for tu in swept}
     assert sorted(tuple(sorted(d.items())) for d in compiled) == sorted(expected)
     assert all(d.get("NO_RSTD") == 1 for d in compiled)
-
-
-class _InlinePool:
-    """A stand-in for ProcessPoolExecutor that maps in this process."""
-
-    def __init__(self, max_workers: int) -> None:
-        pass
-
-    def __enter__(self) -> _InlinePool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def map(self, fn, items):
-        return [fn(item) for item in items]
 
 
 def test_device_call_plans_its_jobs(tmp_path):

@@ -201,7 +201,7 @@ def forward_row_bound(n: int, rows: int) -> int | None:
 
     if next_pow2(n) not in FORWARD_ROW_BOUNDS:
         return None
-    bound = next(bound for bound, _ in entries_for(FWD_TABLE, n) if bound is None or rows <= bound)
+    bound = for_rows([(bound, bound) for bound, _ in entries_for(FWD_TABLE, n)], rows)  # that entry's own bound
     return bound if tuned_shape(n, False, True, bound) != tuned_shape(n, False, True, None) else None
 
 
