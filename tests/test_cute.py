@@ -139,13 +139,16 @@ def _registers(tmp_path, op, args) -> int:
 @pytest.mark.parametrize("n, rows, saves, weight_first", [(128, 1 << 18, True, False), (4096, 1 << 15, True, False),
                                                            (4096, 1 << 15, True, True), (18432, 2048, False, False)])
 def test_forward_holds_its_lanes_as_loaded(n, rows, saves, weight_first, monkeypatch, fresh_shapes, tmp_path):
-    """HOLD["forward_raw"] (the default): the held forward keeps bf16 lanes as loaded between the passes (laundered:
-    an empty asm per 32-bit word), so the compiler cannot keep pass 1's fp32 widening alive instead: a thread takes
-    at least a quarter of its held lanes fewer registers than with the lanes held in fp32 (half, ideally; at N =
-    18432, 512 threads a row on a persistent grid, both take 64 with the DSL 4.8.1: never more). With the weight
-    loaded beside the row (weight_first) its lanes are held the same way. fp32 rows are held as they are, with no
-    asm."""
+    """HOLD["forward_raw"] (the default up to P = 4096): the held forward keeps bf16 lanes as loaded between the
+    passes (laundered: an empty asm per 32-bit word), so the compiler cannot keep pass 1's fp32 widening alive
+    instead: a thread takes at least a quarter of its held lanes fewer registers than with the lanes held in fp32
+    (half, ideally; at N = 18432, 512 threads a row on a persistent grid, both take 64 with the DSL 4.8.1: never
+    more). With the weight loaded beside the row (weight_first) its lanes are held the same way. fp32 rows are held
+    as they are, with no asm. HOLD["forward_raw"] is raised past N's padded length here (by default P = 8192 and
+    past are held in fp32)."""
     bf16 = cutlass.BFloat16
+    monkeypatch.setitem(K.HOLD, "forward_raw", 1 << 20)
+    fresh_shapes()
     s = K.tuned_shape(n, False, True, K.forward_row_bound(n, rows))
     assert s.hold and s.hold_raw
     for sub in ("ptx", "f32"):
@@ -158,12 +161,20 @@ def test_forward_holds_its_lanes_as_loaded(n, rows, saves, weight_first, monkeyp
     f32_ptx = _compiled_ptx(tmp_path / "f32", *K.forward_args(n, cutlass.Float32, cutlass.Float32, cutlass.Float32,
                                                                "llama", True, weight_first=weight_first))
     assert "begin inline asm" not in f32_ptx
-    monkeypatch.setitem(K.HOLD, "forward_raw", False)
+    monkeypatch.setitem(K.HOLD, "forward_raw", 0)
     fresh_shapes()
     assert not K.tuned_shape(n, False, True, K.forward_row_bound(n, rows)).hold_raw
     held_f32 = _registers(tmp_path / "held-f32", *K.forward_args(n, bf16, bf16, bf16, "llama", True,
                                                                  weight_first=weight_first))
     assert raw <= held_f32 - (held_lanes // 4 if saves else 0), (raw, held_f32)
+
+
+def test_forward_holds_lanes_as_loaded_up_to_4096():
+    """The default holds lanes as loaded up to P = 4096 and in fp32 past it (on an H200 as loaded lost at 8192 x
+    8192: HOLD's comment)."""
+    assert all(K.tuned_shape(n, False).hold_raw for n in (128, 1000, 4096))
+    assert not any(K.tuned_shape(n, False).hold_raw for n in (8192, 16384, 18432))
+    assert all(K.tuned_shape(n, False).hold for n in (8192, 16384, 18432))
 
 
 @pytest.mark.parametrize("n", [128, 1000, 4096, 8192])
@@ -305,11 +316,11 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     monkeypatch.setattr(K, "FORWARD_VALUES", {next_pow2(n): 64})  # rows held by fewer threads (a sweep variant)
     fresh_shapes()
     _check_forward(n, mode, seed)
-    monkeypatch.setitem(K.HOLD, "forward_raw", False)  # held lanes kept in fp32 (the rule before HOLD's forward_raw)
+    monkeypatch.setitem(K.HOLD, "forward_raw", 0)  # held lanes kept in fp32 (the rule before HOLD's forward_raw)
     monkeypatch.setattr(K, "FORWARD_VALUES", {})
     fresh_shapes()
     _check_forward(n, mode, seed)
-    monkeypatch.setitem(K.HOLD, "forward_raw", True)
+    monkeypatch.setitem(K.HOLD, "forward_raw", 1 << 20)
     monkeypatch.setitem(K.HOLD, "forward_staged", True)  # x staged in shared memory, the weight after the sum
     fresh_shapes()
     _check_forward(n, mode, seed)

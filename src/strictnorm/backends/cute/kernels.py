@@ -146,14 +146,18 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # 512 threads, 32 lanes each, N = 18432 by 512, 40 live lanes each, as the CUDA forward (bench/results/
 # 2026-12-01-h200-run18, call b, sweep_cute "forward held trimmed", bitwise: 4096 x 16384 76.6 -> 71.9 us, 2048 x
 # 18432 51.2 -> 42.2; Quack 45.9).
-# "forward_raw": the held forward keeps its lanes as loaded (ForwardShape.hold_raw; sweep_cute's "forward held in
-# fp32" is the rule before it). Offline, sm_90a cubins of bf16 rows, registers a thread: P = 4096 with 32 lanes a
-# thread 48 -> 32, with 64 lanes (FORWARD_VALUES) 80 -> 48 (the CUDA forward's: 61); P = 128, 32 lanes 56 -> 40. Not
-# yet timed on a GPU.
+# "forward_raw": the longest padded rows whose held forward keeps its lanes as loaded (ForwardShape.hold_raw; 0:
+# none, sweep_cute's "forward held in fp32", the rule before it). Offline, sm_90a cubins of bf16 rows, registers a
+# thread: P = 4096 with 32 lanes a thread 48 -> 32, with 64 lanes (FORWARD_VALUES) 80 -> 48 (the CUDA forward's: 61);
+# P = 128, 32 lanes 56 -> 40. On an H200 (bench/results/2026-12-04-h200-run42, call c, sweep_cute, bitwise, us, held
+# in fp32 -> as loaded): 2048 x 4096 11.7 -> 10.1, 16384 x 128 4.4 -> 4.1, level at 32768 x 4096 and 262144 x 128,
+# but 8192 x 8192 66.8 -> 70.1 (the A/B, call d: 66.75 -> 70.14), so P = 8192 and past keep fp32.
 # "forward_staged": the held forward of P <= _STAGED_MAX_P on a grid that is not persistent stages x in shared memory
-# (ForwardShape.staged; sweep_cute's "forward staged"). Off until timed on a GPU.
+# (ForwardShape.staged; sweep_cute's "forward staged"). Off: on an H200 (run42, call c, bitwise, us) it was slower
+# or level everywhere but 8192 x 8192 with the weight staged too (66.8 -> 66.1), and with the weight staged at P =
+# 128 it collapsed (262144 x 128 34.4 -> 355.4).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
-        "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": True, "forward_staged": False}
+        "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": 4096, "forward_staged": False}
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
@@ -229,7 +233,7 @@ def tuned_shape(n: int, backward: bool, partials: bool = True, row_bound: int | 
     if not (hold or backward) and HOLD["forward"] and HOLD["forward_trimmed"] and p <= t.hold_max_p:
         s = forward_shape(n, t.min_threads, t.values)
         if s.live * s.piece <= HOLD["forward_trimmed"]:
-            return replace(s, hold=True, persistent=t.persistent, hold_raw=HOLD["forward_raw"])
+            return replace(s, hold=True, persistent=t.persistent, hold_raw=p <= HOLD["forward_raw"])
     values = min(t.values, _HOLD_MAX_VALUES[backward]) if hold else max(8, p // t.stream_threads)
     if hold and not backward:
         values = FORWARD_VALUES.get(p, values)
@@ -237,7 +241,7 @@ def tuned_shape(n: int, backward: bool, partials: bool = True, row_bound: int | 
     staged = hold and not (backward or t.persistent) and HOLD["forward_staged"] and p <= _STAGED_MAX_P
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
                    hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch,
-                   hold_raw=hold and not backward and HOLD["forward_raw"], staged=staged)
+                   hold_raw=hold and not backward and p <= HOLD["forward_raw"], staged=staged)
 
 
 @dataclass
