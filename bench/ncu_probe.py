@@ -3,7 +3,8 @@
 Cases: cuda-fwd, cuda-bwd (the tables' block shapes); cuda-fwd-uneven / cuda-bwd-uneven (the tables' entry with
 the per-lane paths compiled: EVEN off);
 cuda-fwd-hold<V> / cuda-fwd-stream<T> / cuda-bwd-hold<V> / cuda-bwd-stream<T> (a fixed block shape);
-triton-fwd, triton-bwd, liger-fwd, liger-bwd, quack-fwd, quack-bwd; fold-plain (the strict left fold of x's
+triton-fwd, triton-bwd, cute-fwd, cute-bwd, liger-fwd, liger-bwd, quack-fwd, quack-bwd; fwdnr for fwd (cuda, triton,
+cute): an inference call's forward (need_rstd False), as the bench times it; fold-plain (the strict left fold of x's
 rows; fold-plain32: of x's rows in fp32, as in the bench's fold table) and fold-dw (the strict dW fold:
 contributions recomputed from dy, x and rstd, the kernel behind dw="strict", as the backend picks it), fold-dw<C>
 (the ring with C columns a CTA, 128 rows a stage, whole stages converted);
@@ -44,6 +45,11 @@ def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd:
         cb = get_backend("cuda")
         cb.onepass_strict = True
         return lambda: cb.rms_norm_bwd(dy, x, w, rstd, None, spec, "strict", True, None)
+    if backend == "cute":
+        b = get_backend("cute")
+        if op in ("fwd", "fwdnr"):
+            return lambda: b.rms_norm_fwd(x, w, None, spec, need_rstd=op == "fwd")
+        return lambda: b.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None)
     if backend in ("cuda", "triton"):
         b = get_backend(backend)
         b.fwd_tuning = b.bwd_tuning = None  # the tables (or STRICTNORM_CUDA_TUNING)
@@ -58,8 +64,8 @@ def case_fn(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, rstd:
             tu = (NormTuning(values=int(kind[4:])) if kind.startswith("hold")
                   else NormTuning(hold_max_p=0, stream_threads=int(kind[6:]), partial_blocks_per_sm=0))
             b.fwd_tuning = b.bwd_tuning = tu
-        if op == "fwd":
-            return lambda: b.rms_norm_fwd(x, w, None, spec)
+        if op in ("fwd", "fwdnr"):
+            return lambda: b.rms_norm_fwd(x, w, None, spec, need_rstd=op == "fwd")
         return lambda: b.rms_norm_bwd(dy, x, w, rstd, None, spec, "fast", True, None)
     if backend == "liger":
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
