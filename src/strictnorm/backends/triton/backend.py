@@ -127,7 +127,8 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # past them 8 rows of 2 warps (at 65536 rows 16 x 8 took 11.0 us against 10.5; at 262144 and more no one tile
     # was ahead in both runs), the weight loaded in the rows' layout and an inference call's rstd not stored (w_rows,
     # drop_rstd: compiled for sm_90 by Triton 3.6, 3 -> 1 -> 0 barriers a program, 40 -> 40 -> 38 registers, no load
-    # reusing an earlier one's register; not yet timed on a GPU)
+    # reusing an earlier one's register; on an H200 level, bench/results/2026-12-04-h200-run42, call d: 262144 x 128
+    # 33.65 -> 33.58 us, 65536 x 128 10.54 -> 10.53)
     "fwd": {128: ((16384, TileChoice(rows=16, num_warps=8)),
                   (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True))),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
