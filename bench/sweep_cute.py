@@ -61,21 +61,29 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
                                               "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
             "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
             "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}},
-            "forward unbounded": {**DEFAULT, "forward_row_bounds": frozenset(),
+            "forward unbounded": {**DEFAULT, "forward_row_bounds": frozenset(), "forward_few_rows": {},
                                   "weight_first_rows": {p: r for p, r in K.FORWARD_WEIGHT_FIRST_ROWS.items()
                                                         if p != 128}},
             # Quack's forward shape at N = 128 (16 threads a row, 8 rows a block) at every row count: the CUDA
             # table's entry for up to 4096 rows made its P = 128 entry for any row count, the weight with the row
             "forward few-rows shape at 128": {**DEFAULT, "fwd_table": {128: ((None, FWD_TABLE[128][0][1]),)},
-                                              "weight_first_rows": {**K.FORWARD_WEIGHT_FIRST_ROWS, 128: 1 << 40}}}
+                                              "weight_first_rows": {**K.FORWARD_WEIGHT_FIRST_ROWS, 128: 1 << 40}},
+            # K.FORWARD_FEW_ROWS at P = 128: that shape (and the weight first) up to 4096 rows (the table entry's own
+            # bound: the rule before), or up to 65536
+            "forward few rows to 4096 at 128": {**DEFAULT, "forward_few_rows": {},
+                                                "weight_first_rows": {**K.FORWARD_WEIGHT_FIRST_ROWS, 128: 4096}},
+            "forward few rows to 65536 at 128": {**DEFAULT, "forward_few_rows": {128: 65536},
+                                                 "weight_first_rows": {**K.FORWARD_WEIGHT_FIRST_ROWS, 128: 65536}}}
 FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum", "forward 64 a thread",
                 "forward held in fp32", "forward 64 a thread held in fp32", "forward 16 a thread at 4096",
                 "forward staged", "forward staged + weight first",
                 "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128",
-                "forward unbounded", "forward few-rows shape at 128")
+                "forward unbounded", "forward few-rows shape at 128", "forward few rows to 4096 at 128",
+                "forward few rows to 65536 at 128")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
 FORWARD_VALUES = K.FORWARD_VALUES
 FORWARD_ROW_BOUNDS = K.FORWARD_ROW_BOUNDS
+FORWARD_FEW_ROWS = K.FORWARD_FEW_ROWS
 PARTIALS_MAX_VALUES = K.PARTIALS_MAX_VALUES
 SHAPES = shapes_from_env(NORM_SHAPES)
 BLOCKS = [0] + [int(v) for v in os.environ.get("SWEEP_BLOCKS", "").split(",") if v]
@@ -90,6 +98,7 @@ def use(variant: dict) -> None:
     K.FORWARD_WEIGHT_FIRST_ROWS = variant.pop("weight_first_rows", WEIGHT_FIRST_ROWS)
     K.FORWARD_VALUES = variant.pop("forward_values", FORWARD_VALUES)
     K.FORWARD_ROW_BOUNDS = variant.pop("forward_row_bounds", FORWARD_ROW_BOUNDS)
+    K.FORWARD_FEW_ROWS = variant.pop("forward_few_rows", FORWARD_FEW_ROWS)
     FWD_TABLE.clear()  # the CUDA forward table the cute forward's shapes come from (only cute is timed here)
     FWD_TABLE.update({**TABLE_FWD, **variant.pop("fwd_table", {})})
     K.HOLD.update(variant)

@@ -276,13 +276,18 @@ def test_forward_bitwise_on_gpu(n, mode, seed):
 def test_forward_takes_the_table_entry_for_its_row_count(monkeypatch, fresh_shapes, tmp_path):
     """K.FORWARD_ROW_BOUNDS: up to 4096 rows of P = 128 the CUDA forward table's 16 threads a row of 8 lanes (8 rows a
     block of 128 threads), compiled with the weight loaded with the row (one 16-byte load of x and one of the weight
-    a thread, rounded fp32 ops only); from 4097 rows its unbounded entry, 4 threads a row of 32 lanes; at P = 4096 up
-    to 128 rows one row of 512 threads. An entry whose shape is the unbounded one's gives None (one kernel for
-    both); a P not in FORWARD_ROW_BOUNDS gives None."""
+    a thread, rounded fp32 ops only), and on to K.FORWARD_FEW_ROWS (16384) rows; past that its unbounded entry, 4
+    threads a row of 32 lanes; at P = 4096 up to 128 rows one row of 512 threads. An entry whose shape is the
+    unbounded one's gives None (one kernel for both); a P not in FORWARD_ROW_BOUNDS gives None."""
     bound = K.forward_row_bound(128, 4096)
     small = K.tuned_shape(128, False, row_bound=bound)
     assert (small.tpr, small.k * small.piece, small.rpb, small.hold) == (16, 8, 8, True)
-    assert K.forward_row_bound(128, 4097) is None and K.tuned_shape(128, False).tpr == 4
+    few = K.FORWARD_FEW_ROWS[128]
+    assert few > bound and K.forward_row_bound(128, bound + 1) == K.forward_row_bound(128, few) == bound
+    assert K.forward_row_bound(128, few + 1) is None and K.tuned_shape(128, False).tpr == 4
+    monkeypatch.setattr(K, "FORWARD_FEW_ROWS", {})
+    assert K.forward_row_bound(128, bound + 1) is None
+    monkeypatch.setattr(K, "FORWARD_FEW_ROWS", {128: few})
     assert K.forward_row_bound(127, 1) == bound
     assert K.tuned_shape(4096, False, row_bound=K.forward_row_bound(4096, 128)).tpr == 512
     assert K.forward_row_bound(4096, 2048) is None  # that entry's 64 lanes a thread are held as 32: the same shape
@@ -365,6 +370,24 @@ def _check_forward(n: int, mode: str, seed: int) -> None:
         want_y, want_rstd, _ = get_backend("torch").rms_norm_fwd(x, w, None, spec)
         y, rstd, _ = K.forward(x, w, 1e-6, offset, mode, torch.bfloat16)
         assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n} {mode}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_forward_few_rows_bounds_bitwise_on_gpu(seed):
+    """Both sides of the table entry's own bound at P = 128 (4096 rows) and of K.FORWARD_FEW_ROWS (16384): y and rstd
+    the reference's bits (Gemma offset, tiny bf16 weights, a fresh row count on each side)."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    few, bound = K.FORWARD_FEW_ROWS[128], K.forward_row_bound(128, 1)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
+    for rows in (bound, bound + 1, few, few + 1):
+        x = torch.randn(rows, 128, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(128, device="cuda", generator=g) * 0.01).bfloat16()
+        want_y, want_rstd, _ = get_backend("torch").rms_norm_fwd(x, w, None, spec)
+        y, rstd, _ = K.forward(x, w, 1e-6, 1.0, "gemma", torch.bfloat16)
+        assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows} x 128"
 
 
 @pytest.mark.parametrize("x_name, w_name", [("Float32", "Float32"), ("Float16", "Float32"), ("BFloat16", None)])
@@ -867,7 +890,8 @@ def test_sweep_variants_name_known_choices(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
     import sweep_cute
 
-    popped = {"trim", "partials_max_values", "weight_first_rows", "forward_values", "forward_row_bounds", "fwd_table"}
+    popped = {"trim", "partials_max_values", "weight_first_rows", "forward_values", "forward_row_bounds", "fwd_table",
+              "forward_few_rows"}
     assert set(sweep_cute.FORWARD_ONLY) <= set(sweep_cute.VARIANTS)
     for name, variant in sweep_cute.VARIANTS.items():
         assert "," not in name

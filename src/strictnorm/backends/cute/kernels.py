@@ -163,8 +163,9 @@ HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_p
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
 # 128 x 4096 3.7 -> 2.7, 512 x 4096 4.6 -> 4.2, 128 x 8192 4.2 -> 3.2; slower from 1024 rows of 4096 (6.2 -> 7.6;
 # more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3). At P = 128 up to 4096 rows as the CUDA
-# table's entry there (FORWARD_ROW_BOUNDS: bench/results/2026-12-04-h200-run41, 4096 x 128 2.91 -> 2.10 us).
-FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 4096, 4096: 512, 8192: 128}
+# table's entry there (FORWARD_ROW_BOUNDS: bench/results/2026-12-04-h200-run41, 4096 x 128 2.91 -> 2.10 us), and on
+# to 16384 rows with FORWARD_FEW_ROWS.
+FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 16384, 4096: 512, 8192: 128}
 # the lanes a thread of the held forward takes per padded length, past the table's entry and _HOLD_MAX_VALUES (fewer
 # threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the
 # CUDA table's entry for 129-2048 rows does. Empty until measured (sweep_cute's "forward 64 a thread").
@@ -195,6 +196,11 @@ def forward_shape(n: int, threads_min: int = 128, values: int = 16) -> ForwardSh
 # 128 x 4096 2.85 -> 2.46.
 # The backward keeps the unbounded entry (its table's smaller row counts are not measured for the cute kernel).
 FORWARD_ROW_BOUNDS: frozenset[int] = frozenset({128, 4096})
+# Per padded length, the row count up to which the forward keeps the table's first (few-rows) entry past that entry's
+# own bound: Quack's forward shape at P = 128 (16 threads a row, 8 rows a block of 128 threads) with the weight first
+# (FORWARD_WEIGHT_FIRST_ROWS). On an H200 (bench/results/2026-12-04-h200-run42, call e, sweep_cute "forward few-rows
+# shape at 128", bitwise, us): 16384 x 128 4.1 -> 3.3 (Quack 3.4); at 262144 x 128 it lost (34.4 -> 36.5).
+FORWARD_FEW_ROWS: dict[int, int] = {128: 16384}
 
 
 def forward_row_bound(n: int, rows: int) -> int | None:
@@ -203,9 +209,12 @@ def forward_row_bound(n: int, rows: int) -> int | None:
     distinct shape, not per row count."""
     from ..cuda.backend import FWD_TABLE, entries_for
 
-    if next_pow2(n) not in FORWARD_ROW_BOUNDS:
+    p = next_pow2(n)
+    if p not in FORWARD_ROW_BOUNDS:
         return None
-    bound = for_rows([(bound, bound) for bound, _ in entries_for(FWD_TABLE, n)], rows)  # that entry's own bound
+    bounds = [(bound, bound) for bound, _ in entries_for(FWD_TABLE, n)]  # each entry's own bound
+    few = bounds[0][0] is not None and rows <= FORWARD_FEW_ROWS.get(p, 0)  # the first entry, stretched
+    bound = bounds[0][0] if few else for_rows(bounds, rows)
     return bound if tuned_shape(n, False, True, bound) != tuned_shape(n, False, True, None) else None
 
 
