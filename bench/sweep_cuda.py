@@ -37,8 +37,8 @@ import strictnorm
 from strictnorm.backends.cuda import nvrtc
 from strictnorm.backends.cuda.backend import (
     BWD_TABLE,
-    FWD_TABLE,
     NormTuning,
+    forward_tuning,
     norm_bwd_launch,
     norm_launch,
     tuning_for,
@@ -99,8 +99,11 @@ def tunings_for(n: int, tunings: list[NormTuning]) -> list[NormTuning]:
 
 
 def table_tuning(direction: str, m: int, n: int) -> NormTuning:
-    """The tables' entry for m rows of n in one direction (fwd_nr, the inference forward, takes the forward's)."""
-    return tuning_for(FWD_TABLE if direction.startswith("fwd") else BWD_TABLE, n, m)
+    """The tables' entry for m rows of n in one direction (fwd_nr and fwd_api, the inference forward: its own
+    entry where FWD_INFERENCE_TABLE has one)."""
+    if direction.startswith("fwd"):
+        return forward_tuning(n, m, need_rstd=direction == "fwd")
+    return tuning_for(BWD_TABLE, n, m)
 
 
 def shape_tunings(direction: str, m: int, n: int) -> list[NormTuning]:
@@ -247,10 +250,12 @@ def best_tunings(results: list[dict]) -> dict:
     """Fastest bitwise configuration per padded row length and row count, forward and backward apart, as
     STRICTNORM_CUDA_TUNING reads it: per P, [max rows, knobs] entries, the largest row count unbounded."""
     fields = [f.name for f in dataclasses.fields(NormTuning)]
-    out: dict[str, dict] = {"fwd": {}, "bwd": {}}
-    for key in ("fwd", "bwd"):
+    out: dict[str, dict] = {"fwd": {}, "fwd_nr": {}, "bwd": {}}
+    sources = {"fwd": ("fwd",), "fwd_nr": ("fwd_nr", "fwd_api"), "bwd": ("bwd",)}  # the inference forward: either
+    for key in out:
         for n in sorted({r["N"] for r in results}):
-            ok = [r for r in results if r["N"] == n and r["direction"] == key and r.get("bitwise") and "us" in r]
+            ok = [r for r in results
+                  if r["N"] == n and r["direction"] in sources[key] and r.get("bitwise") and "us" in r]
             ms = sorted({r["M"] for r in ok})
             entries = []
             for m in ms:
@@ -325,8 +330,8 @@ def merge(out_dir: str, names: list[str], copies: tuple[str, ...] = ("/tmp/stric
             json.dump(best, f, indent=1)
     shown = ("values", "min_threads", "persistent", "even", "unpredicated", "staged", "hold_f32", "prefetch",
              "partial_blocks_per_sm", "hold_weight", "dw_smem", "weight_with_row")
-    for key in ("fwd", "bwd"):
-        for p, entries in best[key].items():
+    for key, table in best.items():
+        for p, entries in table.items():
             print(key, p, [(b, {k: v for k, v in t.items() if k in shown}) for b, t in entries])
 
 

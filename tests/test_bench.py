@@ -241,6 +241,30 @@ def test_cuda_sweeps_merge_into_a_loadable_tuning_file(tmp_path, monkeypatch):
     assert cb.tuning_for(cb.BWD_TABLE, 4096, 32768) == cb.NormTuning(values=32)
 
 
+def test_cuda_sweep_keeps_the_inference_forward_apart(tmp_path, monkeypatch):
+    """bench/sweep_cuda.best_tunings: fwd_nr and fwd_api rows (the inference forward) make the file's "fwd_nr"
+    entries, fwd rows its "fwd" ones; loaded, an inference call takes its own."""
+    _bench_scripts(monkeypatch)
+    import sweep_cuda
+
+    from strictnorm.backends.cuda import backend as cb
+
+    def row(direction, us, **knobs):
+        return dict(M=65536, N=128, direction=direction, bitwise=True, us=us,
+                    **dataclasses.asdict(cb.NormTuning(**knobs)))
+
+    best = sweep_cuda.best_tunings([row("fwd", 11.0, values=32), row("fwd", 12.0, values=16),
+                                    row("fwd_api", 10.0, values=16), row("fwd_nr", 10.5, values=8)])
+    assert best["fwd"]["128"][0][1]["values"] == 32 and best["fwd_nr"]["128"][0][1]["values"] == 16
+    (tmp_path / "tuning.json").write_text(json.dumps(best))
+    monkeypatch.setattr(cb, "FWD_TABLE", dict(cb.FWD_TABLE))
+    monkeypatch.setattr(cb, "FWD_INFERENCE_TABLE", dict(cb.FWD_INFERENCE_TABLE))
+    monkeypatch.setenv("STRICTNORM_CUDA_TUNING", str(tmp_path / "tuning.json"))
+    cb._load_tuning_file()
+    assert cb.forward_tuning(128, 65536).values == 32
+    assert cb.forward_tuning(128, 65536, need_rstd=False).values == 16
+
+
 def test_cuda_sweep_adds_the_weight_with_each_row(monkeypatch):
     """bench/sweep_cuda.shape_tunings with SWEEP_W_WITH_ROW: every held configuration whose weight is reloaded also
     with weight_with_row, in both directions (the tables' variants too); held weights and rows read twice not."""
@@ -260,20 +284,21 @@ def test_cuda_sweep_adds_the_weight_with_each_row(monkeypatch):
 def test_cuda_sweep_times_the_tables_entry_and_the_inference_forward(monkeypatch):
     """bench/sweep_cuda.shape_tunings: the tables' own entry for the shape's row count is among the configurations
     (the baseline of the same run) though the grid lacks it; fwd_nr (the inference forward the bench times) sweeps
-    the forward's configurations, not the backward's; precompile builds fwd_nr's kernels without rstd (NO_RSTD)."""
+    the forward's configurations, not the backward's, with the inference forward's own entry as its baseline;
+    precompile builds fwd_nr's kernels without rstd (NO_RSTD)."""
     from concurrent.futures import ThreadPoolExecutor
 
     _bench_scripts(monkeypatch)
     import sweep_cuda
 
-    from strictnorm.backends.cuda.backend import FWD_TABLE, tuning_for
+    from strictnorm.backends.cuda.backend import FWD_INFERENCE_TABLE, FWD_TABLE, tuning_for
 
     monkeypatch.setattr(sweep_cuda, "FWD_TUNINGS", sweep_cuda.FWD_TUNINGS[:2])
-    table = tuning_for(FWD_TABLE, 128, 65536)
-    assert table not in sweep_cuda.FWD_TUNINGS[:2]
+    training, inference = tuning_for(FWD_TABLE, 128, 65536), tuning_for(FWD_INFERENCE_TABLE, 128, 65536)
+    assert training != inference and not {training, inference} & set(sweep_cuda.FWD_TUNINGS[:2])
     for direction in ("fwd", "fwd_nr", "fwd_api"):
         swept = sweep_cuda.shape_tunings(direction, 65536, 128)
-        assert swept == sweep_cuda.FWD_TUNINGS[:2] + [table]
+        assert swept == sweep_cuda.FWD_TUNINGS[:2] + [training if direction == "fwd" else inference]
     compiled = []
     monkeypatch.setattr(sweep_cuda, "SHAPES", [(65536, 128)])
     monkeypatch.setattr(sweep_cuda, "DIRECTIONS", ["fwd_nr"])

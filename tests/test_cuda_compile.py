@@ -273,6 +273,23 @@ def test_tuning_tables_cover_every_row_length():
         assert tuning_for(table, 65536) is table[max(table)][-1][1]
 
 
+def test_inference_forward_takes_its_own_entries():
+    """forward_tuning: an inference call (need_rstd False) takes FWD_INFERENCE_TABLE's entry for its padded length and
+    row count; a training call, and an inference call at a length the table lacks, FWD_TABLE's."""
+    from strictnorm.backends.cuda.backend import FWD_INFERENCE_TABLE, FWD_TABLE, forward_tuning, tuning_for
+
+    assert FWD_INFERENCE_TABLE and all(entries[-1][0] is None for entries in FWD_INFERENCE_TABLE.values())
+    for p, entries in FWD_INFERENCE_TABLE.items():
+        for n in (p // 2 + 1, p):
+            for rows in [b for b, _ in entries[:-1]] + [1 << 20]:
+                assert forward_tuning(n, rows, need_rstd=False) is tuning_for(FWD_INFERENCE_TABLE, n, rows)
+                assert forward_tuning(n, rows) is tuning_for(FWD_TABLE, n, rows)
+    # 262144 x 128 differs between the two (the run-42 sweep's entry); rows of 4096 columns have no inference entry
+    assert forward_tuning(128, 262144, need_rstd=False) != forward_tuning(128, 262144)
+    assert 4096 not in FWD_INFERENCE_TABLE
+    assert forward_tuning(4096, 8192, need_rstd=False) is tuning_for(FWD_TABLE, 4096, 8192)
+
+
 def test_row_bounded_entries_apply_within_their_bound():
     from strictnorm.backends.cuda.backend import BWD_TABLE, tuning_for
 
@@ -292,25 +309,27 @@ def _blocks_an_sm_by_registers(registers: int, threads: int) -> int:
     return min(32, 2048 // threads, 65536 // (warps * allotted * 32))
 
 
-# (rows, N): the blocks an SM of the forward's and the backward's (dw="fast") tiles at bf16 as the tables were
-# measured with (NVRTC 13.0.88, sm_90). Some sit on an edge: the backward at 2048 x 4096 (512 threads, 64 registers,
-# two blocks an SM as its tuning caps it) took 68 registers with the row mean by multiplication, one block an SM, and
-# 21.1-21.5 -> 25.4 us (bench/results/2026-12-03-h200-run34, call b); so did the forward at 2048 x 18432 (64).
+# (rows, N): the blocks an SM of the inference forward's and the backward's (dw="fast") tiles at bf16 as the tables
+# were measured with (NVRTC 13.0.88, sm_90); 262144 x 128: FWD_INFERENCE_TABLE's 128-thread blocks, 12 an SM.
+# Some sit on an edge: the backward at 2048 x 4096 (512 threads, 64 registers, two blocks an SM as its tuning caps
+# it) took 68 registers with the row mean by multiplication, one block an SM, and 21.1-21.5 -> 25.4 us
+# (bench/results/2026-12-03-h200-run34, call b); so did the forward at 2048 x 18432 (64).
 _BLOCKS_AN_SM = {(128, 4096): (2, 1), (2048, 4096): (8, 2), (8192, 4096): (10, 3), (32768, 4096): (10, 3),
-                 (8192, 8192): (6, 2), (2048, 18432): (2, 1), (262144, 128): (18, 6)}
+                 (8192, 8192): (6, 2), (2048, 18432): (2, 1), (262144, 128): (12, 6)}
 
 
 def test_tiles_keep_the_blocks_an_sm_they_were_measured_with(tmp_path, monkeypatch):
     """A source or table change that costs a tile registers enough to hold fewer blocks an SM fails here, before a
     GPU run would find it slower (the registers ptxas allots, read from the cubin)."""
-    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE, norm_bwd_launch, norm_launch, tuning_for
+    from strictnorm.backends.cuda.backend import BWD_TABLE, forward_tuning, norm_bwd_launch, norm_launch, tuning_for
 
     if nvrtc.nvrtc_version() != "13.0":  # another ptxas allots other counts; CI pins the GPU's NVRTC
         pytest.skip(f"the blocks an SM were measured with NVRTC 13.0, not {nvrtc.nvrtc_version()}")
     monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
     bf16, seen = torch.bfloat16, {}
     for (rows, n), (fwd_blocks, bwd_blocks) in _BLOCKS_AN_SM.items():
-        fwd = norm_launch(n, bf16, None, bf16, bf16, "llama", False, tuning_for(FWD_TABLE, n, rows), True, False)
+        fwd = norm_launch(n, bf16, None, bf16, bf16, "llama", False, forward_tuning(n, rows, need_rstd=False), True,
+                          False)  # the inference forward, as the bench times it
         bwd = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tuning_for(BWD_TABLE, n, rows), True)
         for launch, kernel, want in ((fwd, "rms_fwd", fwd_blocks), (bwd, "rms_bwd", bwd_blocks)):
             key = tuple(sorted(launch.defines.items()))

@@ -989,10 +989,12 @@ def test_cuda_special_values_bitwise(n, dtype, fused, cuda_backend, seed):
 
 
 def _cuda_row_bound_edges() -> list[tuple[str, int, int]]:
-    """(direction, N, rows) on both sides of every row-bounded entry of the CUDA tables: where the plan changes."""
-    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE
+    """(direction, N, rows) on both sides of every row-bounded entry of the CUDA tables: where the plan changes
+    ("fwd_nr": the inference forward's own table)."""
+    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_INFERENCE_TABLE, FWD_TABLE
 
-    return [(direction, p, rows) for direction, table in (("fwd", FWD_TABLE), ("bwd", BWD_TABLE))
+    tables = (("fwd", FWD_TABLE), ("fwd_nr", FWD_INFERENCE_TABLE), ("bwd", BWD_TABLE))
+    return [(direction, p, rows) for direction, table in tables
             for p, entries in sorted(table.items()) for bound, _ in entries[:-1] for rows in (bound, bound + 1)]
 
 
@@ -1000,11 +1002,12 @@ def _cuda_row_bound_edges() -> list[tuple[str, int, int]]:
 @pytest.mark.parametrize("direction, n, m", _cuda_row_bound_edges())
 def test_cuda_table_row_bounds_bitwise(direction, n, m, seed):
     """The tables' own entries (no tuning override) at the last row count of each bounded entry and the first of the
-    next: the forward's y and rstd, the backward's dx and strict dW the reference's bits (gemma offset, bf16)."""
-    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_TABLE, tuning_for
+    next: the forward's y and rstd (the inference forward's y), the backward's dx and strict dW the reference's bits
+    (gemma offset, bf16)."""
+    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_INFERENCE_TABLE, FWD_TABLE, tuning_for
     from strictnorm.contract import make_spec
 
-    table = FWD_TABLE if direction == "fwd" else BWD_TABLE
+    table = {"fwd": FWD_TABLE, "fwd_nr": FWD_INFERENCE_TABLE, "bwd": BWD_TABLE}[direction]
     assert tuning_for(table, n, m) is not tuning_for(table, n, m + 1) or tuning_for(table, n, m - 1) is not \
         tuning_for(table, n, m)  # the pair really straddles a bound
     cb, tr = get_backend("cuda"), get_backend("torch")
@@ -1017,6 +1020,10 @@ def test_cuda_table_row_bounds_bitwise(direction, n, m, seed):
     if direction == "fwd":
         got = cb.rms_norm_fwd(x, w, None, spec)
         assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
+        return
+    if direction == "fwd_nr":
+        y, rstd, _ = cb.rms_norm_fwd(x, w, None, spec, need_rstd=False)
+        assert rstd is None and bits_equal(want[0], y)
         return
     dy = torch.randn(m, n, device=DEV, generator=g).bfloat16()
     want_dx, want_dw = tr.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)  # a launch a row

@@ -33,3 +33,12 @@ def load_tuning_file(env: str, tables: dict[str, dict[int, object]], make: Calla
             if not entries or entries[-1][0] is not None:
                 raise ValueError(f"{path}: the last {key} entry for P = {p} must be unbounded (null)")
             table[int(p)] = tuple((bound, make(**knobs)) for bound, knobs in entries)
+
+
+def drop_shadowed(general_before: dict[int, object], general: dict[int, object], special_before: dict[int, object],
+                  special: dict[int, object]) -> None:
+    """After a tuning file loaded: where it replaced `general`'s entry for P but left the built-in entry of a more
+    specific table for P (`special`, e.g. an inference call's), that built-in entry goes, so the tuned one serves."""
+    for p, entry in general.items():
+        if entry is not general_before.get(p) and p in special_before and special.get(p) is special_before[p]:
+            del special[p]

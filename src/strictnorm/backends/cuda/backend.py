@@ -29,7 +29,7 @@ from ..layout import (
     row_layout,
     signature,
 )
-from ..tuning import Bounded, for_rows, load_tuning_file
+from ..tuning import Bounded, drop_shadowed, for_rows, load_tuning_file
 from .nvrtc import current_stream
 
 _SOURCE = "fold.cu"
@@ -512,6 +512,14 @@ FWD_TABLE: dict[int, Tuning] = {
     32768: ((None, _fwd(64, persistent=True, weight_with_row=True, unpredicated=False)),),
     65536: ((None, _fwd(32, persistent=True)),),
 }
+# An inference call's forward (need_rstd False: no rstd stored) where its best shape differs from the training
+# forward's; other lengths take FWD_TABLE. P = 128 past 4096 rows: 16 lanes a thread, 128 threads a block, the weight
+# with the row (run 42, call d, through the public call, every configuration bitwise): 16384 x 128 4.19 -> 3.62 us,
+# 65536 x 128 11.17 -> 10.08, 262144 x 128 34.72 -> 33.41; the training kernel, which stores rstd, did not gain
+# there (262144 x 128 35.74 -> 36.13), so FWD_TABLE keeps its entry.
+FWD_INFERENCE_TABLE: dict[int, Tuning] = {
+    128: (FWD_TABLE[128][0], (None, _fwd(16, weight_with_row=True))),
+}
 BWD_TABLE: dict[int, Tuning] = {
     # xh and g held in fp32 between the passes: 262144 x 128 60.2 -> 58.7 us (run 13, call c; run 12, i: 62.7 -> 61.7)
     # 16 threads a row up to 16384 rows (run 36, call c): 4096 x 128 7.33 -> 7.11 us, 16384 x 128 11.10 -> 10.08;
@@ -537,7 +545,12 @@ BWD_TABLE: dict[int, Tuning] = {
 
 
 def _load_tuning_file() -> None:
-    load_tuning_file("STRICTNORM_CUDA_TUNING", {"fwd": FWD_TABLE, "bwd": BWD_TABLE}, NormTuning)
+    """STRICTNORM_CUDA_TUNING's entries ("fwd"; "fwd_nr": the inference forward's; "bwd"). A file's "fwd" entry for P
+    serves the inference forward too unless the file has a "fwd_nr" entry for P."""
+    forward, inference = dict(FWD_TABLE), dict(FWD_INFERENCE_TABLE)
+    load_tuning_file("STRICTNORM_CUDA_TUNING", {"fwd": FWD_TABLE, "fwd_nr": FWD_INFERENCE_TABLE, "bwd": BWD_TABLE},
+                     NormTuning)
+    drop_shadowed(forward, FWD_TABLE, inference, FWD_INFERENCE_TABLE)
 
 
 _load_tuning_file()
@@ -553,6 +566,13 @@ def tuning_for(table: dict[int, Tuning], n: int, rows: int | None = None) -> Nor
     """The entry for N's padded length (or the nearest one on a log scale) and the row count (the
     unbounded entry when rows is not given)."""
     return for_rows(entries_for(table, n), rows)
+
+
+def forward_tuning(n: int, rows: int | None = None, need_rstd: bool = True) -> NormTuning:
+    """The forward's entry for N and the row count: an inference call's (need_rstd False) from FWD_INFERENCE_TABLE
+    where it has N's padded length, else FWD_TABLE's."""
+    inference = not need_rstd and next_pow2(n) in FWD_INFERENCE_TABLE
+    return tuning_for(FWD_INFERENCE_TABLE if inference else FWD_TABLE, n, rows)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1019,7 +1039,7 @@ class CudaBackend:
                              *(((v.weight, (wsg,)),) if v.weight is not None else ()))
         fl = norm_launch(n, x.dtype, residual.dtype if residual is not None else None,
                          v.weight.dtype if v.weight is not None else None, spec.out_dtype, spec.mode, v.per_head,
-                         self.fwd_tuning or tuning_for(FWD_TABLE, n, v.lay.rows), aligned, need_rstd)
+                         self.fwd_tuning or forward_tuning(n, v.lay.rows, need_rstd), aligned, need_rstd)
         dev = _device_index(x)
         kernel = self._norm_kernel(dev, "rms_fwd", fl)
         groups = -(-v.lay.rows // fl.rows_per_block)

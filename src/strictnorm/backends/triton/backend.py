@@ -27,7 +27,7 @@ from ..layout import (
     signature,
 )
 from ..registry import get_backend, status
-from ..tuning import Bounded, for_rows, load_tuning_file
+from ..tuning import Bounded, drop_shadowed, for_rows, load_tuning_file
 
 # Elements one program keeps in flight; more rows per program when rows are short.
 _TILE_ELEMS = 4096
@@ -176,9 +176,7 @@ def _load_tuning_file() -> None:
     lists that (a built-in warp-block entry would otherwise shadow the tuned one)."""
     forward, blocked = dict(TILE_TABLE["fwd"]), dict(TILE_TABLE.get("fwd_wb", {}))
     load_tuning_file("STRICTNORM_TRITON_TUNING", TILE_TABLE, TileChoice)
-    for p, entry in TILE_TABLE["fwd"].items():
-        if entry is not forward.get(p) and p in blocked and TILE_TABLE["fwd_wb"][p] is blocked[p]:
-            del TILE_TABLE["fwd_wb"][p]
+    drop_shadowed(forward, TILE_TABLE["fwd"], blocked, TILE_TABLE.get("fwd_wb", {}))
 
 
 _load_tuning_file()
