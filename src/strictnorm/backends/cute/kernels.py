@@ -155,7 +155,8 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # "forward_staged": the held forward of P <= _STAGED_MAX_P on a grid that is not persistent stages x in shared memory
 # (ForwardShape.staged; sweep_cute's "forward staged"). Off: on an H200 (run42, call c, bitwise, us) it was slower
 # or level everywhere but 8192 x 8192 with the weight staged too (66.8 -> 66.1), and with the weight staged at P =
-# 128 it collapsed (262144 x 128 34.4 -> 355.4).
+# 128 it collapsed (262144 x 128 34.4 -> 355.4; the weight was then copied with .cg, from L2 by every row slot: see
+# _stage_piece, which now copies it through L1).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
         "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": 4096, "forward_staged": False}
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
@@ -404,15 +405,19 @@ class _RowKernel:
 
     @cute.jit
     def _stage_piece(self, line: cute.Tensor, stage_row: cute.Tensor, kk: cutlass.Constexpr[int], t: Int32, n: Int32,
-                     ok: cutlass.Boolean) -> None:
+                     ok: cutlass.Boolean, shared_line: cutlass.Constexpr[bool] = False) -> None:
         """Piece kk of thread t of a 16-byte row copied into its place in stage_row (shared memory) by cp.async;
-        zeros there past N or when not ok (16-byte rows only: vector)."""
+        zeros there past N or when not ok (16-byte rows only: vector). shared_line: a line every row slot copies
+        (the weight), through L1 (cp.async.ca); a row's own lanes bypass it (.cg). Every slot of every block copying
+        the weight from L2 sends those requests to the few L2 lines that hold it (256 bytes at N = 128): the likely
+        cause of the staged forward's 10x collapse at P = 128 with the weight staged (run 42; .ca not yet timed)."""
         s = self.s
         idx = kk * s.tpr + t
         dst = cute.zipped_divide(stage_row, (s.piece,))[None, idx]
         if ok & (idx * s.piece < n):
-            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                                      line.element_type, num_bits_per_copy=128)
+            mode = cute.nvgpu.cpasync.LoadCacheMode.ALWAYS if const_expr(shared_line) else \
+                cute.nvgpu.cpasync.LoadCacheMode.GLOBAL
+            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(mode), line.element_type, num_bits_per_copy=128)
             cute.copy(atom, cute.zipped_divide(line, (s.piece,))[None, idx], dst)
         else:
             zeros = cute.make_rmem_tensor((s.piece,), line.element_type)
@@ -473,7 +478,7 @@ class RMSNormForward(_RowKernel):
                 if const_expr(stage_w):
                     wstage_row = th.stages[1][th.slot, None]
                     for kk in cutlass.range_constexpr(s.live):
-                        self._stage_piece(mW, wstage_row, kk, t, n, live)
+                        self._stage_piece(mW, wstage_row, kk, t, n, live, shared_line=True)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)
             for kk in cutlass.range_constexpr(s.live):
