@@ -11,8 +11,8 @@ shape from 2048 rows), and rows of 128 held by 16 or 8 threads, 8 or 16 lanes ea
 (K.FORWARD_VALUES), the forward at the CUDA table's unbounded entry at every row count (K.FORWARD_ROW_BOUNDS empty,
 the rule up to run 41), rows of 128 at the few-rows entry's shape at every row count (Quack's), and the held
 forward's lanes kept in fp32 between the passes (HOLD["forward_raw"] off, the rule before it; with 64 lanes too),
-and x staged in shared memory by cp.async (HOLD["forward_staged"]), with the weight after the sum or staged beside x
-at every row count (Quack's forward).
+and x staged in shared memory by cp.async with the weight beside it (HOLD["forward_staged"]: Quack's forward) at every
+padded length up to 8192 or at none.
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -56,9 +56,9 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "forward held in fp32": {**DEFAULT, "forward_raw": 0},
             "forward 64 a thread held in fp32": {**DEFAULT, "forward_values": {4096: 64}, "forward_raw": 0},
             "forward 16 a thread at 4096": {**DEFAULT, "forward_values": {4096: 16}},
-            "forward staged": {**DEFAULT, "forward_staged": True},
-            "forward staged + weight first": {**DEFAULT, "forward_staged": True,
-                                              "weight_first_rows": {1 << k: 1 << 40 for k in range(17)}},
+            # x staged in shared memory at every padded length up to K._STAGED_MAX_P (the weight beside it), or at none
+            "forward staged": {**DEFAULT, "forward_staged": frozenset(1 << k for k in range(14))},
+            "forward unstaged": {**DEFAULT, "forward_staged": frozenset()},
             "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
             "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}},
             "forward unbounded": {**DEFAULT, "forward_row_bounds": frozenset(), "forward_few_rows": {},
@@ -72,14 +72,16 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             # bound: the rule before), or up to 65536
             "forward few rows to 4096 at 128": {**DEFAULT, "forward_few_rows": {},
                                                 "weight_first_rows": {**K.FORWARD_WEIGHT_FIRST_ROWS, 128: 4096}},
+            "forward few rows to 16384 at 128": {**DEFAULT, "forward_few_rows": {128: 16384},
+                                                 "weight_first_rows": {**K.FORWARD_WEIGHT_FIRST_ROWS, 128: 16384}},
             "forward few rows to 65536 at 128": {**DEFAULT, "forward_few_rows": {128: 65536},
                                                  "weight_first_rows": {**K.FORWARD_WEIGHT_FIRST_ROWS, 128: 65536}}}
 FORWARD_ONLY = ("forward read twice", "weight first", "weight after the sum", "forward 64 a thread",
                 "forward held in fp32", "forward 64 a thread held in fp32", "forward 16 a thread at 4096",
-                "forward staged", "forward staged + weight first",
+                "forward staged", "forward unstaged",
                 "forward 64 a thread + weight first", "forward 8 a thread at 128", "forward 16 a thread at 128",
                 "forward unbounded", "forward few-rows shape at 128", "forward few rows to 4096 at 128",
-                "forward few rows to 65536 at 128")
+                "forward few rows to 16384 at 128", "forward few rows to 65536 at 128")
 WEIGHT_FIRST_ROWS = K.FORWARD_WEIGHT_FIRST_ROWS
 FORWARD_VALUES = K.FORWARD_VALUES
 FORWARD_ROW_BOUNDS = K.FORWARD_ROW_BOUNDS

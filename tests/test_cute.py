@@ -68,10 +68,10 @@ def test_forward_divides_out_a_trip_count_only_on_a_persistent_grid(n, tmp_path)
 
 
 @pytest.mark.parametrize("n, backward", [(128, False), (4096, False), (8192, False), (128, True), (4096, True)])
-def test_held_rows_are_read_once(n, backward, tmp_path):
-    """The tables' shapes keep a row's lanes in registers between the passes: each 16-byte piece of x (forward)
-    or of z and dy (backward) is loaded once a row, not again in pass 2 (with the backward's prefetch, the first row's
-    before the loop and the next row's in it); the weight's once a pass unless held."""
+def test_held_rows_are_read_once(n, backward, tmp_path, held_forward):
+    """The tables' shapes keep a row's lanes in registers between the passes: each 16-byte piece of x (forward, not
+    staged in shared memory) or of z and dy (backward) is loaded once a row, not again in pass 2 (with the backward's
+    prefetch, the first row's before the loop and the next row's in it); the weight's once a pass unless held."""
     bf16 = cutlass.BFloat16
     if backward:
         op, args = K.backward_args(n, bf16, bf16, bf16, "llama", True, False, True)
@@ -98,6 +98,14 @@ def fresh_shapes():
     _clear_shapes()
     yield _clear_shapes
     _clear_shapes()
+
+
+@pytest.fixture
+def held_forward(monkeypatch, fresh_shapes):
+    """The held forward's register path (x loaded into registers, not staged in shared memory: HOLD["forward_staged"]
+    empty, whatever the default), for the tests that read its loads in the PTX."""
+    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset())
+    fresh_shapes()
 
 
 def test_forward_rows_held_where_their_trimmed_lanes_fit(monkeypatch, fresh_shapes, tmp_path):
@@ -138,7 +146,8 @@ def _registers(tmp_path, op, args) -> int:
 
 @pytest.mark.parametrize("n, rows, saves, weight_first", [(128, 1 << 18, True, False), (4096, 1 << 15, True, False),
                                                            (4096, 1 << 15, True, True), (18432, 2048, False, False)])
-def test_forward_holds_its_lanes_as_loaded(n, rows, saves, weight_first, monkeypatch, fresh_shapes, tmp_path):
+def test_forward_holds_its_lanes_as_loaded(n, rows, saves, weight_first, monkeypatch, held_forward, fresh_shapes,
+                                          tmp_path):
     """HOLD["forward_raw"] (the default up to P = 4096): the held forward keeps bf16 lanes as loaded between the
     passes (laundered: an empty asm per 32-bit word), so the compiler cannot keep pass 1's fp32 widening alive
     instead: a thread takes at least a quarter of its held lanes fewer registers than with the lanes held in fp32
@@ -177,6 +186,17 @@ def test_forward_holds_lanes_as_loaded_up_to_4096():
     assert all(K.tuned_shape(n, False).hold for n in (8192, 16384, 18432))
 
 
+def test_forward_stages_rows_of_the_lengths_named(monkeypatch, fresh_shapes):
+    """HOLD["forward_staged"]: the held forward of the padded lengths named (here 4096 and 8192) stages x in shared
+    memory; rows of other lengths and the backward do not; none by default."""
+    assert not any(K.tuned_shape(n, False).staged for n in (128, 1000, 4096, 5000, 16384))
+    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({4096, 8192}))
+    fresh_shapes()
+    assert K.tuned_shape(4096, False).staged and K.tuned_shape(5000, False).staged
+    assert not any(K.tuned_shape(n, False).staged for n in (128, 1000, 16384, 18432))
+    assert not K.tuned_shape(4096, True).staged
+
+
 @pytest.mark.parametrize("n", [128, 1000, 4096, 8192])
 @pytest.mark.parametrize("weight_first", [False, True])
 def test_staged_forward_copies_rows_into_shared_memory(n, weight_first, monkeypatch, fresh_shapes, tmp_path):
@@ -186,7 +206,7 @@ def test_staged_forward_copies_rows_into_shared_memory(n, weight_first, monkeypa
     there in both passes (no global load of x; the weight, where it comes after the sum, loaded in pass 2); only
     rounded fp32 arithmetic. Rows that are not 16-byte aligned, the fused add and fp32 rows keep the held path (no
     cp.async); an fp32 weight is loaded, not staged; P = 16384 (past _STAGED_MAX_P) is not staged."""
-    monkeypatch.setitem(K.HOLD, "forward_staged", True)
+    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n), 16384}))
     fresh_shapes()
     s = K.tuned_shape(n, False)
     assert s.staged and s.hold and not s.persistent
@@ -214,7 +234,7 @@ def test_staged_forward_copies_rows_into_shared_memory(n, weight_first, monkeypa
 
 
 @pytest.mark.parametrize("weight_first", [False, True])
-def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, tmp_path):
+def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, tmp_path, held_forward):
     """With weight_first (K.FORWARD_WEIGHT_FIRST_ROWS: 512 rows at P = 4096) the held forward issues its weight
     loads with the row's, before the row sum's first shuffle; without, after it. Same loads either way."""
     bf16 = cutlass.BFloat16
@@ -228,7 +248,7 @@ def test_forward_weight_first_loads_the_weight_before_the_row_sum(weight_first, 
     assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
 
 
-def test_forward_lanes_a_thread_past_the_table(monkeypatch, fresh_shapes, tmp_path):
+def test_forward_lanes_a_thread_past_the_table(monkeypatch, held_forward, fresh_shapes, tmp_path):
     """K.FORWARD_VALUES (a sweep variant, empty by default): rows of 4096 held by 64 threads of 64 lanes, two rows a
     block of 128 threads (Quack's shape); x and the weight loaded once a row, rounded fp32 ops only. The GPU test
     checks the bits."""
@@ -310,8 +330,8 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     where their trimmed lanes would be held (HOLD["forward_trimmed"] = 0) and the weight loaded with the row at every
     row count (the default: up to 512 rows at P = 4096, 128 at 8192), then the weight loaded after the row sum at
     every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES), then held lanes kept
-    in fp32 (HOLD["forward_raw"] off), then x staged in shared memory (HOLD["forward_staged"]) with the weight after
-    the sum and with it staged beside x."""
+    in fp32 (HOLD["forward_raw"] off), then x staged in shared memory with the weight beside it (HOLD["forward_staged"]
+    at N's padded length), then nothing staged."""
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
     fresh_shapes()
@@ -327,10 +347,10 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     fresh_shapes()
     _check_forward(n, mode, seed)
     monkeypatch.setitem(K.HOLD, "forward_raw", 1 << 20)
-    monkeypatch.setitem(K.HOLD, "forward_staged", True)  # x staged in shared memory, the weight after the sum
+    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n)}))  # x staged, the weight staged beside it
     fresh_shapes()
     _check_forward(n, mode, seed)
-    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})  # and the weight staged beside it
+    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset())  # nothing staged (the default)
     fresh_shapes()
     _check_forward(n, mode, seed)
 
@@ -345,8 +365,7 @@ def test_staged_forward_mixed_dtypes_bitwise_on_gpu(n, x_dtype, w_dtype, seed, m
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec
 
-    monkeypatch.setitem(K.HOLD, "forward_staged", True)
-    monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
+    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n)}))  # the weight staged with x (plan_forward)
     fresh_shapes()
     g = torch.Generator(device="cuda").manual_seed(seed)
     for rows in (1, 3000):
@@ -392,7 +411,7 @@ def test_forward_few_rows_bounds_bitwise_on_gpu(seed):
 
 
 @pytest.mark.parametrize("x_name, w_name", [("Float32", "Float32"), ("Float16", "Float32"), ("BFloat16", None)])
-def test_forward_compiles_for_other_dtypes(x_name, w_name, tmp_path):
+def test_forward_compiles_for_other_dtypes(x_name, w_name, tmp_path, held_forward):
     """fp32 rows (two 16-byte vectors per piece), fp16 rows with an fp32 weight, no weight."""
     w_dtype = getattr(cutlass, w_name) if w_name else None
     ptx = _ptx(tmp_path, 4096, "llama", getattr(cutlass, x_name), w_dtype, vector=True)

@@ -152,20 +152,24 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # P = 128, 32 lanes 56 -> 40. On an H200 (bench/results/2026-12-04-h200-run42, call c, sweep_cute, bitwise, us, held
 # in fp32 -> as loaded): 2048 x 4096 11.7 -> 10.1, 16384 x 128 4.4 -> 4.1, level at 32768 x 4096 and 262144 x 128,
 # but 8192 x 8192 66.8 -> 70.1 (the A/B, call d: 66.75 -> 70.14), so P = 8192 and past keep fp32.
-# "forward_staged": the held forward of P <= _STAGED_MAX_P on a grid that is not persistent stages x in shared memory
-# (ForwardShape.staged; sweep_cute's "forward staged"). Off: on an H200 (run42, call c, bitwise, us) it was slower
-# or level everywhere but 8192 x 8192 with the weight staged too (66.8 -> 66.1), and with the weight staged at P =
-# 128 it collapsed (262144 x 128 34.4 -> 355.4; the weight was then copied with .cg, from L2 by every row slot: see
-# _stage_piece, which now copies it through L1).
+# "forward_staged": the padded lengths (at most _STAGED_MAX_P) whose held forward on a grid that is not persistent
+# stages x in shared memory (ForwardShape.staged), and the weight beside it (plan_forward: the weight first at every
+# row count). On an H200 (run42, call c, bitwise, us) x staged with the weight after the sum was slower or level
+# everywhere; with the weight staged too it won at 8192 x 8192 (66.8 -> 66.1) and collapsed at P = 128 (262144 x 128
+# 34.4 -> 355.4: the weight copied with .cg, from L2 by every row slot). With the weight copied through L1 (.ca,
+# _stage_piece; bench/results/2026-12-05-h200-run44, call c, sweep_cute "forward staged + weight first"): 8192 x
+# 4096 35.7 -> 34.2 (Quack 34.4 in call b), 512 x 4096 3.8 -> 3.9, 65536 x 128 10.9 -> 10.8, 262144 x 128 34.7 -> 35.0.
+# Empty until an A/B at the other PERF shapes and test_cute.py with {4096, 8192} have run (candidate-46).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
-        "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": 4096, "forward_staged": False}
+        "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": 4096,
+        "forward_staged": frozenset()}
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
 # 128 x 4096 3.7 -> 2.7, 512 x 4096 4.6 -> 4.2, 128 x 8192 4.2 -> 3.2; slower from 1024 rows of 4096 (6.2 -> 7.6;
 # more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3). At P = 128 up to 4096 rows as the CUDA
 # table's entry there (FORWARD_ROW_BOUNDS: bench/results/2026-12-04-h200-run41, 4096 x 128 2.91 -> 2.10 us), and on
-# to 16384 rows with FORWARD_FEW_ROWS.
+# to 16384 rows with FORWARD_FEW_ROWS. A staged forward (HOLD["forward_staged"]) takes the weight first always.
 FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 16384, 4096: 512, 8192: 128}
 # the lanes a thread of the held forward takes per padded length, past the table's entry and _HOLD_MAX_VALUES (fewer
 # threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the
@@ -200,7 +204,9 @@ FORWARD_ROW_BOUNDS: frozenset[int] = frozenset({128, 4096})
 # Per padded length, the row count up to which the forward keeps the table's first (few-rows) entry past that entry's
 # own bound: Quack's forward shape at P = 128 (16 threads a row, 8 rows a block of 128 threads) with the weight first
 # (FORWARD_WEIGHT_FIRST_ROWS). On an H200 (bench/results/2026-12-04-h200-run42, call e, sweep_cute "forward few-rows
-# shape at 128", bitwise, us): 16384 x 128 4.1 -> 3.3 (Quack 3.4); at 262144 x 128 it lost (34.4 -> 36.5).
+# shape at 128", bitwise, us): 16384 x 128 4.1 -> 3.3 (Quack 3.4); at 262144 x 128 it lost (34.4 -> 36.5). Up to
+# 65536 rows (run 44, call c, "forward few rows to 65536 at 128"): 65536 x 128 10.9 -> 10.4 (Quack 9.6 and Liger 9.5
+# in call b); not yet the default (branch candidate-46 awaits its A/B and test_cute.py run).
 FORWARD_FEW_ROWS: dict[int, int] = {128: 16384}
 
 
@@ -248,7 +254,7 @@ def tuned_shape(n: int, backward: bool, partials: bool = True, row_bound: int | 
     if hold and not backward:
         values = FORWARD_VALUES.get(p, values)
     # the backward's fp32 dW partials are one row per block slot: its grid stays persistent
-    staged = hold and not (backward or t.persistent) and HOLD["forward_staged"] and p <= _STAGED_MAX_P
+    staged = hold and not (backward or t.persistent) and p in HOLD["forward_staged"] and p <= _STAGED_MAX_P
     return replace(forward_shape(n, t.min_threads, values), hold=hold, persistent=t.persistent or backward,
                    hold_weight=hold and backward and HOLD["backward_weight"], prefetch=hold and prefetch,
                    hold_raw=hold and not backward and p <= HOLD["forward_raw"], staged=staged)
@@ -821,11 +827,14 @@ def plan_forward(x, weight, residual, mode: str, out_dtype) -> ForwardLaunch:
     w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
     y = torch.empty((1, n), dtype=out_dtype, device=x.device)  # stands for the fresh outputs: 16-byte aligned rows
     vector = _vector_ok(n, x, y, *(t for t in (weight, residual) if t is not None))
-    weight_first = weight is not None and rows <= FORWARD_WEIGHT_FIRST_ROWS.get(next_pow2(n), 0)
+    row_bound = forward_row_bound(n, rows)
+    # a staged forward (x in shared memory: 16-byte pieces of 16-bit rows, no residual) stages the weight beside x
+    staged = tuned_shape(n, False, True, row_bound).staged and residual is None and x.element_size() == 2
+    weight_first = weight is not None and (staged or rows <= FORWARD_WEIGHT_FIRST_ROWS.get(next_pow2(n), 0))
     tvm_ffi = calls() == "tvm-ffi"
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
                                       vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
-                                      tvm_ffi, weight_first, forward_row_bound(n, rows))
+                                      tvm_ffi, weight_first, row_bound)
     return ForwardLaunch(compiled, tvm_ffi, rows, n, _grid(shape, rows, x.device),
                          torch.empty(n, dtype=x.dtype, device=x.device))
 
