@@ -201,34 +201,36 @@ def test_forward_stages_rows_of_the_lengths_named(monkeypatch, fresh_shapes):
 @pytest.mark.parametrize("weight_first", [False, True])
 def test_staged_forward_copies_rows_into_shared_memory(n, weight_first, monkeypatch, fresh_shapes, tmp_path):
     """HOLD["forward_staged"]: the held forward of 16-byte rows copies each of a thread's live pieces of x into shared
-    memory with cp.async (bypassing L1: .cg), the weight's too where it comes first (through L1: .ca, a line every
-    row slot copies), all before one wait, and reads them
-    there in both passes (no global load of x; the weight, where it comes after the sum, loaded in pass 2); only
-    rounded fp32 arithmetic. Rows that are not 16-byte aligned, the fused add and fp32 rows keep the held path (no
-    cp.async); an fp32 weight is loaded, not staged; P = 16384 (past _STAGED_MAX_P) is not staged."""
+    memory with cp.async (bypassing L1: .cg) and the weight's beside them whether or not the call asks for the weight
+    first (through L1: .ca, a line every row slot copies), all before one wait, and reads them there in both passes
+    (no global load of x or of the weight); only rounded fp32 arithmetic. Rows that are not 16-byte aligned, the
+    fused add and fp32 rows keep the held path (no cp.async, the weight first only where asked: K.stages_rows); an
+    fp32 weight is loaded, not staged; P = 16384 (past _STAGED_MAX_P) is not staged."""
     monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n), 16384}))
     fresh_shapes()
     s = K.tuned_shape(n, False)
     assert s.staged and s.hold and not s.persistent
     assert not K.tuned_shape(16384, False).staged
-    bf16 = cutlass.BFloat16
-    ptx = _compiled_ptx(tmp_path, *K.forward_args(n, bf16, bf16, bf16, "llama", True, weight_first=weight_first))
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    op, args = K.forward_args(n, bf16, bf16, bf16, "llama", True, weight_first=weight_first)
+    assert op.s.hold_weight
+    ptx = _compiled_ptx(tmp_path, op, args)
     assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == s.live
-    assert len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)) == (s.live if weight_first else 0)
+    assert len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)) == s.live
     assert ptx.count("cp.async.wait_group") == 1 and ptx.count("cp.async.commit_group") == 1
     assert ptx.index("cp.async.wait_group") > max(ptx.rfind("cp.async.cg"), ptx.rfind("cp.async.ca"))
-    assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == (0 if weight_first else s.live)
+    assert not re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)
     assert "fma." not in ptx and not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx)
-    for sub, args in (("scalar", K.forward_args(n, bf16, bf16, bf16, "llama", False)),
-                      ("fused", K.forward_args(n, bf16, bf16, bf16, "llama", True, bf16)),
-                      ("fp32", K.forward_args(n, cutlass.Float32, cutlass.Float32, cutlass.Float32, "llama", True,
-                                              weight_first=weight_first))):
+    for sub, (op, args) in (("scalar", K.forward_args(n, bf16, bf16, bf16, "llama", False, weight_first=weight_first)),
+                            ("fused", K.forward_args(n, bf16, bf16, bf16, "llama", True, bf16,
+                                                     weight_first=weight_first)),
+                            ("fp32", K.forward_args(n, f32, f32, f32, "llama", True, weight_first=weight_first))):
+        assert op.s.hold_weight == weight_first, sub
         (tmp_path / sub).mkdir()
-        assert "cp.async" not in _compiled_ptx(tmp_path / sub, *args)
+        assert "cp.async" not in _compiled_ptx(tmp_path / sub, op, args)
     # pieces of 8 fp32 lanes (32 bytes) are not staged: an fp32 weight is loaded into registers beside staged bf16 x
     (tmp_path / "w32").mkdir()
-    ptx = _compiled_ptx(tmp_path / "w32", *K.forward_args(n, bf16, cutlass.Float32, bf16, "llama", True,
-                                                          weight_first=weight_first))
+    ptx = _compiled_ptx(tmp_path / "w32", *K.forward_args(n, bf16, f32, bf16, "llama", True, weight_first=weight_first))
     assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == s.live
     assert len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)) == 2 * s.live
 
@@ -365,7 +367,7 @@ def test_staged_forward_mixed_dtypes_bitwise_on_gpu(n, x_dtype, w_dtype, seed, m
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec
 
-    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n)}))  # the weight staged with x (plan_forward)
+    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n)}))  # the weight staged with x (forward_args)
     fresh_shapes()
     g = torch.Generator(device="cuda").manual_seed(seed)
     for rows in (1, 3000):

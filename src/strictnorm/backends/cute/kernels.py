@@ -153,7 +153,7 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # in fp32 -> as loaded): 2048 x 4096 11.7 -> 10.1, 16384 x 128 4.4 -> 4.1, level at 32768 x 4096 and 262144 x 128,
 # but 8192 x 8192 66.8 -> 70.1 (the A/B, call d: 66.75 -> 70.14), so P = 8192 and past keep fp32.
 # "forward_staged": the padded lengths (at most _STAGED_MAX_P) whose held forward on a grid that is not persistent
-# stages x in shared memory (ForwardShape.staged), and the weight beside it (plan_forward: the weight first at every
+# stages x in shared memory (ForwardShape.staged), and the weight beside it (forward_args: the weight first at every
 # row count). On an H200 (run42, call c, bitwise, us) x staged with the weight after the sum was slower or level
 # everywhere; with the weight staged too it won at 8192 x 8192 (66.8 -> 66.1) and collapsed at P = 128 (262144 x 128
 # 34.4 -> 355.4: the weight copied with .cg, from L2 by every row slot). With the weight copied through L1 (.ca,
@@ -461,9 +461,8 @@ class RMSNormForward(_RowKernel):
     def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor,
                mRstd: cute.Tensor, rows: Int32, n: Int32, eps: Float32, offset: Float32):
         s = self.s
-        # trace-time: the staged path (ForwardShape.staged) for pieces of 16 bytes, one cp.async each (a piece of 8
-        # fp32 lanes took one 16-byte copy, half the piece, in the DSL 4.8.1: such rows and weights are not staged)
-        staged = s.staged and self.vector and not self.has_res and mX.element_type.width * s.piece == 128
+        # trace-time: the staged path (stages_rows); the weight staged too where its pieces are 16 bytes as well
+        staged = stages_rows(s, self.vector, self.has_res, mX.element_type.width)
         stage_w = staged and self.has_weight and s.hold_weight and mW.element_type.width * s.piece == 128
         th = thread_place(s, rows, ((mX.element_type,) + ((mW.element_type,) if const_expr(stage_w) else ()))
                           if const_expr(staged) else ())
@@ -712,15 +711,24 @@ class _Fakes:
         return make_fake_tensor(Float32, (cute.sym_int() if own_count else self.m,), (1,))
 
 
+def stages_rows(s: ForwardShape, vector: bool, has_res: bool, x_width: int) -> bool:
+    """Whether the forward of shape s copies x into shared memory (ForwardShape.staged): aligned rows of 16-byte
+    pieces without a residual, one cp.async a piece (a piece of 8 fp32 lanes took one 16-byte copy, half the piece,
+    in the DSL 4.8.1: such rows and weights are not staged)."""
+    return s.staged and vector and not has_res and x_width * s.piece == 128
+
+
 def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
                  tvm_ffi: bool = False, weight_first: bool = False, row_bound: int | None = None) -> tuple:
     """The forward operator and the fake arguments cute.compile specializes on: dtypes, mode, block
     shape, and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0).
     tvm_ffi: the stream comes from TVM FFI's environment (torch's current stream) at each call. weight_first: the
-    weight loaded with held rows (ForwardShape.hold_weight). row_bound: the table entry's (forward_row_bound)."""
+    weight loaded with held rows (ForwardShape.hold_weight; always where x is staged: the weight is staged beside
+    it). row_bound: the table entry's (forward_row_bound)."""
     f = _Fakes(n, vector, backward=False, row_bound=row_bound)
     norm_dtype = res_dtype or x_dtype
-    shape = replace(f.shape, hold_weight=f.shape.hold and weight_first)
+    staged = stages_rows(f.shape, vector, res_dtype is not None, x_dtype.width)
+    shape = replace(f.shape, hold_weight=f.shape.hold and (weight_first or staged))
     op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
     return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
                 f.rows(y_dtype), f.per_row(own_count=True), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
@@ -827,14 +835,11 @@ def plan_forward(x, weight, residual, mode: str, out_dtype) -> ForwardLaunch:
     w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
     y = torch.empty((1, n), dtype=out_dtype, device=x.device)  # stands for the fresh outputs: 16-byte aligned rows
     vector = _vector_ok(n, x, y, *(t for t in (weight, residual) if t is not None))
-    row_bound = forward_row_bound(n, rows)
-    # a staged forward (x in shared memory: 16-byte pieces of 16-bit rows, no residual) stages the weight beside x
-    staged = tuned_shape(n, False, True, row_bound).staged and residual is None and x.element_size() == 2
-    weight_first = weight is not None and (staged or rows <= FORWARD_WEIGHT_FIRST_ROWS.get(next_pow2(n), 0))
+    weight_first = weight is not None and rows <= FORWARD_WEIGHT_FIRST_ROWS.get(next_pow2(n), 0)
     tvm_ffi = calls() == "tvm-ffi"
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
                                       vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
-                                      tvm_ffi, weight_first, row_bound)
+                                      tvm_ffi, weight_first, forward_row_bound(n, rows))
     return ForwardLaunch(compiled, tvm_ffi, rows, n, _grid(shape, rows, x.device),
                          torch.empty(n, dtype=x.dtype, device=x.device))
 
