@@ -188,10 +188,8 @@ def test_forward_holds_lanes_as_loaded_up_to_4096():
 
 def test_forward_stages_rows_of_the_lengths_named(monkeypatch, fresh_shapes):
     """HOLD["forward_staged"]: the held forward of the padded lengths named (here 4096 and 8192) stages x in shared
-    memory; rows of other lengths and the backward do not; none by default."""
-    assert not any(K.tuned_shape(n, False).staged for n in (128, 1000, 4096, 5000, 16384))
-    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({4096, 8192}))
-    fresh_shapes()
+    memory; rows of other lengths and the backward do not; 4096 and 8192 by default."""
+    assert K.HOLD["forward_staged"] == frozenset({4096, 8192})  # the default
     assert K.tuned_shape(4096, False).staged and K.tuned_shape(5000, False).staged
     assert not any(K.tuned_shape(n, False).staged for n in (128, 1000, 16384, 18432))
     assert not K.tuned_shape(4096, True).staged
@@ -299,7 +297,7 @@ def test_forward_bitwise_on_gpu(n, mode, seed):
 def test_forward_takes_the_table_entry_for_its_row_count(monkeypatch, fresh_shapes, tmp_path):
     """K.FORWARD_ROW_BOUNDS: up to 4096 rows of P = 128 the CUDA forward table's 16 threads a row of 8 lanes (8 rows a
     block of 128 threads), compiled with the weight loaded with the row (one 16-byte load of x and one of the weight
-    a thread, rounded fp32 ops only), and on to K.FORWARD_FEW_ROWS (16384) rows; past that its unbounded entry, 4
+    a thread, rounded fp32 ops only), and on to K.FORWARD_FEW_ROWS (65536) rows; past that its unbounded entry, 4
     threads a row of 32 lanes; at P = 4096 up to 128 rows one row of 512 threads. An entry whose shape is the
     unbounded one's gives None (one kernel for both); a P not in FORWARD_ROW_BOUNDS gives None."""
     bound = K.forward_row_bound(128, 4096)
@@ -352,7 +350,7 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n)}))  # x staged, the weight staged beside it
     fresh_shapes()
     _check_forward(n, mode, seed)
-    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset())  # nothing staged (the default)
+    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset())  # nothing staged (the default stages P = 4096, 8192)
     fresh_shapes()
     _check_forward(n, mode, seed)
 
@@ -396,7 +394,7 @@ def _check_forward(n: int, mode: str, seed: int) -> None:
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_forward_few_rows_bounds_bitwise_on_gpu(seed):
-    """Both sides of the table entry's own bound at P = 128 (4096 rows) and of K.FORWARD_FEW_ROWS (16384): y and rstd
+    """Both sides of the table entry's own bound at P = 128 (4096 rows) and of K.FORWARD_FEW_ROWS (65536): y and rstd
     the reference's bits (Gemma offset, tiny bf16 weights, a fresh row count on each side)."""
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec

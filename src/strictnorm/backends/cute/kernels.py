@@ -159,18 +159,17 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # 34.4 -> 355.4: the weight copied with .cg, from L2 by every row slot). With the weight copied through L1 (.ca,
 # _stage_piece; bench/results/2026-12-05-h200-run44, call c, sweep_cute "forward staged + weight first"): 8192 x
 # 4096 35.7 -> 34.2 (Quack 34.4 in call b), 512 x 4096 3.8 -> 3.9, 65536 x 128 10.9 -> 10.8, 262144 x 128 34.7 -> 35.0.
-# Empty until an A/B at the other PERF shapes and test_cute.py with {4096, 8192} have run (candidate-46).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
         "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": 4096,
-        "forward_staged": frozenset()}
+        "forward_staged": frozenset({4096, 8192})}
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
 # 128 x 4096 3.7 -> 2.7, 512 x 4096 4.6 -> 4.2, 128 x 8192 4.2 -> 3.2; slower from 1024 rows of 4096 (6.2 -> 7.6;
 # more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3). At P = 128 up to 4096 rows as the CUDA
 # table's entry there (FORWARD_ROW_BOUNDS: bench/results/2026-12-04-h200-run41, 4096 x 128 2.91 -> 2.10 us), and on
-# to 16384 rows with FORWARD_FEW_ROWS. A staged forward (HOLD["forward_staged"]) takes the weight first always.
-FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 16384, 4096: 512, 8192: 128}
+# to 65536 rows with FORWARD_FEW_ROWS. A staged forward (HOLD["forward_staged"]) takes the weight first always.
+FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 65536, 4096: 512, 8192: 128}
 # the lanes a thread of the held forward takes per padded length, past the table's entry and _HOLD_MAX_VALUES (fewer
 # threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the
 # CUDA table's entry for 129-2048 rows does. Empty until measured (sweep_cute's "forward 64 a thread").
@@ -206,8 +205,8 @@ FORWARD_ROW_BOUNDS: frozenset[int] = frozenset({128, 4096})
 # (FORWARD_WEIGHT_FIRST_ROWS). On an H200 (bench/results/2026-12-04-h200-run42, call e, sweep_cute "forward few-rows
 # shape at 128", bitwise, us): 16384 x 128 4.1 -> 3.3 (Quack 3.4); at 262144 x 128 it lost (34.4 -> 36.5). Up to
 # 65536 rows (run 44, call c, "forward few rows to 65536 at 128"): 65536 x 128 10.9 -> 10.4 (Quack 9.6 and Liger 9.5
-# in call b); not yet the default (branch candidate-46 awaits its A/B and test_cute.py run).
-FORWARD_FEW_ROWS: dict[int, int] = {128: 16384}
+# in call b).
+FORWARD_FEW_ROWS: dict[int, int] = {128: 65536}
 
 
 def forward_row_bound(n: int, rows: int) -> int | None:
