@@ -12,7 +12,7 @@ shape from 2048 rows), and rows of 128 held by 16 or 8 threads, 8 or 16 lanes ea
 the rule up to run 41), rows of 128 at the few-rows entry's shape at every row count (Quack's), and the held
 forward's lanes kept in fp32 between the passes (HOLD["forward_raw"] off, the rule before it; with 64 lanes too),
 and x staged in shared memory by cp.async with the weight beside it (HOLD["forward_staged"]: Quack's forward) at every
-padded length up to 8192 or at none.
+padded length up to 8192 and row count, or at none.
 SWEEP_BLOCKS=2,4 adds the backward of each variant with its persistent grid at that many blocks an SM
 (K.BACKWARD_BLOCKS_PER_SM; fewer blocks write fewer fp32 dW partial rows). SWEEP_VARIANTS="hold,read twice" limits
 the variants.
@@ -56,9 +56,11 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             "forward held in fp32": {**DEFAULT, "forward_raw": 0},
             "forward 64 a thread held in fp32": {**DEFAULT, "forward_values": {4096: 64}, "forward_raw": 0},
             "forward 16 a thread at 4096": {**DEFAULT, "forward_values": {4096: 16}},
-            # x staged in shared memory at every padded length up to K._STAGED_MAX_P (the weight beside it), or at none
+            # x staged in shared memory at every padded length up to K._STAGED_MAX_P and row count (the weight beside
+            # it), or at none
             "forward staged": {**DEFAULT,
-                               "forward_staged": frozenset(1 << k for k in range(K._STAGED_MAX_P.bit_length()))},
+                               "forward_staged": frozenset(1 << k for k in range(K._STAGED_MAX_P.bit_length())),
+                               "forward_staged_rows": 1},
             "forward unstaged": {**DEFAULT, "forward_staged": frozenset()},
             "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
             "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}},

@@ -44,11 +44,14 @@ def _ptx(tmp_path, n: int, mode: str, x_dtype, w_dtype, vector: bool = False, re
 @pytest.mark.parametrize("vector", [False, True])
 def test_forward_compiles_with_only_rounded_fp32_ops(n, mode, vector, tmp_path):
     """No fused multiply-add and no unrounded fp32 add/mul/div/sqrt anywhere: ptxas may contract a
-    plain add.f32 with a mul, which would change bits. Whole aligned pieces load 16 bytes at a time."""
+    plain add.f32 with a mul, which would change bits. Whole aligned pieces load 16 bytes at a time (a staged
+    forward's: copied by cp.async)."""
     if vector and (n % 8 or K.forward_shape(n).piece != 8):
         pytest.skip("vector loads need pieces of 8 lanes and N % 8 == 0")
     ptx = _ptx(tmp_path, n, mode, cutlass.BFloat16, cutlass.BFloat16, vector)
-    assert ("ld.global.v4" in ptx) == vector
+    staged = K.stages_rows(K.tuned_shape(n, backward=False), vector, False, 16)  # x copied by cp.async instead
+    assert ("ld.global.v4" in ptx) == (vector and not staged)
+    assert ("cp.async" in ptx) == staged
     assert "fma." not in ptx
     assert not re.search(r"\b(add|sub|mul|div|sqrt)\.f32\b", ptx), "an fp32 op without .rn"
     assert re.search(r"\bsqrt\.rn\.f32\b", ptx) and re.search(r"\bdiv\.rn\.f32\b", ptx)
@@ -186,13 +189,25 @@ def test_forward_holds_lanes_as_loaded_up_to_4096():
     assert all(K.tuned_shape(n, False).hold for n in (8192, 16384, 18432))
 
 
-def test_forward_stages_rows_of_the_lengths_named(monkeypatch, fresh_shapes):
-    """HOLD["forward_staged"]: the held forward of the padded lengths named (here 4096 and 8192) stages x in shared
-    memory; rows of other lengths and the backward do not; 4096 and 8192 by default."""
-    assert K.HOLD["forward_staged"] == frozenset({4096, 8192})  # the default
+def test_forward_stages_rows_of_the_lengths_named(monkeypatch, tmp_path):
+    """HOLD["forward_staged"]: the held forward of the padded lengths named (4096 and 8192 by default) stages x in
+    shared memory from HOLD["forward_staged_rows"] (2048) rows on; fewer rows of those lengths, rows of other lengths
+    and the backward do not."""
+    assert K.HOLD["forward_staged"] == frozenset({4096, 8192}) and K.HOLD["forward_staged_rows"] == 2048
     assert K.tuned_shape(4096, False).staged and K.tuned_shape(5000, False).staged
     assert not any(K.tuned_shape(n, False).staged for n in (128, 1000, 16384, 18432))
     assert not K.tuned_shape(4096, True).staged
+    assert [K.forward_stages(4096, rows) for rows in (1, 128, 2047, 2048, 1 << 20)] == [False] * 3 + [True] * 2
+    assert not K.forward_stages(8192, 512) and K.forward_stages(8192, 8192)
+    assert all(K.forward_stages(n, 1) for n in (128, 1000, 16384))  # lengths never staged: one kernel at any count
+    bf16 = cutlass.BFloat16
+    for stage in (True, False):
+        op, args = K.forward_args(4096, bf16, bf16, bf16, "llama", True, stage=stage)
+        (tmp_path / str(stage)).mkdir()
+        ptx = _compiled_ptx(tmp_path / str(stage), op, args)
+        assert op.s.staged == stage and ("cp.async" in ptx) == stage and ("ld.global.v4" in ptx) != stage
+    monkeypatch.setitem(K.HOLD, "forward_staged_rows", 1)
+    assert K.forward_stages(4096, 1)
 
 
 @pytest.mark.parametrize("n", [128, 1000, 4096, 8192])
@@ -331,7 +346,7 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     row count (the default: up to 512 rows at P = 4096, 128 at 8192), then the weight loaded after the row sum at
     every row count, then rows held with 64 lanes a thread where they are held (FORWARD_VALUES), then held lanes kept
     in fp32 (HOLD["forward_raw"] off), then x staged in shared memory with the weight beside it (HOLD["forward_staged"]
-    at N's padded length), then nothing staged."""
+    at N's padded length, at every row count), then nothing staged."""
     monkeypatch.setitem(K.HOLD, "forward_trimmed", 0)
     monkeypatch.setattr(K, "FORWARD_WEIGHT_FIRST_ROWS", {next_pow2(n): 1 << 40})
     fresh_shapes()
@@ -348,6 +363,7 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     _check_forward(n, mode, seed)
     monkeypatch.setitem(K.HOLD, "forward_raw", 1 << 20)
     monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n)}))  # x staged, the weight staged beside it
+    monkeypatch.setitem(K.HOLD, "forward_staged_rows", 1)  # at every row count
     fresh_shapes()
     _check_forward(n, mode, seed)
     monkeypatch.setitem(K.HOLD, "forward_staged", frozenset())  # nothing staged (the default stages P = 4096, 8192)
@@ -366,6 +382,7 @@ def test_staged_forward_mixed_dtypes_bitwise_on_gpu(n, x_dtype, w_dtype, seed, m
     from strictnorm.contract import make_spec
 
     monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n)}))  # the weight staged with x (forward_args)
+    monkeypatch.setitem(K.HOLD, "forward_staged_rows", 1)
     fresh_shapes()
     g = torch.Generator(device="cuda").manual_seed(seed)
     for rows in (1, 3000):
@@ -375,6 +392,26 @@ def test_staged_forward_mixed_dtypes_bitwise_on_gpu(n, x_dtype, w_dtype, seed, m
         want_y, want_rstd, _ = get_backend("torch").rms_norm_fwd(x, w, None, spec)
         y, rstd, _ = K.forward(x, w, 1e-6, 1.0, "gemma", x_dtype)
         assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n} {x_dtype} {w_dtype}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [4096, 5000, 8192])
+def test_forward_staged_rows_bound_bitwise_on_gpu(n, seed):
+    """Both sides of HOLD["forward_staged_rows"] (the register path below it, x staged from it on), by default: y and
+    rstd the reference's bits (Gemma offset, tiny bf16 weights)."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    bound = K.HOLD["forward_staged_rows"]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
+    for rows in (bound - 1, bound):
+        assert K.forward_stages(n, rows) == (rows >= bound)
+        x = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(n, device="cuda", generator=g) * 0.01).bfloat16()
+        want_y, want_rstd, _ = get_backend("torch").rms_norm_fwd(x, w, None, spec)
+        y, rstd, _ = K.forward(x, w, 1e-6, 1.0, "gemma", torch.bfloat16)
+        assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n}"
 
 
 def _check_forward(n: int, mode: str, seed: int) -> None:

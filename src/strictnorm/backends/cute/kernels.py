@@ -159,9 +159,14 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # 34.4 -> 355.4: the weight copied with .cg, from L2 by every row slot). With the weight copied through L1 (.ca,
 # _stage_piece; bench/results/2026-12-05-h200-run44, call c, sweep_cute "forward staged + weight first"): 8192 x
 # 4096 35.7 -> 34.2 (Quack 34.4 in call b), 512 x 4096 3.8 -> 3.9, 65536 x 128 10.9 -> 10.8, 262144 x 128 34.7 -> 35.0.
+# "forward_staged_rows": the fewest rows a staged forward stages (plan_forward); fewer rows take the register path, as
+# a block's one wait for all its copies puts their whole latency ahead of its sums where few rows are in flight. On
+# an H200 (bench/results/2026-12-05-h200-run45, call b, A/B of {4096, 8192} staged at every row count against none,
+# us): 128 x 4096 2.53 -> 2.62, 512 x 4096 3.78 -> 3.84, 2048 x 4096 9.86 -> 9.81, 8192 x 4096 35.89 -> 34.24 (Quack
+# 34.51), 32768 x 4096 130.67 -> 131.06 (Quack 130.05-130.67), 8192 x 8192 66.86 -> 66.67.
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
         "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": 4096,
-        "forward_staged": frozenset({4096, 8192})}
+        "forward_staged": frozenset({4096, 8192}), "forward_staged_rows": 2048}
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
@@ -222,6 +227,13 @@ def forward_row_bound(n: int, rows: int) -> int | None:
     few = bounds[0][0] is not None and rows <= FORWARD_FEW_ROWS.get(p, 0)  # the first entry, stretched
     bound = bounds[0][0] if few else for_rows(bounds, rows)
     return bound if tuned_shape(n, False, True, bound) != tuned_shape(n, False, True, None) else None
+
+
+def forward_stages(n: int, rows: int) -> bool:
+    """compile_forward's `stage` for the forward of `rows` rows of N: False for fewer than HOLD["forward_staged_rows"]
+    rows of a staged length, True elsewhere (where the shape does not stage, True too: one kernel for every row
+    count)."""
+    return next_pow2(n) not in HOLD["forward_staged"] or rows >= HOLD["forward_staged_rows"]
 
 
 @cache
@@ -718,16 +730,19 @@ def stages_rows(s: ForwardShape, vector: bool, has_res: bool, x_width: int) -> b
 
 
 def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
-                 tvm_ffi: bool = False, weight_first: bool = False, row_bound: int | None = None) -> tuple:
+                 tvm_ffi: bool = False, weight_first: bool = False, row_bound: int | None = None,
+                 stage: bool = True) -> tuple:
     """The forward operator and the fake arguments cute.compile specializes on: dtypes, mode, block
     shape, and for `vector` the 16-byte alignment of every row and of the weight (PIECE = 8, N % 8 == 0).
     tvm_ffi: the stream comes from TVM FFI's environment (torch's current stream) at each call. weight_first: the
     weight loaded with held rows (ForwardShape.hold_weight; always where x is staged: the weight is staged beside
-    it). row_bound: the table entry's (forward_row_bound)."""
+    it). row_bound: the table entry's (forward_row_bound). stage: x staged where the shape stages it (False: the
+    register path; plan_forward: fewer rows than HOLD["forward_staged_rows"])."""
     f = _Fakes(n, vector, backward=False, row_bound=row_bound)
     norm_dtype = res_dtype or x_dtype
-    staged = stages_rows(f.shape, vector, res_dtype is not None, x_dtype.width)
-    shape = replace(f.shape, hold_weight=f.shape.hold and (weight_first or staged))
+    shape = replace(f.shape, staged=f.shape.staged and stage)
+    staged = stages_rows(shape, vector, res_dtype is not None, x_dtype.width)
+    shape = replace(shape, hold_weight=shape.hold and (weight_first or staged))
     op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
     return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
                 f.rows(y_dtype), f.per_row(own_count=True), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
@@ -758,10 +773,13 @@ def compile_backward(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool
 
 @lru_cache(maxsize=256)
 def compile_forward(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
-                    tvm_ffi: bool = False, weight_first: bool = False, row_bound: int | None = None):
+                    tvm_ffi: bool = False, weight_first: bool = False, row_bound: int | None = None,
+                    stage: bool = True):
     """The compiled forward for one (N, dtypes, mode, vector, residual, calling convention, weight first, table
-    entry): the cache key holds everything baked into the kernel. The offset and eps are runtime fp32 arguments."""
-    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector, res_dtype, tvm_ffi, weight_first, row_bound)
+    entry, staging): the cache key holds everything baked into the kernel. The offset and eps are runtime fp32
+    arguments."""
+    op, args = forward_args(n, x_dtype, w_dtype, y_dtype, mode, vector, res_dtype, tvm_ffi, weight_first, row_bound,
+                            stage)
     return _compile(op, args, tvm_ffi), op.s
 
 
@@ -838,7 +856,8 @@ def plan_forward(x, weight, residual, mode: str, out_dtype) -> ForwardLaunch:
     tvm_ffi = calls() == "tvm-ffi"
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
                                       vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
-                                      tvm_ffi, weight_first, forward_row_bound(n, rows))
+                                      tvm_ffi, weight_first, forward_row_bound(n, rows),
+                                      forward_stages(n, rows))
     return ForwardLaunch(compiled, tvm_ffi, rows, n, _grid(shape, rows, x.device),
                          torch.empty(n, dtype=x.dtype, device=x.device))
 
