@@ -59,9 +59,8 @@ VARIANTS = {"read twice": {**_HELD, "forward": False, "backward": False},
             # x staged in shared memory at every padded length up to K._STAGED_MAX_P and row count (the weight beside
             # it), or at none
             "forward staged": {**DEFAULT,
-                               "forward_staged": frozenset(1 << k for k in range(K._STAGED_MAX_P.bit_length())),
-                               "forward_staged_rows": 1},
-            "forward unstaged": {**DEFAULT, "forward_staged": frozenset()},
+                               "forward_staged": {1 << k: 1 for k in range(K._STAGED_MAX_P.bit_length())}},
+            "forward unstaged": {**DEFAULT, "forward_staged": {}},
             "forward 8 a thread at 128": {**DEFAULT, "forward_values": {128: 8}},
             "forward 16 a thread at 128": {**DEFAULT, "forward_values": {128: 16}},
             "forward unbounded": {**DEFAULT, "forward_row_bounds": frozenset(), "forward_few_rows": {},

@@ -107,7 +107,7 @@ def fresh_shapes():
 def held_forward(monkeypatch, fresh_shapes):
     """The held forward's register path (x loaded into registers, not staged in shared memory: HOLD["forward_staged"]
     empty, whatever the default), for the tests that read its loads in the PTX."""
-    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset())
+    monkeypatch.setitem(K.HOLD, "forward_staged", {})
     fresh_shapes()
 
 
@@ -191,14 +191,14 @@ def test_forward_holds_lanes_as_loaded_up_to_4096():
 
 def test_forward_stages_rows_of_the_lengths_named(monkeypatch, tmp_path):
     """HOLD["forward_staged"]: the held forward of the padded lengths named (4096 and 8192 by default) stages x in
-    shared memory from HOLD["forward_staged_rows"] (2048) rows on; fewer rows of those lengths, rows of other lengths
-    and the backward do not."""
-    assert K.HOLD["forward_staged"] == frozenset({4096, 8192}) and K.HOLD["forward_staged_rows"] == 2048
+    shared memory from the row count named on (4096 and 2048); fewer rows of those lengths, rows of other lengths and
+    the backward do not."""
+    assert K.HOLD["forward_staged"] == {4096: 4096, 8192: 2048}
     assert K.tuned_shape(4096, False).staged and K.tuned_shape(5000, False).staged
     assert not any(K.tuned_shape(n, False).staged for n in (128, 1000, 16384, 18432))
     assert not K.tuned_shape(4096, True).staged
-    assert [K.forward_stages(4096, rows) for rows in (1, 128, 2047, 2048, 1 << 20)] == [False] * 3 + [True] * 2
-    assert not K.forward_stages(8192, 512) and K.forward_stages(8192, 8192)
+    assert [K.forward_stages(4096, rows) for rows in (1, 128, 4095, 4096, 1 << 20)] == [False] * 3 + [True] * 2
+    assert not K.forward_stages(5000, 2048) and not K.forward_stages(8192, 2047) and K.forward_stages(8192, 2048)
     assert all(K.forward_stages(n, 1) for n in (128, 1000, 16384))  # lengths never staged: one kernel at any count
     bf16 = cutlass.BFloat16
     for stage in (True, False):
@@ -206,7 +206,7 @@ def test_forward_stages_rows_of_the_lengths_named(monkeypatch, tmp_path):
         (tmp_path / str(stage)).mkdir()
         ptx = _compiled_ptx(tmp_path / str(stage), op, args)
         assert op.s.staged == stage and ("cp.async" in ptx) == stage and ("ld.global.v4" in ptx) != stage
-    monkeypatch.setitem(K.HOLD, "forward_staged_rows", 1)
+    monkeypatch.setitem(K.HOLD, "forward_staged", {4096: 1})
     assert K.forward_stages(4096, 1)
 
 
@@ -219,7 +219,7 @@ def test_staged_forward_copies_rows_into_shared_memory(n, weight_first, monkeypa
     (no global load of x or of the weight); only rounded fp32 arithmetic. Rows that are not 16-byte aligned, the
     fused add and fp32 rows keep the held path (no cp.async, the weight first only where asked: K.stages_rows); an
     fp32 weight is loaded, not staged; P = 16384 (past _STAGED_MAX_P) is not staged."""
-    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n), 16384}))
+    monkeypatch.setitem(K.HOLD, "forward_staged", {next_pow2(n): 1, 16384: 1})
     fresh_shapes()
     s = K.tuned_shape(n, False)
     assert s.staged and s.hold and not s.persistent
@@ -312,7 +312,7 @@ def test_forward_bitwise_on_gpu(n, mode, seed):
 def test_forward_takes_the_table_entry_for_its_row_count(monkeypatch, fresh_shapes, tmp_path):
     """K.FORWARD_ROW_BOUNDS: up to 4096 rows of P = 128 the CUDA forward table's 16 threads a row of 8 lanes (8 rows a
     block of 128 threads), compiled with the weight loaded with the row (one 16-byte load of x and one of the weight
-    a thread, rounded fp32 ops only), and on to K.FORWARD_FEW_ROWS (65536) rows; past that its unbounded entry, 4
+    a thread, rounded fp32 ops only), and on to K.FORWARD_FEW_ROWS (16384) rows; past that its unbounded entry, 4
     threads a row of 32 lanes; at P = 4096 up to 128 rows one row of 512 threads. An entry whose shape is the
     unbounded one's gives None (one kernel for both); a P not in FORWARD_ROW_BOUNDS gives None."""
     bound = K.forward_row_bound(128, 4096)
@@ -362,11 +362,10 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     fresh_shapes()
     _check_forward(n, mode, seed)
     monkeypatch.setitem(K.HOLD, "forward_raw", 1 << 20)
-    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n)}))  # x staged, the weight staged beside it
-    monkeypatch.setitem(K.HOLD, "forward_staged_rows", 1)  # at every row count
+    monkeypatch.setitem(K.HOLD, "forward_staged", {next_pow2(n): 1})  # x staged at every row count, the weight beside
     fresh_shapes()
     _check_forward(n, mode, seed)
-    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset())  # nothing staged (the default stages P = 4096, 8192)
+    monkeypatch.setitem(K.HOLD, "forward_staged", {})  # nothing staged (the default stages P = 4096 and 8192)
     fresh_shapes()
     _check_forward(n, mode, seed)
 
@@ -381,8 +380,7 @@ def test_staged_forward_mixed_dtypes_bitwise_on_gpu(n, x_dtype, w_dtype, seed, m
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec
 
-    monkeypatch.setitem(K.HOLD, "forward_staged", frozenset({next_pow2(n)}))  # the weight staged with x (forward_args)
-    monkeypatch.setitem(K.HOLD, "forward_staged_rows", 1)
+    monkeypatch.setitem(K.HOLD, "forward_staged", {next_pow2(n): 1})  # the weight staged with x (forward_args)
     fresh_shapes()
     g = torch.Generator(device="cuda").manual_seed(seed)
     for rows in (1, 3000):
@@ -397,12 +395,12 @@ def test_staged_forward_mixed_dtypes_bitwise_on_gpu(n, x_dtype, w_dtype, seed, m
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [4096, 5000, 8192])
 def test_forward_staged_rows_bound_bitwise_on_gpu(n, seed):
-    """Both sides of HOLD["forward_staged_rows"] (the register path below it, x staged from it on), by default: y and
-    rstd the reference's bits (Gemma offset, tiny bf16 weights)."""
+    """Both sides of HOLD["forward_staged"]'s row bound (the register path below it, x staged from it on), by
+    default: y and rstd the reference's bits (Gemma offset, tiny bf16 weights)."""
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec
 
-    bound = K.HOLD["forward_staged_rows"]
+    bound = K.HOLD["forward_staged"][next_pow2(n)]
     g = torch.Generator(device="cuda").manual_seed(seed)
     spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
     for rows in (bound - 1, bound):
@@ -431,7 +429,7 @@ def _check_forward(n: int, mode: str, seed: int) -> None:
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_forward_few_rows_bounds_bitwise_on_gpu(seed):
-    """Both sides of the table entry's own bound at P = 128 (4096 rows) and of K.FORWARD_FEW_ROWS (65536): y and rstd
+    """Both sides of the table entry's own bound at P = 128 (4096 rows) and of K.FORWARD_FEW_ROWS (16384): y and rstd
     the reference's bits (Gemma offset, tiny bf16 weights, a fresh row count on each side)."""
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec

@@ -152,29 +152,31 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # P = 128, 32 lanes 56 -> 40. On an H200 (bench/results/2026-12-04-h200-run42, call c, sweep_cute, bitwise, us, held
 # in fp32 -> as loaded): 2048 x 4096 11.7 -> 10.1, 16384 x 128 4.4 -> 4.1, level at 32768 x 4096 and 262144 x 128,
 # but 8192 x 8192 66.8 -> 70.1 (the A/B, call d: 66.75 -> 70.14), so P = 8192 and past keep fp32.
-# "forward_staged": the padded lengths (at most _STAGED_MAX_P) whose held forward on a grid that is not persistent
-# stages x in shared memory (ForwardShape.staged), and the weight beside it (forward_args: the weight first at every
-# row count). On an H200 (run42, call c, bitwise, us) x staged with the weight after the sum was slower or level
-# everywhere; with the weight staged too it won at 8192 x 8192 (66.8 -> 66.1) and collapsed at P = 128 (262144 x 128
-# 34.4 -> 355.4: the weight copied with .cg, from L2 by every row slot). With the weight copied through L1 (.ca,
-# _stage_piece; bench/results/2026-12-05-h200-run44, call c, sweep_cute "forward staged + weight first"): 8192 x
-# 4096 35.7 -> 34.2 (Quack 34.4 in call b), 512 x 4096 3.8 -> 3.9, 65536 x 128 10.9 -> 10.8, 262144 x 128 34.7 -> 35.0.
-# "forward_staged_rows": the fewest rows a staged forward stages (plan_forward); fewer rows take the register path, as
-# a block's one wait for all its copies puts their whole latency ahead of its sums where few rows are in flight. On
-# an H200 (bench/results/2026-12-05-h200-run45, call b, A/B of {4096, 8192} staged at every row count against none,
-# us): 128 x 4096 2.53 -> 2.62, 512 x 4096 3.78 -> 3.84, 2048 x 4096 9.86 -> 9.81, 8192 x 4096 35.89 -> 34.24 (Quack
-# 34.51), 32768 x 4096 130.67 -> 131.06 (Quack 130.05-130.67), 8192 x 8192 66.86 -> 66.67.
+# "forward_staged": per padded length (at most _STAGED_MAX_P) the fewest rows whose held forward, on a grid that is not
+# persistent, stages x in shared memory (ForwardShape.staged), and the weight beside it (forward_args: the weight
+# first at every row count); fewer rows, and lengths not named, take the register path (forward_stages). On an H200
+# (run42, call c, bitwise, us) x staged with the weight after the sum was slower or level everywhere; with the weight
+# staged too it won at 8192 x 8192 (66.8 -> 66.1) and collapsed at P = 128 (262144 x 128 34.4 -> 355.4: the weight
+# copied with .cg, from L2 by every row slot). With the weight copied through L1 (.ca, _stage_piece;
+# bench/results/2026-12-05-h200-run44, call c, sweep_cute "forward staged + weight first"): 8192 x 4096 35.7 -> 34.2
+# (Quack 34.4 in call b), 512 x 4096 3.8 -> 3.9, 65536 x 128 10.9 -> 10.8, 262144 x 128 34.7 -> 35.0. The row bounds:
+# where few rows are in flight a block's one wait for all its copies puts their whole latency ahead of its sums
+# (bench/results/2026-12-05-run45, A/B of P = 4096 and 8192 staged against main, us; H200 with staging at every row
+# count: 128 x 4096 2.53 -> 2.62, 512 x 4096 3.78 -> 3.84, 2048 x 4096 9.86 -> 9.81, 8192 x 4096 35.89 -> 34.24
+# (Quack 34.51), 32768 x 4096 130.67 -> 131.06 (Quack 130.05-130.67), 8192 x 8192 66.86 -> 66.67; H100 from 2048
+# rows: 2048 x 4096 12.10 -> 12.54, 4096 x 4096 24.23 -> 23.87, 8192 x 4096 46.82 -> 46.43, 32768 x 4096 180.58 ->
+# 179.62, 2048 x 8192 24.42 -> 23.65, 8192 x 8192 90.72 -> 90.34).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
         "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": 4096,
-        "forward_staged": frozenset({4096, 8192}), "forward_staged_rows": 2048}
+        "forward_staged": {4096: 4096, 8192: 2048}}
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
 # 128 x 4096 3.7 -> 2.7, 512 x 4096 4.6 -> 4.2, 128 x 8192 4.2 -> 3.2; slower from 1024 rows of 4096 (6.2 -> 7.6;
 # more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3). At P = 128 up to 4096 rows as the CUDA
 # table's entry there (FORWARD_ROW_BOUNDS: bench/results/2026-12-04-h200-run41, 4096 x 128 2.91 -> 2.10 us), and on
-# to 65536 rows with FORWARD_FEW_ROWS. A staged forward (HOLD["forward_staged"]) takes the weight first always.
-FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 65536, 4096: 512, 8192: 128}
+# to 16384 rows with FORWARD_FEW_ROWS. A staged forward (HOLD["forward_staged"]) takes the weight first always.
+FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 16384, 4096: 512, 8192: 128}
 # the lanes a thread of the held forward takes per padded length, past the table's entry and _HOLD_MAX_VALUES (fewer
 # threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the
 # CUDA table's entry for 129-2048 rows does. Empty until measured (sweep_cute's "forward 64 a thread").
@@ -210,8 +212,11 @@ FORWARD_ROW_BOUNDS: frozenset[int] = frozenset({128, 4096})
 # (FORWARD_WEIGHT_FIRST_ROWS). On an H200 (bench/results/2026-12-04-h200-run42, call e, sweep_cute "forward few-rows
 # shape at 128", bitwise, us): 16384 x 128 4.1 -> 3.3 (Quack 3.4); at 262144 x 128 it lost (34.4 -> 36.5). Up to
 # 65536 rows (run 44, call c, "forward few rows to 65536 at 128"): 65536 x 128 10.9 -> 10.4 (Quack 9.6 and Liger 9.5
-# in call b).
-FORWARD_FEW_ROWS: dict[int, int] = {128: 65536}
+# in call b); in run 45's A/B (bench/results/2026-12-05-run45, us, forward / backward as the bench takes them, the
+# backward = forward with grad + backward less the forward without) the forward won on both cards (H200 11.01 ->
+# 10.74, H100 14.03 -> 13.38) but the backward lost as much or more on both (H200 17.14 -> 17.94, H100 21.87 ->
+# 23.04; its kernel unchanged, so the training step's forward), so 16384 stays.
+FORWARD_FEW_ROWS: dict[int, int] = {128: 16384}
 
 
 def forward_row_bound(n: int, rows: int) -> int | None:
@@ -230,10 +235,10 @@ def forward_row_bound(n: int, rows: int) -> int | None:
 
 
 def forward_stages(n: int, rows: int) -> bool:
-    """compile_forward's `stage` for the forward of `rows` rows of N: False for fewer than HOLD["forward_staged_rows"]
-    rows of a staged length, True elsewhere (where the shape does not stage, True too: one kernel for every row
+    """compile_forward's `stage` for the forward of `rows` rows of N: False for fewer rows of a staged length than
+    HOLD["forward_staged"] names, True elsewhere (where the shape does not stage, True too: one kernel for every row
     count)."""
-    return next_pow2(n) not in HOLD["forward_staged"] or rows >= HOLD["forward_staged_rows"]
+    return rows >= HOLD["forward_staged"].get(next_pow2(n), 0)
 
 
 @cache
@@ -737,7 +742,7 @@ def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res
     tvm_ffi: the stream comes from TVM FFI's environment (torch's current stream) at each call. weight_first: the
     weight loaded with held rows (ForwardShape.hold_weight; always where x is staged: the weight is staged beside
     it). row_bound: the table entry's (forward_row_bound). stage: x staged where the shape stages it (False: the
-    register path; plan_forward: fewer rows than HOLD["forward_staged_rows"])."""
+    register path; plan_forward: fewer rows than HOLD["forward_staged"] names)."""
     f = _Fakes(n, vector, backward=False, row_bound=row_bound)
     norm_dtype = res_dtype or x_dtype
     shape = replace(f.shape, staged=f.shape.staged and stage)
