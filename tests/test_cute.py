@@ -337,6 +337,23 @@ def test_forward_takes_the_table_entry_for_its_row_count(monkeypatch, fresh_shap
     assert K.forward_row_bound(128, 1) is None and K.forward_row_bound(4096, 1) is not None
 
 
+def test_inference_forward_keeps_the_few_rows_entry_further(monkeypatch, fresh_shapes):
+    """K.FORWARD_INFERENCE_FEW_ROWS: an inference call's forward (need_rstd False) of rows of P = 128 keeps the few-rows
+    entry, with the weight first, up to 65536 rows, where a training call's takes the unbounded entry past 16384;
+    the backend plans the two apart (test_inference_and_training_forwards_bitwise_on_gpu)."""
+    few, far = K.FORWARD_FEW_ROWS[128], K.FORWARD_INFERENCE_FEW_ROWS[128]
+    bound = K.forward_row_bound(128, 1)
+    assert far > few
+    for rows in (few + 1, far):
+        assert K.forward_row_bound(128, rows) is None
+        assert K.forward_row_bound(128, rows, need_rstd=False) == bound
+    assert K.forward_row_bound(100, far, need_rstd=False) == bound  # N padded to 128
+    assert K.forward_row_bound(128, far + 1, need_rstd=False) is None
+    assert K.forward_row_bound(4096, 1 << 20, need_rstd=False) is None  # no entry at P = 4096
+    monkeypatch.setattr(K, "FORWARD_INFERENCE_FEW_ROWS", {})
+    assert K.forward_row_bound(128, few + 1, need_rstd=False) is None
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [128, 1000, 4096, 16384, 18432, 20000])
 @pytest.mark.parametrize("mode", ["llama", "gemma"])
@@ -435,14 +452,42 @@ def test_forward_few_rows_bounds_bitwise_on_gpu(seed):
     from strictnorm.contract import make_spec
 
     few, bound = K.FORWARD_FEW_ROWS[128], K.forward_row_bound(128, 1)
+    far = K.FORWARD_INFERENCE_FEW_ROWS[128]
     g = torch.Generator(device="cuda").manual_seed(seed)
     spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
-    for rows in (bound, bound + 1, few, few + 1):
+    cases = [(rows, True) for rows in (bound, bound + 1, few, few + 1)] + [(rows, False) for rows in
+                                                                            (few + 1, far - 3, far, far + 1)]
+    for rows, need_rstd in cases:
         x = torch.randn(rows, 128, device="cuda", generator=g).bfloat16()
         w = (torch.randn(128, device="cuda", generator=g) * 0.01).bfloat16()
         want_y, want_rstd, _ = get_backend("torch").rms_norm_fwd(x, w, None, spec)
-        y, rstd, _ = K.forward(x, w, 1e-6, 1.0, "gemma", torch.bfloat16)
-        assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows} x 128"
+        y, rstd, _ = K.forward(x, w, 1e-6, 1.0, "gemma", torch.bfloat16, need_rstd=need_rstd)
+        assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows} x 128, need_rstd {need_rstd}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [100, 128])
+def test_inference_and_training_forwards_bitwise_on_gpu(n, seed):
+    """The backend's inference call (need_rstd False: FORWARD_INFERENCE_FEW_ROWS' shape at these rows) and its
+    training call on the same x (the unbounded entry) give the reference's y, the training call its rstd too, in
+    either order, from two plans with their own kernels (the same bits would hide one plan serving both)."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    cute, ref = get_backend("cute"), get_backend("torch")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = K.FORWARD_INFERENCE_FEW_ROWS[128] - 5
+    x = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, device="cuda", generator=g) * 0.01).bfloat16()
+    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
+    want_y, want_rstd, _ = ref.rms_norm_fwd(x, w, None, spec)
+    cute._fwd_plans.clear()
+    for need_rstd in (False, True, False):
+        y, rstd, _ = cute.rms_norm_fwd(x, w, None, spec, need_rstd=need_rstd)
+        assert bits_equal(y, want_y), f"need_rstd {need_rstd}"
+        assert (rstd is not None) == need_rstd and (rstd is None or bits_equal(rstd, want_rstd))
+    plans = list(cute._fwd_plans.values())
+    assert len(plans) == 2 and plans[0].compiled is not plans[1].compiled
 
 
 @pytest.mark.parametrize("x_name, w_name", [("Float32", "Float32"), ("Float16", "Float32"), ("BFloat16", None)])

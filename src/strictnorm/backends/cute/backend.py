@@ -103,10 +103,10 @@ class CuteBackend:
                      need_rstd: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
         if weight is not None and weight.dim() == 2:  # per-head QK-norm weights
             return _cuda().rms_norm_fwd(x, weight, residual, spec, need_rstd)
-        key = (x.get_device(), signature(x, weight, residual), spec)
+        key = (x.get_device(), signature(x, weight, residual), spec, need_rstd)
         plan = self._fwd_plans.get(key)
         if plan is None:
-            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec))
+            plan = remember(self._fwd_plans, key, self._plan_fwd(x, weight, residual, spec, need_rstd))
         y, rstd, z = forward_outputs(x, residual, spec.out_dtype, need_rstd)
         if not plan.rows:
             return y, rstd, z
@@ -123,13 +123,14 @@ class CuteBackend:
         return y, rstd, z
 
     @staticmethod
-    def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec):
-        """The kernels' forward launch for inputs with this signature (their rows as as_rows makes them)."""
+    def _plan_fwd(x: Tensor, weight: Tensor | None, residual: Tensor | None, spec: NormSpec, need_rstd: bool):
+        """The kernels' forward launch for inputs with this signature (their rows as as_rows makes them), for a
+        training call or (need_rstd False) an inference call."""
         check_row_length(x.shape[-1])
         if weight is not None and weight.stride(-1) != 1:
             weight = weight.contiguous()
         return _kernels().plan_forward(as_rows(x), weight, as_rows(residual) if residual is not None else None,
-                                       spec.mode, spec.out_dtype)
+                                       spec.mode, spec.out_dtype, need_rstd)
 
     @on_tensor_device
     def rms_norm_bwd(self, dy: Tensor, z: Tensor, weight: Tensor | None, rstd: Tensor, dres: Tensor | None,

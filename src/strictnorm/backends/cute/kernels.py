@@ -217,19 +217,32 @@ FORWARD_ROW_BOUNDS: frozenset[int] = frozenset({128, 4096})
 # 10.74, H100 14.03 -> 13.38) but the backward lost as much or more on both (H200 17.14 -> 17.94, H100 21.87 ->
 # 23.04; its kernel unchanged, so the training step's forward), so 16384 stays.
 FORWARD_FEW_ROWS: dict[int, int] = {128: 16384}
+# Per padded length, the row count up to which an inference call's forward (need_rstd False: no backward follows)
+# keeps that few-rows entry, with the weight first, past FORWARD_FEW_ROWS and FORWARD_WEIGHT_FIRST_ROWS. Run 45's
+# backward loss at 65536 x 128 is the training step's: on an H100 (bench/results/2026-12-05-run46, call b,
+# bench/kernel_split.py, each kernel of forward with grad + backward, two rounds, us) the forward 14.08 / 14.19 ->
+# 13.57 / 13.63 and the backward kernel after it 19.26 / 19.20 -> 20.26 / 20.26 (the same kernel, after a forward of
+# the other shape), a step 0.5 us slower; a forward with no backward after it keeps the gain.
+FORWARD_INFERENCE_FEW_ROWS: dict[int, int] = {128: 65536}
 
 
-def forward_row_bound(n: int, rows: int) -> int | None:
+def _inference_few_rows(n: int, rows: int, need_rstd: bool) -> bool:
+    """Whether an inference forward of `rows` rows of N keeps the few-rows entry (FORWARD_INFERENCE_FEW_ROWS)."""
+    return not need_rstd and rows <= FORWARD_INFERENCE_FEW_ROWS.get(next_pow2(n), 0)
+
+
+def forward_row_bound(n: int, rows: int, need_rstd: bool = True) -> int | None:
     """The row bound of the CUDA forward table's entry that the forward of `rows` rows of N takes (None: the unbounded
-    entry, or an entry giving its shape); tuned_shape and compile_forward take it, so a kernel is compiled per
-    distinct shape, not per row count."""
+    entry, or an entry giving its shape); need_rstd False for an inference call's. tuned_shape and compile_forward
+    take it, so a kernel is compiled per distinct shape, not per row count."""
     from ..cuda.backend import FWD_TABLE, entries_for
 
     p = next_pow2(n)
     if p not in FORWARD_ROW_BOUNDS:
         return None
     bounds = [(bound, bound) for bound, _ in entries_for(FWD_TABLE, n)]  # each entry's own bound
-    few = bounds[0][0] is not None and rows <= FORWARD_FEW_ROWS.get(p, 0)  # the first entry, stretched
+    # the first entry, stretched
+    few = bounds[0][0] is not None and (rows <= FORWARD_FEW_ROWS.get(p, 0) or _inference_few_rows(n, rows, need_rstd))
     bound = bounds[0][0] if few else for_rows(bounds, rows)
     return bound if tuned_shape(n, False, True, bound) != tuned_shape(n, False, True, None) else None
 
@@ -847,9 +860,10 @@ class ForwardLaunch:
                 x.device)
 
 
-def plan_forward(x, weight, residual, mode: str, out_dtype) -> ForwardLaunch:
+def plan_forward(x, weight, residual, mode: str, out_dtype, need_rstd: bool = True) -> ForwardLaunch:
     """The forward launch for 2D rows like x (unit stride along N), the weight (N,) or None and the residual's rows
-    or None, into fresh dense outputs of out_dtype."""
+    or None, into fresh dense outputs of out_dtype; need_rstd False plans an inference call's (its rstd still
+    written, into whatever buffer the call passes)."""
     import torch
 
     rows, n = x.shape
@@ -858,19 +872,21 @@ def plan_forward(x, weight, residual, mode: str, out_dtype) -> ForwardLaunch:
     w_dtype = _TORCH_TO_CUTE[str(weight.dtype)] if weight is not None else None
     y = torch.empty((1, n), dtype=out_dtype, device=x.device)  # stands for the fresh outputs: 16-byte aligned rows
     vector = _vector_ok(n, x, y, *(t for t in (weight, residual) if t is not None))
-    weight_first = weight is not None and rows <= FORWARD_WEIGHT_FIRST_ROWS.get(next_pow2(n), 0)
+    weight_first = weight is not None and (rows <= FORWARD_WEIGHT_FIRST_ROWS.get(next_pow2(n), 0)
+                                           or _inference_few_rows(n, rows, need_rstd))
     tvm_ffi = calls() == "tvm-ffi"
     compiled, shape = compile_forward(n, _TORCH_TO_CUTE[str(x.dtype)], w_dtype, _TORCH_TO_CUTE[str(out_dtype)], mode,
                                       vector, _TORCH_TO_CUTE[str(residual.dtype)] if residual is not None else None,
-                                      tvm_ffi, weight_first, forward_row_bound(n, rows),
+                                      tvm_ffi, weight_first, forward_row_bound(n, rows, need_rstd),
                                       forward_stages(n, rows))
     return ForwardLaunch(compiled, tvm_ffi, rows, n, _grid(shape, rows, x.device),
                          torch.empty(n, dtype=x.dtype, device=x.device))
 
 
-def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual=None):
+def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual=None, need_rstd: bool = True):
     """(y, rstd, residual_out or None) of a 2D torch tensor x (rows with a row stride, unit stride along
-    N) on the GPU, planned for this call (the backend keeps its plans)."""
+    N) on the GPU, planned for this call (the backend keeps its plans); need_rstd False takes an inference call's
+    plan, rstd returned all the same."""
     import torch
 
     rows, n = x.shape
@@ -878,7 +894,7 @@ def forward(x, weight, eps: float, offset: float, mode: str, out_dtype, residual
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
     z = torch.empty((rows, n), dtype=residual.dtype, device=x.device) if residual is not None else None
     if rows:
-        plan_forward(x, weight, residual, mode, out_dtype)(x, weight, residual, y, rstd, z, eps, offset)
+        plan_forward(x, weight, residual, mode, out_dtype, need_rstd)(x, weight, residual, y, rstd, z, eps, offset)
     return y, rstd, z
 
 
