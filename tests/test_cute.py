@@ -804,7 +804,8 @@ def test_forward_rstd_length_is_its_own():
 def test_backend_forward_plans_shapes_and_dropped_rstd(n, seed, cute_calls, monkeypatch):
     """The backend's planned forward (one plan per input signature) on 3D inputs read in place, 3D views whose rows
     do not merge (copied), a residual, and zero rows, twice each (the second call takes the plan): the reference's
-    bits; with need_rstd=False rstd is None and the kernel's rstd lands in layout.rstd_sink."""
+    bits; with need_rstd=False rstd is None and the kernel's rstd lands in layout.rstd_sink (an inference call's own
+    plan: its row bounds may differ, K.FORWARD_INFERENCE_FEW_ROWS)."""
     from strictnorm.backends.layout import rstd_sink
     from strictnorm.backends.registry import get_backend
     from strictnorm.contract import make_spec
@@ -827,7 +828,7 @@ def test_backend_forward_plans_shapes_and_dropped_rstd(n, seed, cute_calls, monk
             assert rstd is None and bits_equal(want[0], y) and (z is None or bits_equal(want[2], z))
             rows = want[1].numel()
             assert bits_equal(want[1].reshape(-1), rstd_sink(x.device, rows)[:rows])
-    assert len(cb._fwd_plans) == 4
+    assert len(cb._fwd_plans) == 8  # the four signatures, each planned for a training and an inference call
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
