@@ -694,3 +694,35 @@ def test_default_dw_fold_of_4096_to_8192_columns(tmp_path, monkeypatch):
         fl = fold_launch(n, bf16, bf16, 1, True, True, num_sms=132, rows=rows, groups=groups, smem_optin=h200)
         assert fl.kernel == "fold_stream" and fl.defines["COLS"] in (16, 32), (n, rows, groups)
     assert default_dw_ring(4096, 2048, 1, 132, 99 * 1024) is None  # e.g. sm_89: no 200 KB a block
+
+
+@pytest.mark.parametrize("n, values", [(128, 8), (4096, 32)])
+def test_mean_scale_takes_the_division_out_of_the_sass(n, values, tmp_path, monkeypatch):
+    """NormTuning.mean_scale (MEAN_SHIFT where N = 2^k): the sm_90 code of the forward and of the backward has fewer
+    reciprocals (the IEEE division by N, MUFU.RCP and its refinement, gone; the forward keeps rstd's 1 / sqrt), and
+    still compiles for sm_80."""
+    import subprocess
+
+    from strictnorm.backends.cuda.backend import NormTuning, norm_bwd_launch, norm_launch
+
+    tool = _nvdisasm()
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    bf16 = torch.bfloat16
+
+    def reciprocals(defines: dict) -> int:
+        cubin = tmp_path / "k.cubin"
+        cubin.write_bytes(nvrtc.compile_cubin("rms_norm.cu", "sm_90", defines, use_cache=False))
+        sass = subprocess.run([str(tool), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        assert "LDG" in sass, "disassembly without loads"
+        return sass.count("MUFU.RCP")
+
+    counts = {}
+    for scale in (False, True):
+        tuning = NormTuning(values=values, mean_scale=scale)
+        fwd = norm_launch(n, bf16, None, bf16, bf16, "llama", False, tuning).defines
+        bwd = norm_bwd_launch(n, bf16, bf16, bf16, "llama", False, False, True, tuning).defines
+        assert fwd.get("MEAN_SHIFT") == bwd.get("MEAN_SHIFT") == (n.bit_length() - 1 if scale else None)
+        counts[scale] = (reciprocals(fwd), reciprocals(bwd))
+        assert nvrtc.compile_cubin("rms_norm.cu", "sm_80", bwd, use_cache=False)[:4] == b"\x7fELF"
+    # fewer in both (the backward's row loop may carry the division in more than one copy), rstd's kept
+    assert counts[True][0] < counts[False][0] and counts[True][1] < counts[False][1] and counts[True][0] >= 1, counts

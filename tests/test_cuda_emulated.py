@@ -43,13 +43,13 @@ def _gxx_ok() -> bool:
 pytestmark = pytest.mark.skipif(not _gxx_ok(), reason="needs g++ 12 or newer")
 
 
-def _emulate(defines: dict, rows: int, n: int, offset: float, tensors: dict, tmp: Path) -> dict:
+def _emulate(defines: dict, rows: int, n: int, offset: float, tensors: dict, tmp: Path, eps: float = 1e-6) -> dict:
     for name in ("x", "res", "w", "dy"):
         tensors[name].contiguous().view(torch.int16).numpy().tofile(tmp / f"{name}.bin")
     tensors["rstd"].contiguous().numpy().tofile(tmp / "rstd.bin")
     macros = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items())
                       if k not in ("XC", "RC", "NC", "WC", "YC", "DYC", "HAS_W", "PER_HEAD"))
-    cmd = ["bash", str(ROOT / "bench/emulate/run.sh"), str(rows), str(n), macros, str(tmp), repr(offset)]
+    cmd = ["bash", str(ROOT / "bench/emulate/run.sh"), str(rows), str(n), macros, str(tmp), repr(offset), repr(eps)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     assert run.returncode == 0 and "ERROR" not in run.stderr, run.stdout + run.stderr[-3000:]
 
@@ -90,7 +90,8 @@ CASES = [(5120, None, False), (5120, NormTuning(values=32, trim=True), False),
          (5120, NormTuning(hold_max_p=0, stream_threads=256, trim=False), True),
          (5120, NormTuning(values=64, unpredicated=False), True),
          (5120, NormTuning(values=32, hold_weight=False, weight_with_row=True), False),
-         (1000, NormTuning(values=8, hold_weight=False, weight_with_row=True), True)]
+         (1000, NormTuning(values=8, hold_weight=False, weight_with_row=True), True),
+         (128, NormTuning(values=8, mean_scale=True), True), (4096, NormTuning(values=32, mean_scale=True), False)]
 
 
 def test_even_cases_compile_even():
@@ -131,6 +132,38 @@ def test_emulated_forward_bitwise(n, tuning, aligned, seed, tmp_path):
     got = _emulate(fl.defines, rows, n, 0.5, t, tmp_path)
     assert bits_equal(y, got["out"]) and bits_equal(rstd, got["rstd"])
     assert not fused or bits_equal(z, got["z"])
+
+
+@pytest.mark.parametrize("n, tuning", [(128, NormTuning(values=8, mean_scale=True)), (1, NormTuning(mean_scale=True)),
+                                       (4096, NormTuning(values=32, mean_scale=True, hold_max_p=0))])
+def test_emulated_mean_scale_bitwise(n, tuning, seed, tmp_path):
+    """MEAN_SHIFT (NormTuning.mean_scale, compiled only where N = 2^k): a row's mean as its sum times 2^-k in both
+    directions gives the reference's bits, with eps = 0 so that the mean's own bits reach rstd: rows whose mean square
+    is subnormal (x around 2^-66 and 2^-72), overflows, or is NaN, beside ordinary rows; dx from those rstd."""
+    bf16 = torch.bfloat16
+    fl = norm_launch(n, bf16, None, bf16, bf16, "gemma", False, tuning, True)
+    assert fl.defines["MEAN_SHIFT"] == n.bit_length() - 1
+    plain = dataclasses.replace(tuning, mean_scale=False)
+    assert "MEAN_SHIFT" not in norm_launch(n, bf16, None, bf16, bf16, "gemma", False, plain, True).defines
+    assert "MEAN_SHIFT" not in norm_launch(3 * n, bf16, None, bf16, bf16, "gemma", False, tuning, True).defines
+    g = torch.Generator().manual_seed(seed)
+    scales = [1.0, 2.0**-66, 2.0**-72, 2.0**70, 1.0, float("nan")]
+    rows = 2 * len(scales) + 1
+    x = torch.randn(rows, n, generator=g) * torch.tensor([scales[r % len(scales)] for r in range(rows)])[:, None]
+    t = {"x": x.bfloat16(), "res": torch.zeros(rows, n).bfloat16(), "dy": torch.randn(rows, n, generator=g).bfloat16(),
+         "w": (torch.randn(n, generator=g) * 0.5).bfloat16(), "rstd": torch.zeros(rows)}
+    spec = make_spec(bf16, 0.0, 1.0, "gemma", bf16)
+    ref = TorchBackend()
+    y, rstd, _ = ref.rms_norm_fwd(t["x"], t["w"], None, spec)
+    ms = t["x"][1].float().square().sum() / n
+    assert 0 < ms < torch.finfo(torch.float32).tiny or n == 1  # a subnormal mean square (or N = 1's one square)
+    got = _emulate(fl.defines, rows, n, spec.offset, t, tmp_path, eps=0.0)
+    assert bits_equal(y, got["out"]) and bits_equal(rstd, got["rstd"])
+    t["rstd"] = rstd
+    bl = norm_bwd_launch(n, bf16, bf16, bf16, "gemma", False, False, False, tuning, True)
+    assert bl.defines["MEAN_SHIFT"] == fl.defines["MEAN_SHIFT"]
+    want, _ = ref.rms_norm_bwd(t["dy"], t["x"], t["w"], rstd, None, spec, "strict", False, None)
+    assert bits_equal(want, _emulate(bl.defines, rows, n, spec.offset, t, tmp_path)["out"])
 
 
 @pytest.mark.parametrize("n, tuning", [(5120, NormTuning(values=32, trim=True)), (1000, None), (7, None)])

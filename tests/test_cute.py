@@ -387,6 +387,66 @@ def test_forward_options_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes
     _check_forward(n, mode, seed)
 
 
+@pytest.mark.parametrize("n", [128, 4096, 1000])
+def test_mean_scale_takes_the_division_out_of_the_ptx(n, tmp_path, monkeypatch, fresh_shapes):
+    """HOLD["mean_scale"]: for N = 2^k the forward and the backward take the mean as the sum times 2^-k, so their PTX
+    has one div.rn.f32 fewer (the forward keeps rstd's 1 / sqrt) and one mul.rn.f32 by that constant more; N = 1000
+    keeps its division. Off by default until timed on a GPU."""
+    bf16 = cutlass.BFloat16
+    assert K.HOLD["mean_scale"] is False
+
+    def counts(op_args) -> tuple[int, int]:
+        (tmp_path / "ptx").mkdir(exist_ok=True)
+        for old in (tmp_path / "ptx").glob("*.ptx"):
+            old.unlink()
+        ptx = _compiled_ptx(tmp_path / "ptx", *op_args)
+        return len(re.findall(r"\bdiv\.rn\.f32\b", ptx)), len(re.findall(r"\bmul\.rn\.f32\b", ptx))
+
+    def both():
+        return (counts(K.forward_args(n, bf16, bf16, bf16, "llama", True)),
+                counts(K.backward_args(n, bf16, bf16, bf16, "llama", True, False, True)))
+
+    before = both()
+    monkeypatch.setitem(K.HOLD, "mean_scale", True)
+    fresh_shapes()
+    after = both()
+    for (div0, mul0), (div1, mul1) in zip(before, after, strict=True):
+        if n & (n - 1):
+            assert (div1, mul1) == (div0, mul0)
+        else:
+            assert div1 == div0 - 1 and mul1 == mul0 + 1
+    assert after[0][0] >= 1  # rstd's reciprocal
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [1, 128, 4096, 1000])
+@pytest.mark.parametrize("mode", ["llama", "gemma"])
+def test_mean_scale_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes):
+    """HOLD["mean_scale"] on: y, rstd and dx the reference's bits with eps = 0 (so the mean's own bits reach rstd) on
+    rows whose mean square is subnormal (x around 2^-66 and 2^-72), overflows or is NaN, beside ordinary rows;
+    1000 rows (the persistent grid's strides) and 3."""
+    from strictnorm.backends.registry import get_backend
+    from strictnorm.contract import make_spec
+
+    monkeypatch.setitem(K.HOLD, "mean_scale", True)
+    fresh_shapes()
+    tr = get_backend("torch")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scales = torch.tensor([1.0, 2.0**-66, 2.0**-72, 2.0**70, 1.0, float("nan")], device="cuda")
+    offset = 1.0 if mode == "gemma" else 0.0
+    spec = make_spec(torch.bfloat16, 0.0, offset, mode, torch.bfloat16)
+    for rows in (3, 1000):
+        x = (torch.randn(rows, n, device="cuda", generator=g) * scales.repeat(rows)[:rows, None]).bfloat16()
+        w = (torch.randn(n, device="cuda", generator=g) * 0.5).bfloat16()
+        dy = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+        want_y, want_rstd, _ = tr.rms_norm_fwd(x, w, None, spec)
+        y, rstd, _ = K.forward(x, w, 0.0, offset, mode, torch.bfloat16)
+        assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n} {mode}"
+        want_dx, _ = tr.rms_norm_bwd(dy, x, w, want_rstd, None, spec, "strict", False, None)
+        dx, _ = K.backward(dy, x, w, want_rstd, None, offset, mode, partials=True)
+        assert bits_equal(dx, want_dx), f"dx {rows}x{n} {mode}"
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [128, 4096])
 @pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),

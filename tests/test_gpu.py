@@ -804,14 +804,16 @@ def _cuda_fwd_cases():
 # held, 64 lanes a thread, the pieces wholly in the padding loaded and held too (untrimmed; every other family
 # trims them); held, 32 lanes a thread, the backward's next row copied ahead into shared memory (staged, where
 # EVEN: N a multiple of 8 here); the backward's xh and g kept in fp32 between its passes (f32); held, 32 lanes a
-# thread, the weight's lanes loaded with each row's before its sum (with-row).
+# thread, the weight's lanes loaded with each row's before its sum (with-row); held, 16 lanes a thread, the mean of
+# rows of N = 2^k as the sum times 2^-k (mean-scale).
 CUDA_TUNINGS = {"tables": {}, "stream": {"hold_max_p": 0, "stream_threads": 256},
                 "hold8": {"values": 8},
                 "hold32-smem": {"values": 32, "hold_weight": False, "dw_smem": True, "persistent": False},
                 "hold64-untrimmed": {"values": 64, "hold_weight": False, "trim": False},
                 "hold32-staged": {"values": 32, "staged": True},
                 "hold16-f32": {"values": 16, "hold_f32": True, "staged": True},
-                "hold32-with-row": {"values": 32, "hold_weight": False, "weight_with_row": True}}
+                "hold32-with-row": {"values": 32, "hold_weight": False, "weight_with_row": True},
+                "hold16-mean-scale": {"values": 16, "mean_scale": True}}
 
 
 @pytest.fixture(params=list(CUDA_TUNINGS))
@@ -823,6 +825,34 @@ def cuda_backend(request):
     cb.fwd_tuning = cb.bwd_tuning = NormTuning(**knobs) if knobs else None
     yield cb
     cb.fwd_tuning = cb.bwd_tuning = None
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [1, 128, 4096])
+def test_cuda_mean_scale_bitwise_at_extreme_means(n, seed):
+    """NormTuning.mean_scale (rms_norm.cu's MEAN_SHIFT) with eps = 0, so the mean's own bits reach rstd: rows whose
+    mean square is subnormal (x around 2^-66 and 2^-72), overflows or is NaN, beside ordinary rows; y, rstd and dx
+    the reference's bits, Gemma offset."""
+    from strictnorm.backends.cuda.backend import NormTuning
+    from strictnorm.contract import make_spec
+
+    cb, tr = get_backend("cuda"), get_backend("torch")
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    scales = torch.tensor([1.0, 2.0**-66, 2.0**-72, 2.0**70, 1.0, float("nan")], device=DEV)
+    spec = make_spec(torch.bfloat16, 0.0, 1.0, "gemma", torch.bfloat16)
+    cb.fwd_tuning = cb.bwd_tuning = NormTuning(values=16, mean_scale=True)
+    try:
+        for rows in (3, 1000):
+            x = (torch.randn(rows, n, device=DEV, generator=g) * scales.repeat(rows)[:rows, None]).bfloat16()
+            w = (torch.randn(n, device=DEV, generator=g) * 0.5).bfloat16()
+            dy = torch.randn(rows, n, device=DEV, generator=g).bfloat16()
+            want_y, want_rstd, _ = tr.rms_norm_fwd(x, w, None, spec)
+            y, rstd, _ = cb.rms_norm_fwd(x, w, None, spec)
+            assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n}"
+            want_dx, _ = tr.rms_norm_bwd(dy, x, w, want_rstd, None, spec, "strict", False, None)
+            assert bits_equal(cb.rms_norm_bwd(dy, x, w, want_rstd, None, spec, "fast", False, None)[0], want_dx)
+    finally:
+        cb.fwd_tuning = cb.bwd_tuning = None
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
     const int n = argc > 2 ? atoi(argv[2]) : 5120;
     const char* dir = argc > 3 ? argv[3] : nullptr;
     const float offset = argc > 4 ? static_cast<float>(atof(argv[4])) : 0.5f;
+    const float eps = argc > 5 ? strtof(argv[5], nullptr) : 1e-6f;  // the forward's
     std::mt19937 rng(42);
     std::normal_distribution<float> nd;
     auto fill = [&](long long count, float scale) {
@@ -74,7 +75,7 @@ int main(int argc, char** argv) {
 #else
                 rms_fwd(reinterpret_cast<const x_t*>(x + off), n, 0, 0, reinterpret_cast<const r_t*>(res + off), n, 0, 0,
                         reinterpret_cast<n_t*>(z + off), reinterpret_cast<const w_t*>(w), 0,
-                        reinterpret_cast<y_t*>(out + off), rstd + b * per_launch, live, n, 1, 1, 1e-6f, offset, 1);
+                        reinterpret_cast<y_t*>(out + off), rstd + b * per_launch, live, n, 1, 1, eps, offset, 1);
 #endif
             });
         for (auto& th : ts) th.join();

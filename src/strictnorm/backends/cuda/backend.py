@@ -472,6 +472,10 @@ class NormTuning:
     # H200 slower where rows are long (8192 x 8192 130 -> 168 us), level or 2% faster elsewhere (run 12, call i):
     # in no table
     hold_f32: bool = False
+    # N a power of two: the row's mean (the forward's mean square, the backward's c) as the sum times the exact 2^-k
+    # (rms_norm.cu's MEAN_SHIFT; the same bits as the IEEE division, reference.exact_mean_scale), as the Triton
+    # kernels take it since run 33 (its exactness probe at 262144 x 128: 34.85 -> 34.30 us). Not yet timed here
+    mean_scale: bool = False
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (first
@@ -601,6 +605,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
                "HOLD_W": int(hold and tuning.hold_weight)}
     if not store_rstd:
         defines["NO_RSTD"] = 1
+    if tuning.mean_scale and n == p:
+        defines["MEAN_SHIFT"] = p.bit_length() - 1
     if hold and not tuning.hold_weight and tuning.weight_with_row:
         defines["W_WITH_ROW"] = 1
     sizes = (x_dtype.itemsize, norm_dtype.itemsize, y_dtype.itemsize, (w_dtype or x_dtype).itemsize)

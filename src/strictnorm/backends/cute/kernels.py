@@ -39,7 +39,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.math import RoundingMode
 from cutlass.cutlass_dsl import T
 
-from ...reference import next_pow2
+from ...reference import exact_mean_scale, next_pow2
 from ..base import MODE_CODES
 from ..tuning import for_rows
 
@@ -168,7 +168,10 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # 179.62, 2048 x 8192 24.42 -> 23.65, 8192 x 8192 90.72 -> 90.34).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
         "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": 4096,
-        "forward_staged": {4096: 4096, 8192: 2048}}
+        "forward_staged": {4096: 4096, 8192: 2048}, "mean_scale": False}
+# HOLD["mean_scale"]: for N a power of two, both kernels take a row's mean as the sum times the exact 2^-k
+# (reference.exact_mean_scale: the same bits as the IEEE division by N), as the Triton kernels do since run 33 and
+# the CUDA ones with NormTuning.mean_scale. Not yet timed on a GPU.
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
@@ -362,13 +365,22 @@ def row_sum(s: ForwardShape, part: list, th: _Thread, parity):
 class _RowKernel:
     """What the forward and backward share: block shape, casting mode, weight, vector access."""
 
-    def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False) -> None:
+    def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
+                 mean_scale: float = 0.0) -> None:
         self.s = shape
         self.mode = MODE_CODES[mode]
         self.has_weight = has_weight
         self.norm_dtype = norm_dtype  # D of the contract: the norm input's dtype
         # whole pieces of 16-byte-aligned rows (N % PIECE == 0): 16-byte vector loads and stores
         self.vector = vector
+        # 1 / N for a kernel compiled for one N = 2^k (HOLD["mean_scale"]), else 0.0: the mean divided by n
+        self.mean_scale = mean_scale
+
+    def _mean(self, total, n):
+        """total / N: times the exact mean scale where the kernel has one (the same bits), else the IEEE division."""
+        if const_expr(self.mean_scale != 0.0):
+            return _mul(total, Float32(self.mean_scale))
+        return _div(total, n.to(Float32))
 
     def _normalized(self, xf, rstd):
         """The normalized value as y's scaling step uses it (contract, forward step 3)."""
@@ -476,8 +488,8 @@ class RMSNormForward(_RowKernel):
     normalized (D = the residual's dtype)."""
 
     def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
-                 has_res: bool = False) -> None:
-        super().__init__(shape, mode, has_weight, norm_dtype, vector)
+                 has_res: bool = False, mean_scale: float = 0.0) -> None:
+        super().__init__(shape, mode, has_weight, norm_dtype, vector, mean_scale)
         self.has_res = has_res
 
     @cute.jit
@@ -543,7 +555,7 @@ class RMSNormForward(_RowKernel):
             if const_expr(self.has_res):
                 xrow = mZ[r, None]  # without hold, pass 2 reads z back: this thread's own lanes
             ss = row_sum(s, part, th, it % 2)
-            rstd = _div(Float32(1.0), cute.math.sqrt(_add(_div(ss, n.to(Float32)), eps), rounding=_RN))
+            rstd = _div(Float32(1.0), cute.math.sqrt(_add(self._mean(ss, n), eps), rounding=_RN))
             if live & (t == 0):
                 mRstd[r] = rstd
             if const_expr(s.hold and s.hold_raw):
@@ -584,8 +596,8 @@ class RMSNormBackward(_RowKernel):
     order into mPart[b] instead. dx may alias dy: a thread reads its lanes of dy before it writes them."""
 
     def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
-                 has_dres: bool = False, partials: bool = False) -> None:
-        super().__init__(shape, mode, has_weight, norm_dtype, vector)
+                 has_dres: bool = False, partials: bool = False, mean_scale: float = 0.0) -> None:
+        super().__init__(shape, mode, has_weight, norm_dtype, vector, mean_scale)
         self.has_dres = has_dres
         self.partials = partials
 
@@ -659,7 +671,7 @@ class RMSNormBackward(_RowKernel):
                     inside = live & ((kk * s.tpr + t) * s.piece + i < n)
                     prods.append(cutlass.select_(inside, _mul(_mul(zs[i], rstd), g), Float32(0.0)))
                 part[kk] = _pair_tree(prods)
-            c = _div(row_sum(s, part, th, it % 2), n.to(Float32))
+            c = self._mean(row_sum(s, part, th, it % 2), n)
             # pass 2: dx (z, dy and maybe w held, or read again: this thread's own lanes), and the dW contributions
             for kk in cutlass.range_constexpr(s.live):
                 if const_expr(s.hold):
@@ -748,6 +760,12 @@ def stages_rows(s: ForwardShape, vector: bool, has_res: bool, x_width: int) -> b
     return s.staged and vector and not has_res and x_width * s.piece == 128
 
 
+def _mean_scale(n: int) -> float:
+    """The mean scale a kernel compiled for rows of N bakes in: 1 / N for N = 2^k with HOLD["mean_scale"], else 0.0
+    (divided by its n argument). The compile caches key on N, so a kernel with a scale runs for that N only."""
+    return exact_mean_scale(n) if HOLD["mean_scale"] else 0.0
+
+
 def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res_dtype=None,
                  tvm_ffi: bool = False, weight_first: bool = False, row_bound: int | None = None,
                  stage: bool = True) -> tuple:
@@ -762,7 +780,7 @@ def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res
     shape = replace(f.shape, staged=f.shape.staged and stage)
     staged = stages_rows(shape, vector, res_dtype is not None, x_dtype.width)
     shape = replace(shape, hold_weight=shape.hold and (weight_first or staged))
-    op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None)
+    op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None, _mean_scale(n))
     return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
                 f.rows(y_dtype), f.per_row(own_count=True), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
@@ -773,7 +791,7 @@ def backward_args(n: int, z_dtype, dy_dtype, w_dtype, mode: str, vector: bool, h
     """The backward operator and its fake arguments (see forward_args); the partials have their own
     row count."""
     f = _Fakes(n, vector, backward=True, partials=partials)
-    op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials)
+    op = RMSNormBackward(f.shape, mode, w_dtype is not None, z_dtype, vector, has_dres, partials, _mean_scale(n))
     return op, (f.rows(dy_dtype), f.rows(z_dtype), f.weight(w_dtype or z_dtype), f.per_row(), f.rows(z_dtype),
                 f.rows(z_dtype), f.rows(Float32, own_count=True), Int32(1), Int32(n), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))

@@ -247,6 +247,19 @@ struct Lanes {
     float v[KR][PIECE];
 };
 
+// A row's mean, total / n. With MEAN_SHIFT (host-set where n = 2^MEAN_SHIFT) one multiply by the exact 2^-MEAN_SHIFT:
+// the same rounding of the same exact quotient as __fdiv_rn, subnormal results, infinities and NaN included
+// (reference.exact_mean_scale), without the IEEE division's instructions on every row's critical path.
+__device__ __forceinline__ float row_mean(float total, int n) {
+#ifdef MEAN_SHIFT
+    static_assert(MEAN_SHIFT >= 0 && MEAN_SHIFT < 31, "n = 2^MEAN_SHIFT");
+    (void)n;
+    return __fmul_rn(total, 1.0f / static_cast<float>(1u << MEAN_SHIFT));
+#else
+    return __fdiv_rn(total, static_cast<float>(n));
+#endif
+}
+
 // canon_sum of a row from this thread's piece sums part[k] (steps 2 and 3 above; part is overwritten);
 // every thread of the row gets the total. All threads of the block must call it together; `scratch`
 // holds SUBTREES floats per row slot and alternates between two halves (`parity`), so one barrier per
@@ -414,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
             part[k] = pair_tree<PIECE>(a);
         }
         const float ss = row_sum(part, scratch, it & 1);
-        const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(n)), eps)));
+        const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(row_mean(ss, n), eps)));
         if (!NO_RSTD && live && t == 0) rstd_out[r] = rstd;
 #if HOLD
         launder(xh);
@@ -660,7 +673,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
 #endif
             part[k] = pair_tree<PIECE>(prod);
         }
-        const float c = __fdiv_rn(row_sum(part, scratch, it & 1), static_cast<float>(n));
+        const float c = row_mean(row_sum(part, scratch, it & 1), n);
 #if HOLD && !HOLD_F32
         launder(zh), launder(dh);
 #endif
