@@ -118,6 +118,17 @@ def guarded(t: torch.Tensor | None, guard: int) -> torch.Tensor | None:
     return out
 
 
+# Row scales whose bf16 rows have a subnormal fp32 mean square (2^-66, 2^-72), one that overflows (2^70) or NaN, beside
+# ordinary rows: with eps = 0 the mean's own bits reach rstd (the mean taken by 2^-k where N = 2^k).
+EXTREME_MEAN_SCALES = (1.0, 2.0**-66, 2.0**-72, 2.0**70, 1.0, float("nan"))
+
+
+def extreme_mean_rows(rows: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """bf16 rows (on gen's device), row r scaled by EXTREME_MEAN_SCALES[r % 6]."""
+    scales = torch.tensor(EXTREME_MEAN_SCALES, device=gen.device).repeat(-(-rows // len(EXTREME_MEAN_SCALES)))
+    return (torch.randn(rows, n, device=gen.device, generator=gen) * scales[:rows, None]).bfloat16()
+
+
 def zero_dy_case(n: int, device, gen: torch.Generator):
     """strictnorm.verify.zero_dy_rows on device, as (dy, z, w, rstd, spec, want_dx) with the reference's dx,
     checked to have the signed zeros the case is about."""

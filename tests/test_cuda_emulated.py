@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import bits_equal, partial_sum_model, slot_partial_rows_model, sprinkle_specials, zero_dy_case
+from helpers import (
+    EXTREME_MEAN_SCALES,
+    bits_equal,
+    extreme_mean_rows,
+    partial_sum_model,
+    slot_partial_rows_model,
+    sprinkle_specials,
+    zero_dy_case,
+)
 
 from strictnorm.backends.cuda.backend import (
     FoldTuning,
@@ -138,8 +146,8 @@ def test_emulated_forward_bitwise(n, tuning, aligned, seed, tmp_path):
                                        (4096, NormTuning(values=32, mean_scale=True, hold_max_p=0))])
 def test_emulated_mean_scale_bitwise(n, tuning, seed, tmp_path):
     """MEAN_SHIFT (NormTuning.mean_scale, compiled only where N = 2^k): a row's mean as its sum times 2^-k in both
-    directions gives the reference's bits, with eps = 0 so that the mean's own bits reach rstd: rows whose mean square
-    is subnormal (x around 2^-66 and 2^-72), overflows, or is NaN, beside ordinary rows; dx from those rstd."""
+    directions gives the reference's bits, with eps = 0 so that the mean's own bits reach rstd, on
+    helpers.extreme_mean_rows (subnormal, overflowing and NaN mean squares beside ordinary rows); dx from those rstd."""
     bf16 = torch.bfloat16
     fl = norm_launch(n, bf16, None, bf16, bf16, "gemma", False, tuning, True)
     assert fl.defines["MEAN_SHIFT"] == n.bit_length() - 1
@@ -147,11 +155,10 @@ def test_emulated_mean_scale_bitwise(n, tuning, seed, tmp_path):
     assert "MEAN_SHIFT" not in norm_launch(n, bf16, None, bf16, bf16, "gemma", False, plain, True).defines
     assert "MEAN_SHIFT" not in norm_launch(3 * n, bf16, None, bf16, bf16, "gemma", False, tuning, True).defines
     g = torch.Generator().manual_seed(seed)
-    scales = [1.0, 2.0**-66, 2.0**-72, 2.0**70, 1.0, float("nan")]
-    rows = 2 * len(scales) + 1
-    x = torch.randn(rows, n, generator=g) * torch.tensor([scales[r % len(scales)] for r in range(rows)])[:, None]
-    t = {"x": x.bfloat16(), "res": torch.zeros(rows, n).bfloat16(), "dy": torch.randn(rows, n, generator=g).bfloat16(),
-         "w": (torch.randn(n, generator=g) * 0.5).bfloat16(), "rstd": torch.zeros(rows)}
+    rows = 2 * len(EXTREME_MEAN_SCALES) + 1
+    t = {"x": extreme_mean_rows(rows, n, g), "res": torch.zeros(rows, n).bfloat16(),
+         "dy": torch.randn(rows, n, generator=g).bfloat16(), "w": (torch.randn(n, generator=g) * 0.5).bfloat16(),
+         "rstd": torch.zeros(rows)}
     spec = make_spec(bf16, 0.0, 1.0, "gemma", bf16)
     ref = TorchBackend()
     y, rstd, _ = ref.rms_norm_fwd(t["x"], t["w"], None, spec)

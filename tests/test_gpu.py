@@ -11,6 +11,7 @@ from helpers import (
     check_fused_add_graph_replay,
     check_random_case,
     check_special_values,
+    extreme_mean_rows,
     fast_dw_excess,
     guarded,
     partial_sum_model,
@@ -830,20 +831,18 @@ def cuda_backend(request):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [1, 128, 4096])
 def test_cuda_mean_scale_bitwise_at_extreme_means(n, seed):
-    """NormTuning.mean_scale (rms_norm.cu's MEAN_SHIFT) with eps = 0, so the mean's own bits reach rstd: rows whose
-    mean square is subnormal (x around 2^-66 and 2^-72), overflows or is NaN, beside ordinary rows; y, rstd and dx
-    the reference's bits, Gemma offset."""
+    """NormTuning.mean_scale (rms_norm.cu's MEAN_SHIFT) with eps = 0 on helpers.extreme_mean_rows (subnormal,
+    overflowing and NaN mean squares beside ordinary rows): y, rstd and dx the reference's bits, Gemma offset."""
     from strictnorm.backends.cuda.backend import NormTuning
     from strictnorm.contract import make_spec
 
     cb, tr = get_backend("cuda"), get_backend("torch")
     g = torch.Generator(device=DEV).manual_seed(seed)
-    scales = torch.tensor([1.0, 2.0**-66, 2.0**-72, 2.0**70, 1.0, float("nan")], device=DEV)
     spec = make_spec(torch.bfloat16, 0.0, 1.0, "gemma", torch.bfloat16)
     cb.fwd_tuning = cb.bwd_tuning = NormTuning(values=16, mean_scale=True)
     try:
         for rows in (3, 1000):
-            x = (torch.randn(rows, n, device=DEV, generator=g) * scales.repeat(rows)[:rows, None]).bfloat16()
+            x = extreme_mean_rows(rows, n, g)
             w = (torch.randn(n, device=DEV, generator=g) * 0.5).bfloat16()
             dy = torch.randn(rows, n, device=DEV, generator=g).bfloat16()
             want_y, want_rstd, _ = tr.rms_norm_fwd(x, w, None, spec)
