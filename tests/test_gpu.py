@@ -806,7 +806,7 @@ def _cuda_fwd_cases():
 # trims them); held, 32 lanes a thread, the backward's next row copied ahead into shared memory (staged, where
 # EVEN: N a multiple of 8 here); the backward's xh and g kept in fp32 between its passes (f32); held, 32 lanes a
 # thread, the weight's lanes loaded with each row's before its sum (with-row); held, 16 lanes a thread, the mean of
-# rows of N = 2^k as the sum times 2^-k (mean-scale).
+# rows of N = 2^k by the IEEE division (division; every other family multiplies by 2^-k there: NormTuning.mean_scale).
 CUDA_TUNINGS = {"tables": {}, "stream": {"hold_max_p": 0, "stream_threads": 256},
                 "hold8": {"values": 8},
                 "hold32-smem": {"values": 32, "hold_weight": False, "dw_smem": True, "persistent": False},
@@ -814,7 +814,7 @@ CUDA_TUNINGS = {"tables": {}, "stream": {"hold_max_p": 0, "stream_threads": 256}
                 "hold32-staged": {"values": 32, "staged": True},
                 "hold16-f32": {"values": 16, "hold_f32": True, "staged": True},
                 "hold32-with-row": {"values": 32, "hold_weight": False, "weight_with_row": True},
-                "hold16-mean-scale": {"values": 16, "mean_scale": True}}
+                "hold16-division": {"values": 16, "mean_scale": False}}
 
 
 @pytest.fixture(params=list(CUDA_TUNINGS))

@@ -474,8 +474,12 @@ class NormTuning:
     hold_f32: bool = False
     # N a power of two: the row's mean (the forward's mean square, the backward's c) as the sum times the exact 2^-k
     # (rms_norm.cu's MEAN_SHIFT; the same bits as the IEEE division, reference.exact_mean_scale), as the Triton
-    # kernels take it since run 33 (its exactness probe at 262144 x 128: 34.85 -> 34.30 us). Not yet timed here
-    mean_scale: bool = False
+    # kernels take it since run 33. On by default since run 47 (H200, bench/results/2026-12-05-h200-run47, A/B of 2
+    # rounds, fwd / fast bwd us, division -> scale): 262144 x 128 33.76 -> 33.58 / 56.32 -> 56.06, 65536 x 128 10.10
+    # -> 10.03 / 18.89 -> 18.83, 4096 x 128 2.32 -> 2.30 / 4.96 -> 4.78, 32768 x 4096 132.34 -> 131.60 / 202.35 ->
+    # 202.93, 128 x 4096 2.64 -> 2.50 / 6.06 -> 6.43 (that backward's rounds 6.24, 5.89 against 6.46, 6.40), so
+    # BWD_TABLE's entries from P = 4096 on keep the division
+    mean_scale: bool = True
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (first
@@ -525,6 +529,10 @@ FWD_INFERENCE_TABLE: dict[int, Tuning] = {
     128: (FWD_TABLE[128][0], (None, _fwd(16, weight_with_row=True))),
 }
 BWD_TABLE: dict[int, Tuning] = {
+    # From P = 4096 on the backward keeps the IEEE division for the row's c (mean_scale=False): with the 2^-k scale
+    # 128 x 4096 took 6.06 -> 6.43 us and 32768 x 4096 202.35 -> 202.93 (bench/results/2026-12-05-h200-run47, A/B),
+    # and run 34's version of it lost at 2048 x 4096 (ptxas gave that tile 4 more registers); at P = 128 it gained
+    # (4096 x 128 4.96 -> 4.78, 262144 x 128 56.32 -> 56.06)
     # xh and g held in fp32 between the passes: 262144 x 128 60.2 -> 58.7 us (run 13, call c; run 12, i: 62.7 -> 61.7)
     # 16 threads a row up to 16384 rows (run 36, call c): 4096 x 128 7.33 -> 7.11 us, 16384 x 128 11.10 -> 10.08;
     # the bench (call f, two rounds each) 7.17-7.26 -> 6.69-6.75 and 10.69-10.72 -> 9.92-9.98
@@ -532,19 +540,23 @@ BWD_TABLE: dict[int, Tuning] = {
           (None, NormTuning(hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, hold_f32=True))),
     # up to 128 rows one row of 512 threads a block (run 40, call a, every configuration bitwise): 128 x 4096 7.2 ->
     # 6.1 us; the former 4-row blocks' partials (64 KB) did not fit in shared memory, so the strict fold served it
-    4096: ((128, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4)),
+    4096: ((128, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4, mean_scale=False)),
            # the next row prefetched into registers (run 17, call a; unpredicated): 2048 x 4096 24.6 -> 21.0 us with
            # 2 blocks an SM, 8192 x 4096 61.4 -> 59.3, 32768 x 4096 210.2 -> 202.2 with 4
-           (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=2, prefetch=True)),
-           (8192, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, prefetch=True)),
-           (None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4, prefetch=True))),
-    8192: ((None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4, unpredicated=False, staged=True)),),
+           (2048, NormTuning(values=8, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=2, prefetch=True,
+                             mean_scale=False)),
+           (8192, NormTuning(values=32, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=8, prefetch=True,
+                             mean_scale=False)),
+           (None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4, prefetch=True, mean_scale=False))),
+    8192: ((None, NormTuning(values=32, hold_max_p=_H, partial_blocks_per_sm=4, unpredicated=False, staged=True,
+                             mean_scale=False)),),
     # EVEN's predicated loads here: run 10's sweep measured them (2048 x 18432 110.0 -> 101.4 us, 1024 x 65536
     # 270.5 -> 263.0), where the unpredicated ones lost (run 11: 118.9, 326.8; run 12: 119.4, 323.8)
     32768: ((None, NormTuning(values=64, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=4,
-                              unpredicated=False, staged=True)),),
+                              unpredicated=False, staged=True, mean_scale=False)),),
     # rows read twice: held, the backward spills at this length (392-byte stack with 1024 threads)
-    65536: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8, unpredicated=False)),),
+    65536: ((None, NormTuning(hold_max_p=0, stream_threads=512, partial_blocks_per_sm=8, unpredicated=False,
+                              mean_scale=False)),),
 }
 
 
