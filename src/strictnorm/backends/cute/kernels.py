@@ -186,11 +186,13 @@ HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_p
 # rounds, fwd / bwd us) it lost 262144 x 128 34.69 -> 36.93 / 55.36 -> 59.02, 65536 x 128 bwd 17.31 -> 18.53, 32768 x
 # 4096 bwd 207.97 -> 219.22. Offline (sm_90a cubins) the division's slow path gone, ptxas schedules otherwise: the
 # P = 128 forward takes 32 registers instead of 40 and issues its fourth x load after the first three pieces'
-# squares, the backward its next row's loads after this row's dx (test_held_forward_issues_every_row_load_...).
-# HOLD["pin_loads"]: the held register-path forward makes its first piece sum depend on its other pieces' sums and
-# on its first-loaded weight words (_after_loads), so ptxas issues every x load, and the weight's where it comes
-# first, ahead of the row sum's shuffles. Offline at P = 4096 (the register path of 129-4095 rows: 3 of 4 x loads
-# ahead of them; at most 128 rows: the weight's load after the first shuffles). Not yet timed on a GPU.
+# squares, the backward its next row's loads after this row's dx (ptxas places a load by its first use).
+# HOLD["pin_loads"]: the held register-path forward loads every piece first and makes the first piece's first word
+# depend on a word of each other piece of x and of the weight loaded first (RMSNormForward._pin, _after_loads), so
+# ptxas issues all those loads ahead of the row sum's first shuffle (test_pinned_forward_issues_every_row_load_...).
+# Without it, offline: at P = 4096 the register path of 129-4095 rows issues 3 of its 4 x loads ahead of the sum,
+# and at most 128 rows (weight first, one piece a thread) the weight's load after the first shuffles. Off by default
+# its PTX is unchanged. Not yet timed nor run on a GPU.
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
