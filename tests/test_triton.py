@@ -440,6 +440,40 @@ def test_forward_weight_first_and_column_chunks_give_the_reference_bits(n, split
     _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
 
 
+@pytest.mark.parametrize("n, split, qk", [(5, True, False), (40, False, False), (40, True, True), (64, False, True)])
+def test_forward_weight_pinned_first_gives_the_reference_bits(n, split, qk, seed, monkeypatch):
+    """backend.PIN_WEIGHT_FIRST (kernels.py's W_PIN: the rows as loaded made to depend on the weight loaded first,
+    through a select on N < 0) against the reference: one or two column tiles, fused add, per-head weights."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(tb, "PIN_WEIGHT_FIRST", True)
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {next_pow2(n): tb.TileChoice(rows=2, w_first=True, split=split)},
+                                           "bwd": {}})
+    monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+    assert tb.row_tile(n, "fwd").forward_constexprs()["W_PIN"]
+    x, w, dy, kw = _per_head_or_fused_case(n, qk, 5, "strict", g)
+    _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 37, 128])
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_weight_pinned_at_the_tables_tile_on_gpu(rows, mode, seed, monkeypatch):
+    """backend.PIN_WEIGHT_FIRST at the table's weight-first tile (at most 128 rows of 4096: one row of 8 warps in
+    warp blocks): y, rstd, dx and the strict dW the reference's bits."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(tb, "PIN_WEIGHT_FIRST", True)
+    monkeypatch.setattr(get_backend("triton"), "_fwd_plans", {})
+    assert tb.forward_tile(4096, rows, 8).forward_constexprs(8)["W_PIN"]
+    x, dy = (randn(rows, 4096, dtype=torch.bfloat16, gen=g) for _ in range(2))
+    w = randn(4096, dtype=torch.bfloat16, gen=g, scale=0.01)
+    kw = dict(mode=mode, offset=1.0 if mode == "gemma" else 0.0, dw="strict", device=DEV)
+    _assert_same(_run("torch", x, w, dy, **kw), _run("triton", x, w, dy, **kw))
+
+
 @pytest.mark.parametrize("n, split, qk, w_first, persistent", [(128, False, False, False, False),
                                                                 (100, False, True, False, False),
                                                                 (40, True, False, True, False),
