@@ -15,10 +15,6 @@ prints, as JSON, the forward of bf16 rows with its shared weight loaded as one r
 (TileChoice.w_rows), the latter also without rstd's store (TileChoice.drop_rstd): each one's bar.sync count and
 registers.
 
-    python bench/compile_probe.py --pin-weight N ROWS
-prints, as JSON, the forward of ROWS bf16 rows of N (the table's tile, its weight first) compiled without and with
-backend.PIN_WEIGHT_FIRST: each one's global loads ahead of the first barrier or branch and how many reuse a register.
-
     python bench/compile_probe.py --warp-blocks N ROWS WARPS
 prints, as JSON, the forward of bf16 rows (with and without a residual) and the backward (with and without the
 residual's gradient; the fast dW's partials where rows of N take them) compiled with the row's columns in order and
@@ -172,29 +168,12 @@ def weight_layout_kernels(n: int, rows: int, warps: int) -> dict:
     return out
 
 
-def pinned_weight_loads(n: int, rows: int) -> dict:
-    """The forward of `rows` bf16 rows of N with the table's tile (its weight first) compiled without and with
-    backend.PIN_WEIGHT_FIRST: {"unpinned": [loads, reused], "pinned": [...]}, load_reuse's counts of each."""
-    out = {}
-    for pin in (False, True):
-        tb.PIN_WEIGHT_FIRST = pin
-        tile = tb.forward_tile(n, rows, PIECE)
-        const = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1, YDT=1, HAS_RES=False,
-                     STORE_RSTD=True, MEAN_SCALE=exact_mean_scale(n), **tile.forward_constexprs(PIECE))
-        c, _ = _compile(k.rms_fwd_kernel, _FWD_SIG, const, tile.num_warps, tile.max_registers)
-        out["pinned" if pin else "unpinned"] = list(load_reuse(_cuobjdump(c.asm["cubin"], "-sass")))
-    return out
-
-
 def main(args: list[str]) -> None:
     if args[:1] == ["--warp-blocks"]:
         print(json.dumps(warp_block_kernels(*(int(v) for v in args[1:4]))))
         return
     if args[:1] == ["--weight-layout"]:
         print(json.dumps(weight_layout_kernels(*(int(v) for v in args[1:4]))))
-        return
-    if args[:1] == ["--pin-weight"]:
-        print(json.dumps(pinned_weight_loads(*(int(v) for v in args[1:3]))))
         return
     ptr16, ptr32 = "*bf16", "*fp32"
     fwd_sig, bwd_sig = _FWD_SIG, _BWD_SIG

@@ -6,9 +6,11 @@ The exact kernel is the forward's arithmetic (kernels.py's widen, canon_sum, _rs
 effective_weight, store_rounded; llama casting, bf16 x, weight and y) and must give the reference's y and rstd bit for
 bit. Each variant drops one step: `no rstd store` (an inference call does not need rstd; Quack's forward does not
 store it then), `tl.sum` (Triton's own order instead of the canonical tree), `approximate rstd` (Triton's `/` and
-rsqrt instead of div_rn, sqrt_rn and div_rn), `no llama rounding` (x * rstd not rounded to bf16 before the weight),
+rsqrt instead of div_rn, sqrt_rn and div_rn; `approximate sqrt` and `approximate 1 / s` relax one of the two steps),
+`no llama rounding` (x * rstd not rounded to bf16 before the weight),
 and `all relaxed` (all four: about what Quack's forward computes). `mean by division` is exact too: the row's
-mean as div_rn(ss, N) where the kernels take ss * (1 / N) for N a power of two (the same bits; what that saves).
+mean as div_rn(ss, N) where the kernels take ss * (1 / N) for N a power of two (the same bits; what that saves), and
+so is `rstd by rcp_rn` (the reciprocal as rcp.rn.f32, NVIDIA only: the same bits in a shorter sequence).
 A relaxed variant's largest relative difference from the exact y is reported, never used. Kernel-only time as in
 strictnorm.bench (L2 flushed, profiler).
 PROBE_SHAPES=MxN,... (default 262144x128,65536x128; any N, the row held whole), PROBE_TILES=ROWSxWARPS,... (default
@@ -28,6 +30,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 import strictnorm as sn
 from strictnorm.backends.triton.backend import _store_view
@@ -38,6 +41,7 @@ from strictnorm.backends.triton.kernels import (
     canon_sum,
     effective_weight,
     normalized_as_used,
+    row_mean,
     store_rounded,
     widen,
 )
@@ -45,17 +49,25 @@ from strictnorm.bench import Timer, norm_providers
 from strictnorm.reference import exact_mean_scale, next_pow2
 
 EPS = 1e-6
-# (name, exact sum, exact rstd, llama rounding, rstd stored, a power of two's mean by multiplication)
-VARIANTS = [("exact", True, True, True, True, True), ("mean by division", True, True, True, True, False),
-            ("no rstd store", True, True, True, False, True), ("tl.sum", False, True, True, True, True),
-            ("approximate rstd", True, False, True, True, True), ("no llama rounding", True, True, False, True, True),
-            ("all relaxed", False, False, False, False, True)]
-EXACT = ("exact", "mean by division")
+# how rstd is taken from the mean: the contract's div_rn(1, sqrt_rn(.)) (kernels.py's _rstd), the same bits with
+# rcp_rn for the reciprocal, or relaxed: rsqrt, the approximate square root with the exact division, the exact square
+# root with the approximate division (Triton's `/`)
+RSTD_EXACT, RSTD_RCP, RSTD_RSQRT, RSTD_SQRT_APPROX, RSTD_DIV_APPROX = (tl.constexpr(i) for i in range(5))
+# (name, exact sum, rstd, llama rounding, rstd stored, a power of two's mean by multiplication)
+VARIANTS = [("exact", True, RSTD_EXACT, True, True, True), ("mean by division", True, RSTD_EXACT, True, True, False),
+            ("rstd by rcp_rn", True, RSTD_RCP, True, True, True),
+            ("no rstd store", True, RSTD_EXACT, True, False, True), ("tl.sum", False, RSTD_EXACT, True, True, True),
+            ("approximate rstd", True, RSTD_RSQRT, True, True, True),
+            ("approximate sqrt", True, RSTD_SQRT_APPROX, True, True, True),
+            ("approximate 1 / s", True, RSTD_DIV_APPROX, True, True, True),
+            ("no llama rounding", True, RSTD_EXACT, False, True, True),
+            ("all relaxed", False, RSTD_RSQRT, False, False, True)]
+EXACT = ("exact", "mean by division", "rstd by rcp_rn")
 
 
 @triton.jit
 def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
-                EXACT_SUM: tl.constexpr, EXACT_RSTD: tl.constexpr, LLAMA_ROUND: tl.constexpr,
+                EXACT_SUM: tl.constexpr, RSTD_MODE: tl.constexpr, LLAMA_ROUND: tl.constexpr,
                 STORE_RSTD: tl.constexpr, MEAN_SCALE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, P)
@@ -63,7 +75,19 @@ def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, L
     x = widen(tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0))
     wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
     ss = canon_sum(x * x, ROWS, P, LOG2P) if EXACT_SUM else tl.sum(x * x, axis=1)
-    rstd = _rstd(ss, N, eps, ROWS, MEAN_SCALE) if EXACT_RSTD else tl.math.rsqrt(ss / N + eps)
+    if RSTD_MODE == RSTD_EXACT:
+        rstd = _rstd(ss, N, eps, ROWS, MEAN_SCALE)
+    elif RSTD_MODE == RSTD_RSQRT:
+        rstd = tl.math.rsqrt(ss / N + eps)
+    else:
+        mean = row_mean(ss, N, ROWS, MEAN_SCALE) + eps
+        root = tl.sqrt(mean) if RSTD_MODE == RSTD_SQRT_APPROX else tl.sqrt_rn(mean)
+        if RSTD_MODE == RSTD_RCP:
+            rstd = libdevice.rcp_rn(root)
+        elif RSTD_MODE == RSTD_DIV_APPROX:
+            rstd = 1.0 / root
+        else:
+            rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), root)
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=rows < M)
     xn = normalized_as_used(x, rstd, LLAMA, BF16) if LLAMA_ROUND else x * rstd[:, None]
@@ -77,14 +101,14 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: t
     convert them as integers)."""
     m, n = x.shape
     p = next_pow2(n)
-    _, exact_sum, exact_rstd, llama_round, store_rstd, mean_by_multiply = variant
+    _, exact_sum, rstd_mode, llama_round, store_rstd, mean_by_multiply = variant
     mean_scale = exact_mean_scale(n) if mean_by_multiply else 0.0
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.empty_like(x)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         tile_kernel[(triton.cdiv(m, rows),)](x, w, _store_view(y), rstd, m, n, EPS, ROWS=rows, P=p,
-                                             LOG2P=p.bit_length() - 1, EXACT_SUM=exact_sum, EXACT_RSTD=exact_rstd,
+                                             LOG2P=p.bit_length() - 1, EXACT_SUM=exact_sum, RSTD_MODE=rstd_mode.value,
                                              LLAMA_ROUND=llama_round, STORE_RSTD=store_rstd,
                                              MEAN_SCALE=mean_scale, num_warps=warps,
                                              enable_fp_fusion=False)
@@ -116,7 +140,7 @@ def main() -> None:
         want_y, want_rstd = sn.rms_norm_with_rstd(x, w, EPS, backend="torch")
         for rows, warps in tiles:
             exact_y = None
-            for variant in VARIANTS:
+            for variant in VARIANTS if not interpreting else [v for v in VARIANTS if v[2] != RSTD_RCP]:
                 call = launcher(x, w, rows, warps, variant)
                 y, rstd = call()
                 row = dict(M=m, N=n, rows=rows, warps=warps, what=variant[0])

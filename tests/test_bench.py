@@ -618,12 +618,3 @@ def test_host_breakdown_backward_pieces_on_cpu(monkeypatch):
     assert got["backward only, an empty autograd node (the engine)"] > 0
     assert 0 < inside < step
 
-
-
-def test_pinned_weight_first_is_loaded_with_the_rows_when_compiled():
-    """The Triton forward of 128 rows of 4096 (the table's tile there: one row of 8 warps, the weight first), compiled
-    for sm_90 by the installed Triton (bench/compile_probe.py --pin-weight): without backend.PIN_WEIGHT_FIRST ptxas
-    issued the weight's loads after the sum's first shuffles, into registers of x's loads (Triton 3.6: 2 of 4, 3.9:
-    1), so they waited for x's data; pinned, all four loads come ahead of the sum, none reusing a register."""
-    got = json.loads(_compile_probe("--pin-weight", 4096, 128))
-    assert got["pinned"] == [4, 0] and got["unpinned"][0] == 4

@@ -421,53 +421,6 @@ def test_mean_scale_takes_the_division_out_of_the_ptx(n, tmp_path, monkeypatch, 
     assert after[0][0] >= 1  # rstd's reciprocal
 
 
-@pytest.mark.parametrize("n, row_bound, weight_first", [(128, None, False), (128, None, True), (4096, 128, True),
-                                                      (4096, 2048, False), (4096, None, True), (8192, None, True)])
-def test_pinned_forward_issues_every_row_load_before_its_sum(n, row_bound, weight_first, tmp_path, monkeypatch,
-                                                             fresh_shapes):
-    """HOLD["pin_loads"]: the held register-path forward's sm_90a code issues all of a thread's x loads, and the
-    weight's where it comes first, before the row's first shuffle. ptxas places a load by its first use: without the
-    knob it issued the weight's load of 128 x 4096 (one piece a thread) after the first shuffles, and at P = 4096
-    the fourth x piece's after the first three pieces' squares."""
-    monkeypatch.setitem(K.HOLD, "pin_loads", True)
-    fresh_shapes()
-    bf16 = cutlass.BFloat16
-    shape = K.tuned_shape(n, False, True, row_bound)
-    assert shape.hold
-    op_args = K.forward_args(n, bf16, bf16, bf16, "llama", True, weight_first=weight_first, row_bound=row_bound,
-                             stage=False)
-    ops = re.findall(r"\b(LDG\S*|SHFL\S*)", _cuobjdump(tmp_path, *op_args, "-sass"))
-    first_shuffle = next(i for i, op in enumerate(ops) if op.startswith("SHFL"))
-    loads = shape.k * (2 if weight_first else 1)
-    assert sum(op.startswith("LDG") for op in ops[:first_shuffle]) == loads, ops
-
-
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [7, 128, 1000, 4096, 8192])
-@pytest.mark.parametrize("mode", ["llama", "gemma", "none"])
-def test_pinned_forward_bitwise_on_gpu(n, mode, seed, monkeypatch, fresh_shapes):
-    """HOLD["pin_loads"] on: y, rstd and residual_out the reference's bits at row counts on every side of the
-    weight-first and staging bounds (1, 37, 300, 3000, 5000 rows), aligned and misaligned rows, with and without a
-    residual (Gemma offset where mode is gemma, tiny bf16 weights)."""
-    from strictnorm.backends.registry import get_backend
-    from strictnorm.contract import make_spec
-
-    monkeypatch.setitem(K.HOLD, "pin_loads", True)
-    fresh_shapes()
-    tr = get_backend("torch")
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    offset = 1.0 if mode == "gemma" else 0.0
-    spec = make_spec(torch.bfloat16, 1e-6, offset, mode, torch.bfloat16)
-    for rows, shift, fused in ((1, 0, False), (37, 1, True), (300, 0, False), (3000, 0, True), (5000, 1, False)):
-        x = torch.randn(rows, n + shift, device="cuda", generator=g).bfloat16()[:, shift:]  # shift: misaligned
-        res = torch.randn(rows, n, device="cuda", generator=g).bfloat16() if fused else None
-        w = (torch.randn(n, device="cuda", generator=g) * 0.01).bfloat16()
-        want_y, want_rstd, want_z = tr.rms_norm_fwd(x, w, res, spec)
-        y, rstd, z = K.forward(x, w, 1e-6, offset, mode, torch.bfloat16, residual=res)
-        assert bits_equal(rstd, want_rstd) and bits_equal(y, want_y), f"{rows}x{n} {mode}"
-        assert not fused or bits_equal(z, want_z), f"z {rows}x{n} {mode}"
-
-
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [1, 128, 4096, 1000])
 @pytest.mark.parametrize("mode", ["llama", "gemma"])

@@ -84,17 +84,6 @@ def _pair_tree(values: list):
     return values[0]
 
 
-def _after_loads(value, deps: list, n: Int32):
-    """value, made to depend on each of deps (values computed from this thread's loads) through selects on n < -j,
-    which never hold but which the compiler cannot rule out (n is a kernel argument): ptxas must then have those
-    loads back before value's first use, so it issues them ahead of it (it otherwise places a load by its first
-    use, after the row sum's first shuffles). A condition for each dep: selects on one condition would fold into
-    the last one's. The same bits: every select picks value."""
-    for j, dep in enumerate(deps):
-        value = cutlass.select_(n < Int32(-j), dep, value)
-    return value
-
-
 @dataclass(frozen=True)
 class ForwardShape:
     """Compile-time block shape; any choice gives the same bits (the tree is fixed by N). hold: pass 1's
@@ -179,7 +168,7 @@ _HOLD_MAX_VALUES = {False: 32, True: 16}
 # 179.62, 2048 x 8192 24.42 -> 23.65, 8192 x 8192 90.72 -> 90.34).
 HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_prefetch": True, "threads": 256,
         "prefetch_threads": 512, "forward_trimmed": 40, "forward_raw": 4096,
-        "forward_staged": {4096: 4096, 8192: 2048}, "mean_scale": False, "pin_loads": False}
+        "forward_staged": {4096: 4096, 8192: 2048}, "mean_scale": False}
 # HOLD["mean_scale"]: for N a power of two, both kernels take a row's mean as the sum times the exact 2^-k
 # (reference.exact_mean_scale: the same bits as the IEEE division by N), as the Triton kernels do since run 33 and
 # the CUDA ones with NormTuning.mean_scale. Off: on an H200 (bench/results/2026-12-05-h200-run47, call c, A/B of 2
@@ -187,12 +176,9 @@ HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_p
 # 4096 bwd 207.97 -> 219.22. Offline (sm_90a cubins) the division's slow path gone, ptxas schedules otherwise: the
 # P = 128 forward takes 32 registers instead of 40 and issues its fourth x load after the first three pieces'
 # squares, the backward its next row's loads after this row's dx (ptxas places a load by its first use).
-# HOLD["pin_loads"]: the held register-path forward loads every piece first and makes the first piece's first word
-# depend on a word of each other piece of x and of the weight loaded first (RMSNormForward._pin, _after_loads), so
-# ptxas issues all those loads ahead of the row sum's first shuffle (test_pinned_forward_issues_every_row_load_...).
-# Without it, offline: at P = 4096 the register path of 129-4095 rows issues 3 of its 4 x loads ahead of the sum,
-# and at most 128 rows (weight first, one piece a thread) the weight's load after the first shuffles. Off by default
-# its PTX is unchanged. Not yet timed nor run on a GPU.
+# Pinning the held forward's loads ahead of the row sum (its first word made to depend, through selects on n < -j,
+# on every other piece of x and the weight loaded first) lost on an H100 (bench/results/2026-12-05-h100-run48, call
+# c, fwd us): 128 x 4096 2.43 -> 2.50, 512 x 4096 4.29 -> 4.54, 262144 x 128 47.86 -> 50.91; it was removed.
 # the forward's weight loaded with the row, before the row sum (ForwardShape.hold_weight), per padded length P up to
 # this many rows (a latency saving where few rows are in flight; a P not listed: never), as Triton's w_first. On an
 # H200 (bench/results/2026-12-01-h200-run18, sweep_cute "weight first" against "weight after the sum", bitwise, us):
@@ -509,10 +495,9 @@ class RMSNormForward(_RowKernel):
     normalized (D = the residual's dtype)."""
 
     def __init__(self, shape: ForwardShape, mode: str, has_weight: bool, norm_dtype, vector: bool = False,
-                 has_res: bool = False, mean_scale: float = 0.0, pin_loads: bool = False) -> None:
+                 has_res: bool = False, mean_scale: float = 0.0) -> None:
         super().__init__(shape, mode, has_weight, norm_dtype, vector, mean_scale)
         self.has_res = has_res
-        self.pin_loads = pin_loads  # HOLD["pin_loads"] (_after_loads)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mZ: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor,
@@ -552,26 +537,14 @@ class RMSNormForward(_RowKernel):
                 cute.arch.cp_async_wait_group(0)
             # the weight's pieces loaded with the row's, into registers (stage_w: staged beside x, above)
             w_first = self.has_weight and s.hold_weight and not stage_w
-            preload = self.pin_loads and not staged  # every piece loaded ahead of the loop below, then pinned
-            raws = []
-            if const_expr(preload):
-                for kk in cutlass.range_constexpr(s.live):
-                    raws.append(cute.make_rmem_tensor((s.piece,), xrow.element_type))
-                    self._load_piece(xrow, kk, t, n, live, raws[kk])
-                    if const_expr(w_first):
-                        wheld.append(self._held_weight_piece(mW, kk, t, n, live))
-                self._pin(raws, wheld, n)
             for kk in cutlass.range_constexpr(s.live):
                 if const_expr(staged):
                     v = self._staged_piece(stage_row, kk, t, n, live)
                 else:
-                    if const_expr(preload):
-                        raw = raws[kk]
-                    else:
-                        raw = cute.make_rmem_tensor((s.piece,), xrow.element_type)
-                        self._load_piece(xrow, kk, t, n, live, raw)
+                    raw = cute.make_rmem_tensor((s.piece,), xrow.element_type)
+                    self._load_piece(xrow, kk, t, n, live, raw)
                     v = self._widen_piece(raw.load(), kk, t, n, live)
-                if const_expr(w_first and not preload):
+                if const_expr(w_first):
                     wheld.append(self._held_weight_piece(mW, kk, t, n, live))
                 if const_expr(self.has_res):
                     res = self._piece(mRes[r, None], kk, t, n, live)
@@ -626,20 +599,6 @@ class RMSNormForward(_RowKernel):
             self._load_piece(mW, kk, t, n, ok, wraw)
             return wraw
         return self._piece(mW, kk, t, n, ok)
-
-    def _pin(self, raws: list, wheld: list, n: Int32) -> None:
-        """The first piece's first word as loaded, made to depend on the first word of every other piece of x and
-        of the weight loaded first (_after_loads; the same bits written back): every such load issued before the
-        first piece's squares (HOLD["pin_loads"])."""
-        def words(piece):  # the piece's 32-bit words (None: a piece narrower than a word, left unpinned)
-            width = piece.element_type.width * self.s.piece
-            return piece if piece.element_type.width == 32 else (
-                cute.recast_tensor(piece, Float32) if width % 32 == 0 else None)
-
-        head = words(raws[0])
-        if head is not None:
-            others = [w for w in map(words, raws[1:] + wheld) if w is not None]
-            head[0] = _after_loads(head[0], [w[0] for w in others], n)
 
 
 class RMSNormBackward(_RowKernel):
@@ -835,8 +794,7 @@ def forward_args(n: int, x_dtype, w_dtype, y_dtype, mode: str, vector: bool, res
     shape = replace(f.shape, staged=f.shape.staged and stage)
     staged = stages_rows(shape, vector, res_dtype is not None, x_dtype.width)
     shape = replace(shape, hold_weight=shape.hold and (weight_first or staged))
-    op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None, _mean_scale(n),
-                        HOLD["pin_loads"])
+    op = RMSNormForward(shape, mode, w_dtype is not None, norm_dtype, vector, res_dtype is not None, _mean_scale(n))
     return op, (f.rows(x_dtype), f.rows(norm_dtype), f.rows(norm_dtype), f.weight(w_dtype or x_dtype),
                 f.rows(y_dtype), f.per_row(own_count=True), Int32(1), Int32(n), Float32(1e-6), Float32(0.0), Int32(1),
                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))

@@ -120,11 +120,9 @@ DEFAULT_SPLIT = {"fwd": False, "bwd": True}
 # persistent grid (bench/results/2026-11-30-h200-run16, call a, SWEEP_PIPELINES, every configuration bitwise) won at
 # 2048 x 4096 only (prefetched and in 2 stages, 2 programs an SM: 11.0 -> 10.6 us) and lost from 8192 rows of 4096
 # (34.9 -> 36.4+, 130.2 -> 138.8+), at 8192 x 8192 (67.6 -> 70.3+) and 262144 x 128 (34.4 -> 45.1+), as in run 14.
-# The forward's weight, where it comes first (w_first, rows held whole on a grid that is not persistent), pinned
-# ahead of the rows' sum (kernels.py, W_PIN): compiled for sm_90 by Triton 3.6, the 128 x 4096 tile issues the
-# weight's two loads after the sum's first shuffles, into x's registers, without it, and all four loads at the top
-# with it (at ~80 more instructions before the sum: a select and a conversion a lane). Off until timed on a GPU.
-PIN_WEIGHT_FIRST = False
+# A weight loaded first (w_first) and pinned ahead of the rows' sum (the rows made to depend on it through a select on
+# N < 0, so ptxas issues its loads with theirs rather than after the sum's first shuffles) lost on an H100
+# (bench/results/2026-12-05-h100-run48, call c): 128 x 4096 2.35 -> 2.42 us; it was removed.
 TileEntry = TileChoice | Bounded[TileChoice]
 TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # P = 128 to 16384 rows: 16 rows of 8 warps a program (bench/results/2026-12-03-h200-run33, call c, and run34,
@@ -246,8 +244,7 @@ class RowTile:
         """The forward's weight-first, weight-layout, chunk, persistent-grid, stage and warp-block constexprs (the
         chunk loops' stages, or the persistent grid's; warp_block_constexprs)."""
         persistent = self.forward_persistent
-        return dict(W_FIRST=self.w_first, W_PIN=self.w_first and PIN_WEIGHT_FIRST, W_ROWS=self.w_rows,
-                    STAGES=self.stages if self.chunk or persistent else 1,
+        return dict(W_FIRST=self.w_first, W_ROWS=self.w_rows, STAGES=self.stages if self.chunk or persistent else 1,
                     PERSISTENT=persistent, PREFETCH=self.prefetch and persistent,
                     **self.warp_block_constexprs(piece), **self.chunk_constexprs())
 

@@ -368,17 +368,14 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
                    PREFETCH: tl.constexpr = False, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
                    WB_ST: tl.constexpr = 0, MEAN_SCALE: tl.constexpr = 0.0, W_ROWS: tl.constexpr = False,
-                   STORE_RSTD: tl.constexpr = True, W_PIN: tl.constexpr = False):
+                   STORE_RSTD: tl.constexpr = True):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
     y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0
     (num_warps = WB_NW): the row (each chunk; the first column tile) in warp blocks of WB_S-element pieces (the
     module's notes), the second column tile (T > 0) in pieces of WB_ST. MEAN_SCALE: 1 / N where N is a power of two,
     else 0 (_rstd). W_ROWS: a shared weight loaded as (ROWS, lanes) in the rows' layout (_fwd_weight). STORE_RSTD
-    False (rows held whole): no rstd stored, for an inference call that asks for none. W_PIN (with W_FIRST, rows held
-    whole, no persistent grid): the rows as loaded made to depend on the weight through a select on N < 0 (never true,
-    unknown to the compiler), so ptxas issues the weight's loads with the rows' instead of after the sum's first
-    shuffles (it places a load by its first use). The same bits every way."""
+    False (rows held whole): no rstd stored, for an inference call that asks for none. The same bits every way."""
     pid = tl.program_id(0)
     cols_a = row_columns(PA, 0 if CHUNK > 0 else WB_NW, WB_S)
     cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if T > 0 else 0, WB_ST)
@@ -401,10 +398,6 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
         if W_FIRST:
             wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W,
                                       PER_HEAD, W_ROWS)
-            if W_PIN:
-                xa = tl.where(N < 0, wf_a.to(xa.dtype), xa)
-                if T > 0:
-                    xb = tl.where(N < 0, wf_b.to(xb.dtype), xb)
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
                   PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S, WB_ST,
                   MEAN_SCALE, W_ROWS, STORE_RSTD)
