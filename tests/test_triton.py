@@ -364,15 +364,16 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
 
 def test_forward_tile_at_128_columns_depends_on_the_row_count():
     """P = 128's forward: 16 rows of 8 warps a program up to 16384 rows, 8 rows of 2 warps past them (and where the
-    row count is unknown) with the weight loaded in the rows' layout and an inference call's rstd not stored; every
-    column count of that padded length alike."""
+    row count is unknown) with the weight loaded first, in the rows' layout, and an inference call's rstd not stored;
+    every column count of that padded length alike."""
     from strictnorm.backends.triton import backend as tb
 
+    past = tb.RowTile(8, 128, 0, 2, w_first=True, w_rows=True, drop_rstd=True)
     for n in (65, 100, 128):
         assert tb.forward_tile(n, 1, 8) == tb.RowTile(16, 128, 0, 8), n
         assert tb.forward_tile(n, 16384, 8) == tb.RowTile(16, 128, 0, 8), n
-        assert tb.forward_tile(n, 16385, 8) == tb.RowTile(8, 128, 0, 2, w_rows=True, drop_rstd=True), n
-        assert tb.forward_tile(n, None, 8) == tb.RowTile(8, 128, 0, 2, w_rows=True, drop_rstd=True), n
+        assert tb.forward_tile(n, 16385, 8) == past, n
+        assert tb.forward_tile(n, None, 8) == past, n
 
 
 def test_forward_warp_block_entry_only_where_its_warp_blocks_apply(monkeypatch):
@@ -470,6 +471,7 @@ def test_forward_weight_first_and_column_chunks_give_the_reference_bits(n, split
 
 
 @pytest.mark.parametrize("n, split, qk, w_first, persistent", [(128, False, False, False, False),
+                                                                (128, False, False, True, False),
                                                                 (100, False, True, False, False),
                                                                 (40, True, False, True, False),
                                                                 (64, False, False, False, True),

@@ -131,9 +131,15 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # was ahead in both runs), the weight loaded in the rows' layout and an inference call's rstd not stored (w_rows,
     # drop_rstd: compiled for sm_90 by Triton 3.6, 3 -> 1 -> 0 barriers a program, 40 -> 40 -> 38 registers, no load
     # reusing an earlier one's register; on an H200 level, bench/results/2026-12-04-h200-run42, call d: 262144 x 128
-    # 33.65 -> 33.58 us, 65536 x 128 10.54 -> 10.53)
+    # 33.65 -> 33.58 us, 65536 x 128 10.54 -> 10.53); past 16384 rows the weight loaded first (w_first): without it
+    # Triton emits the weight's loads where y needs them, and ptxas issues them after the row sum and rstd, a memory
+    # round trip on every program's critical path (compiled for sm_90 by Triton 3.6: LDG 3 and 4 of 4 after the
+    # shuffles; with it all four ahead of them, 38 -> 52 registers). On an H100 (bench/results/2026-12-05-h100-run48,
+    # call g, inference forward us, 2 rounds): 65536 x 128 13.34 -> 13.04, 262144 x 128 46.66 -> 45.84, the training
+    # step level (122.4 -> 122.3); at 16 rows of 8 warps it lost at 16384 rows (3.84 -> 4.46) and gained at 4096 (2.22
+    # -> 2.16), so that entry keeps the weight after the sum
     "fwd": {128: ((16384, TileChoice(rows=16, num_warps=8)),
-                  (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True))),
+                  (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True, w_first=True))),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
                    (None, TileChoice(rows=2, num_warps=8, warp_blocks=True))),
