@@ -20,6 +20,12 @@ prints, as JSON, the forward of bf16 rows (with and without a residual) and the 
 residual's gradient; the fast dW's partials where rows of N take them) compiled with the row's columns in order and
 in warp blocks (kernels.py's notes): each one's bar.sync count and the xor distances of the shuffles after its first
 barrier, where the warp-block kernel's blocks' sums meet ([WARPS/2, ..., 1]: the butterfly its order needs).
+
+    python bench/compile_probe.py --cuda-forward N ROWS [inference]
+prints, as JSON, the CUDA backend's forward of ROWS bf16 rows of N as its tables plan it (the training forward, or an
+inference call's without rstd), compiled by NVRTC for sm_90: registers, threads a block, and its global loads in all and
+ahead of the row sum's first shuffle (ptxas places a load by its first use: the weight's, used only after the sum,
+comes after the shuffles unless something ties it to the row's loads).
 """
 
 from __future__ import annotations
@@ -106,6 +112,29 @@ def load_reuse(sass: str) -> tuple[int, int]:
     return loads, reused
 
 
+def loads_before_the_sum(sass: str) -> dict[str, int]:
+    """The first kernel's global loads in all and those issued before its first warp shuffle (the row sum's)."""
+    kernel = sass.split("Function :")[1] if "Function :" in sass else sass
+    head = kernel.split("SHFL", 1)[0]
+    return {"loads": len(_LOAD.findall(kernel)), "ahead of the sum": len(_LOAD.findall(head))}
+
+
+def cuda_forward(n: int, rows: int, inference: bool = False) -> dict:
+    """The CUDA backend's forward of `rows` bf16 rows of N (llama, 16-byte aligned), as its tables plan it, compiled
+    by NVRTC for sm_90 (see the usage)."""
+    import torch
+
+    from strictnorm.backends.cuda import backend as cb
+    from strictnorm.backends.cuda import nvrtc
+
+    bf16 = torch.bfloat16
+    launch = cb.norm_launch(n, bf16, None, bf16, bf16, "llama", False, cb.forward_tuning(n, rows, not inference),
+                            True, not inference)
+    cubin = nvrtc.compile_cubin("rms_norm.cu", "sm_90", launch.defines)
+    return {"registers": nvrtc.cubin_registers(cubin)["rms_fwd"], "threads": launch.threads,
+            **loads_before_the_sum(_cuobjdump(cubin, "-sass"))}
+
+
 def _stats(c) -> str:
     ptx = c.asm["ptx"]
     sass = _cuobjdump(c.asm["cubin"], "-sass")
@@ -171,6 +200,9 @@ def weight_layout_kernels(n: int, rows: int, warps: int) -> dict:
 def main(args: list[str]) -> None:
     if args[:1] == ["--warp-blocks"]:
         print(json.dumps(warp_block_kernels(*(int(v) for v in args[1:4]))))
+        return
+    if args[:1] == ["--cuda-forward"]:
+        print(json.dumps(cuda_forward(int(args[1]), int(args[2]), args[3:4] == ["inference"])))
         return
     if args[:1] == ["--weight-layout"]:
         print(json.dumps(weight_layout_kernels(*(int(v) for v in args[1:4]))))
