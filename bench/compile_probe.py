@@ -113,10 +113,12 @@ def load_reuse(sass: str) -> tuple[int, int]:
 
 
 def loads_before_the_sum(sass: str) -> dict[str, int]:
-    """The first kernel's global loads in all and those issued before its first warp shuffle (the row sum's)."""
+    """The first kernel's global loads in all, those issued before its first warp shuffle (the row sum's) and those
+    before its first global store (a load issued between stores waits a round trip of its own)."""
     kernel = sass.split("Function :")[1] if "Function :" in sass else sass
-    head = kernel.split("SHFL", 1)[0]
-    return {"loads": len(_LOAD.findall(kernel)), "ahead of the sum": len(_LOAD.findall(head))}
+    ahead = {"ahead of the sum": "SHFL", "ahead of the first store": "STG"}
+    return {"loads": len(_LOAD.findall(kernel)),
+            **{name: len(_LOAD.findall(kernel.split(mark, 1)[0])) for name, mark in ahead.items()}}
 
 
 def cuda_forward(n: int, rows: int, inference: bool = False) -> dict:

@@ -513,8 +513,14 @@ def _fwd(values: int, min_threads: int = 128, persistent: bool = False, weight_w
 # configuration bitwise): 16 threads a row, 8 lanes each, the weight loaded with the row, 4096 x 128 2.88 -> 2.40 us.
 # (The sweep's 16 lanes a thread at 16384 and 65536 rows, 4.26 -> 3.74 and 11.20 -> 10.72, were level in the bench:
 # call f, two rounds each, 4.03-4.10 -> 4.03-4.06 and 11.14-11.17 -> 10.91-11.07; not taken.)
+# Past 4096 rows of P = 128 the training forward (4 threads a row, 32 lanes each) loads the weight with the row too:
+# without it ptxas issued the weight's four loads after the row sum's shuffles, one before each piece of y
+# (bench/compile_probe.py --cuda-forward; with it 46 -> 56 registers, 21 -> 18 blocks of 64 an SM). On an H200
+# (bench/results/2026-12-06-h200-run49, calls b and e, the bench's backward: the training step less the inference
+# forward, us) 16384 x 128 8.32 -> 8.00 and 8.40 -> 8.11; 65536 x 128 and 262144 x 128 level (18.48 -> 18.51,
+# 56.08 -> 56.11 in call e's 4 rounds).
 FWD_TABLE: dict[int, Tuning] = {
-    128: ((4096, _fwd(8, weight_with_row=True)), (None, _fwd(32, min_threads=64))),
+    128: ((4096, _fwd(8, weight_with_row=True)), (None, _fwd(32, min_threads=64, weight_with_row=True))),
     4096: ((128, _fwd(8, min_threads=64, weight_with_row=True)), (2048, _fwd(64)), (None, _fwd(32))),
     8192: ((None, _fwd(32)),),
     32768: ((None, _fwd(64, persistent=True, weight_with_row=True, unpredicated=False)),),

@@ -186,6 +186,9 @@ HOLD = {"forward": True, "backward": True, "backward_weight": False, "backward_p
 # more registers, fewer rows in flight) and at 2048 x 18432 (42.9 -> 60.3). At P = 128 up to 4096 rows as the CUDA
 # table's entry there (FORWARD_ROW_BOUNDS: bench/results/2026-12-04-h200-run41, 4096 x 128 2.91 -> 2.10 us), and on
 # to 16384 rows with FORWARD_FEW_ROWS. A staged forward (HOLD["forward_staged"]) takes the weight first always.
+# Past those bounds at P = 128 the weight is read in the second pass, each piece's load just before its y (sm_90a
+# SASS); the weight first there (48 registers against 40, its loads among the sum's shuffles) was level on an H200
+# (bench/results/2026-12-06-h200-run49, calls b and e: 65536 x 128 and 262144 x 128 within the rounds' spread).
 FORWARD_WEIGHT_FIRST_ROWS: dict[int, int] = {128: 16384, 4096: 512, 8192: 128}
 # the lanes a thread of the held forward takes per padded length, past the table's entry and _HOLD_MAX_VALUES (fewer
 # threads a row, more rows a block): Quack's forward takes 64 threads a row at 4096 columns (64 lanes each), as the

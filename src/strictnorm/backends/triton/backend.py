@@ -137,8 +137,11 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # shuffles; with it all four ahead of them, 38 -> 52 registers). On an H100 (bench/results/2026-12-05-h100-run48,
     # call g, inference forward us, 2 rounds): 65536 x 128 13.34 -> 13.04, 262144 x 128 46.66 -> 45.84, the training
     # step level (122.4 -> 122.3); at 16 rows of 8 warps it lost at 16384 rows (3.84 -> 4.46) and gained at 4096 (2.22
-    # -> 2.16), so that entry keeps the weight after the sum
-    "fwd": {128: ((16384, TileChoice(rows=16, num_warps=8)),
+    # -> 2.16), so the 16 x 8 tile takes the weight first up to 4096 rows only (on an H200,
+    # bench/results/2026-12-06-h200-run49, call b, 2 rounds: 4096 x 128 2.22 -> 2.13 us, the backward level; 34 -> 29
+    # registers without it, both loads ahead of the sum with it)
+    "fwd": {128: ((4096, TileChoice(rows=16, num_warps=8, w_first=True)),
+                  (16384, TileChoice(rows=16, num_warps=8)),
                   (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True, w_first=True))),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
