@@ -22,7 +22,7 @@
 #define __device__
 #define __global__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__ static
 struct dim3e { unsigned x, y, z; };
 inline thread_local dim3e threadIdx{0, 0, 0};

@@ -480,6 +480,10 @@ class NormTuning:
     # 202.93, 128 x 4096 2.64 -> 2.50 / 6.06 -> 6.43 (that backward's rounds 6.24, 5.89 against 6.46, 6.40), so
     # BWD_TABLE's entries from P = 4096 on keep the division
     mean_scale: bool = True
+    # the blocks an SM the kernel is compiled for (rms_norm.cu's MIN_BLOCKS, __launch_bounds__'s second argument:
+    # ptxas keeps a thread's registers within 65536 / (threads x min_blocks), spilling if it must); 0: the block size
+    # alone bounds them
+    min_blocks: int = 0
 
 
 # Block shapes per padded row length P = next_pow2(N), from bench/sweep_cuda.py on an H200 (first
@@ -494,10 +498,11 @@ _H = 65536  # hold_max_p: rows held in registers
 
 
 def _fwd(values: int, min_threads: int = 128, persistent: bool = False, weight_with_row: bool = False,
-         unpredicated: bool = True) -> NormTuning:
+         unpredicated: bool = True, min_blocks: int = 0) -> NormTuning:
     """The forward's entries: rows held, the weight reloaded per row (registers go to the row), EVEN."""
     return NormTuning(values=values, min_threads=min_threads, hold_weight=False, hold_max_p=_H, partial_blocks_per_sm=0,
-                      persistent=persistent, weight_with_row=weight_with_row, unpredicated=unpredicated)
+                      persistent=persistent, weight_with_row=weight_with_row, unpredicated=unpredicated,
+                      min_blocks=min_blocks)
 
 
 # Last revised from the sweeps of bench/results/2026-11-30-h200-run11 (b-: each entry with EVEN off and on, the
@@ -627,6 +632,8 @@ def norm_launch(n: int, x_dtype: torch.dtype, res_dtype: torch.dtype | None, w_d
         defines["MEAN_SHIFT"] = p.bit_length() - 1
     if hold and not tuning.hold_weight and tuning.weight_with_row:
         defines["W_WITH_ROW"] = 1
+    if tuning.min_blocks:
+        defines["MIN_BLOCKS"] = tuning.min_blocks
     sizes = (x_dtype.itemsize, norm_dtype.itemsize, y_dtype.itemsize, (w_dtype or x_dtype).itemsize)
     if tuning.even and aligned and n % piece == 0 and all(piece * size % 16 == 0 for size in sizes):
         defines["EVEN"] = 1

@@ -367,8 +367,16 @@ __device__ __forceinline__ long long offset_of(long long r, long long s0, long l
     return row_offset(r, Layout{s0, s1, sg, r1, g});
 }
 
+// MIN_BLOCKS: the blocks an SM the kernel is compiled for (ptxas then keeps a thread's registers within
+// 65536 / (THREADS * MIN_BLOCKS)); unset, the block size alone bounds them.
+#ifdef MIN_BLOCKS
+#define KERNEL_BOUNDS __launch_bounds__(THREADS, MIN_BLOCKS)
+#else
+#define KERNEL_BOUNDS __launch_bounds__(THREADS)
+#endif
+
 #ifndef BACKWARD
-extern "C" __global__ void __launch_bounds__(THREADS) rms_fwd(
+extern "C" __global__ void KERNEL_BOUNDS rms_fwd(
     const x_t* __restrict__ x, long long xs0, long long xs1, long long xsg,
     const r_t* __restrict__ res, long long rs0, long long rs1, long long rsg, n_t* z,
     const w_t* __restrict__ w, long long wsg, y_t* __restrict__ y, float* __restrict__ rstd_out,
@@ -521,7 +529,7 @@ static_assert(!HOLD_F32 || HOLD, "HOLD_F32: held rows");
 static_assert(!DW_COMBINE || (DW_PARTIALS && RPB > 1 && !STAGED), "DW_COMBINE: partial rows of several slots");
 constexpr int STAGE_CHUNKS = KR * (CHUNKS<NC> + CHUNKS<DYC>);  // a thread's chunks in one stage (z, then dy)
 
-extern "C" __global__ void __launch_bounds__(THREADS) rms_bwd(
+extern "C" __global__ void KERNEL_BOUNDS rms_bwd(
     const dy_t* dy, long long ds0, long long ds1, long long dsg,
     const n_t* __restrict__ zin, long long zs0, long long zs1, long long zsg,
     const w_t* __restrict__ w, long long wsg, const float* __restrict__ rstd_in,
