@@ -339,6 +339,33 @@ def test_tiles_keep_the_blocks_an_sm_they_were_measured_with(tmp_path, monkeypat
             assert got >= want, f"{kernel} {rows} x {n}: {seen[key]} registers, {got} blocks an SM (measured: {want})"
 
 
+def test_min_blocks_bounds_the_registers_and_is_off_by_default(tmp_path, monkeypatch):
+    """NormTuning.min_blocks compiles the kernel for that many blocks an SM (MIN_BLOCKS): the forward's and the
+    backward's registers then fit 65536 / (threads x blocks), where without it they do not; 0 (every table entry's
+    default) adds no macro, so those kernels' cubins and cache keys stay as they were."""
+    from dataclasses import replace
+
+    from strictnorm.backends.cuda.backend import BWD_TABLE, forward_tuning, norm_bwd_launch, norm_launch, tuning_for
+
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    bf16 = torch.bfloat16
+    fwd_tuning, bwd_tuning = forward_tuning(128, 65536, need_rstd=False), tuning_for(BWD_TABLE, 128, 65536)
+    assert fwd_tuning.min_blocks == bwd_tuning.min_blocks == 0
+    for blocks in (0, 16):
+        fwd = norm_launch(128, bf16, None, bf16, bf16, "llama", False, replace(fwd_tuning, min_blocks=blocks), True,
+                          False)
+        bwd = norm_bwd_launch(128, bf16, bf16, bf16, "llama", False, False, True,
+                              replace(bwd_tuning, min_blocks=blocks), True)
+        for launch, kernel in ((fwd, "rms_fwd"), (bwd, "rms_bwd")):
+            assert launch.defines.get("MIN_BLOCKS", 0) == blocks
+            registers = nvrtc.cubin_registers(nvrtc.compile_cubin("rms_norm.cu", "sm_90", launch.defines))[kernel]
+            bound = 65536 // (launch.threads * 16)
+            if blocks:
+                assert registers <= bound, (kernel, registers, bound)
+            elif nvrtc.nvrtc_version() == "13.0":  # the counts without the bound were read with that ptxas
+                assert registers > bound, (kernel, registers, bound)
+
+
 def test_cubin_registers_reads_each_kernel(tmp_path, monkeypatch):
     """cubin_registers names every kernel of a cubin with a plausible count; a source whose kernel needs more
     registers reports more."""
