@@ -366,6 +366,33 @@ def test_min_blocks_bounds_the_registers_and_is_off_by_default(tmp_path, monkeyp
                 assert registers > bound, (kernel, registers, bound)
 
 
+def test_a_min_blocks_bound_that_spills_is_dropped_when_loaded(tmp_path, monkeypatch):
+    """compile_for_load keeps a MIN_BLOCKS bound ptxas meets in registers (bf16 rows of 128, 16 blocks of 128
+    threads: 32 registers, no stack) and drops one that makes it spill (fp32 rows of 8192 at 8 blocks of 256):
+    the kernel loaded then is the unbounded one, with no stack."""
+    from dataclasses import replace
+
+    from strictnorm.backends.cuda.backend import forward_tuning, norm_launch
+
+    monkeypatch.setenv("STRICTNORM_CACHE_DIR", str(tmp_path))
+    bf16, f32 = torch.bfloat16, torch.float32
+    cases = ((128, bf16, 16), (8192, f32, 8))
+    for n, dtype, blocks in cases:
+        tuning = replace(forward_tuning(n, 1 << 20, need_rstd=False), min_blocks=blocks)
+        defines = norm_launch(n, dtype, None, dtype, dtype, "llama", False, tuning, True, False).defines
+        bounded = nvrtc.compile_cubin("rms_norm.cu", "sm_90", defines)
+        free = nvrtc.compile_cubin("rms_norm.cu", "sm_90", {k: v for k, v in defines.items() if k != "MIN_BLOCKS"})
+        loaded = nvrtc.compile_for_load("rms_norm.cu", "sm_90", defines, "rms_fwd")
+        spills = nvrtc.cubin_stack(bounded)["rms_fwd"] > nvrtc.cubin_stack(free)["rms_fwd"]
+        assert loaded == (free if spills else bounded), (n, dtype)
+        assert nvrtc.cubin_stack(loaded)["rms_fwd"] == 0
+        if nvrtc.nvrtc_version() == "13.0":  # which of the two spills was read with that ptxas
+            assert spills == (dtype == f32), (n, dtype)
+    plain = norm_launch(128, bf16, None, bf16, bf16, "llama", False, forward_tuning(128, 1 << 20), True).defines
+    assert nvrtc.compile_for_load("rms_norm.cu", "sm_90", plain, "rms_fwd") == nvrtc.compile_cubin(
+        "rms_norm.cu", "sm_90", plain)
+
+
 def test_cubin_registers_reads_each_kernel(tmp_path, monkeypatch):
     """cubin_registers names every kernel of a cubin with a plausible count; a source whose kernel needs more
     registers reports more."""

@@ -481,7 +481,8 @@ class NormTuning:
     # BWD_TABLE's entries from P = 4096 on keep the division
     mean_scale: bool = True
     # the blocks an SM the kernel is compiled for (rms_norm.cu's MIN_BLOCKS, __launch_bounds__'s second argument:
-    # ptxas keeps a thread's registers within 65536 / (threads x min_blocks), spilling if it must); 0: the block size
+    # ptxas keeps a thread's registers within 65536 / (threads x min_blocks)); dropped for a kernel it would make spill
+    # (nvrtc.compile_for_load: an entry serves every dtype and mode, whose register needs differ); 0: the block size
     # alone bounds them
     min_blocks: int = 0
 

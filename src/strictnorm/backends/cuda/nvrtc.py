@@ -89,9 +89,8 @@ def _elf_sections(blob: bytes) -> list[tuple]:
     return [struct.unpack_from("<IIQQQQIIQQ", blob, shoff + i * shentsize) for i in range(shnum)]
 
 
-def cubin_registers(cubin: bytes) -> dict[str, int]:
-    """Registers a thread of each kernel in a cubin, as ptxas allotted them (the EIATTR_REGCOUNT records of its
-    .nv.info section, by symbol): what decides how many blocks of a kernel an SM holds, readable without a GPU."""
+def _kernel_attribute(cubin: bytes, attribute: int) -> dict[str, int]:
+    """One per-kernel attribute of a cubin's .nv.info section (records of (symbol index, value)), by kernel name."""
     sections = _elf_sections(cubin)
     shstrndx, = struct.unpack_from("<H", cubin, 0x3E)
 
@@ -101,18 +100,42 @@ def cubin_registers(cubin: bytes) -> dict[str, int]:
 
     symtab = next(i for i, s in enumerate(sections) if s[1] == 2)  # SHT_SYMTAB
     sym_base, sym_size, strtab = sections[symtab][4], sections[symtab][9], sections[symtab][6]
-    regs = {}
+    values = {}
     for sec in sections:
         if cstr(shstrndx, sec[0]) != ".nv.info":
             continue
         data, i = cubin[sec[4]:sec[4] + sec[5]], 0
         while i + 4 <= len(data):  # records: format, attribute, then 2 bytes: a value, or a payload's size (format 4)
             fmt, attr, size = data[i], data[i + 1], struct.unpack_from("<H", data, i + 2)[0]
-            if fmt == 4 and attr == 0x2F:  # EIATTR_REGCOUNT: (symbol index, registers)
-                sym, count = struct.unpack_from("<II", data, i + 4)
-                regs[cstr(strtab, struct.unpack_from("<I", cubin, sym_base + sym * sym_size)[0])] = count
+            if fmt == 4 and attr == attribute:
+                sym, value = struct.unpack_from("<II", data, i + 4)
+                values[cstr(strtab, struct.unpack_from("<I", cubin, sym_base + sym * sym_size)[0])] = value
             i += 4 + (size if fmt == 4 else 0)
-    return regs
+    return values
+
+
+def cubin_registers(cubin: bytes) -> dict[str, int]:
+    """Registers a thread of each kernel in a cubin, as ptxas allotted them (EIATTR_REGCOUNT): what decides how many
+    blocks of a kernel an SM holds, readable without a GPU."""
+    return _kernel_attribute(cubin, 0x2F)
+
+
+def cubin_stack(cubin: bytes) -> dict[str, int]:
+    """Stack bytes a thread of each kernel needs (EIATTR_MAX_STACK_SIZE): where ptxas spilled registers, the spill
+    space (local memory, an L1/L2 round trip per access)."""
+    return _kernel_attribute(cubin, 0x12)
+
+
+def compile_for_load(name: str, arch: str, defines: dict[str, int], kernel: str) -> bytes:
+    """The cubin to load for `kernel`: compile_cubin's, except that a MIN_BLOCKS bound (the blocks an SM a source's
+    __launch_bounds__ asks for) that made ptxas spill is dropped. The bound is a request for occupancy, and the same
+    arithmetic compiles either way (the same bits); spilling to meet it would cost more than the blocks gain."""
+    cubin = compile_cubin(name, arch, defines)
+    if "MIN_BLOCKS" in defines and cubin_stack(cubin).get(kernel, 0):
+        free = compile_cubin(name, arch, {k: v for k, v in defines.items() if k != "MIN_BLOCKS"})
+        if cubin_stack(free).get(kernel, 0) < cubin_stack(cubin)[kernel]:
+            return free
+    return cubin
 
 
 def whole_elf(blob: bytes) -> bool:
@@ -336,6 +359,6 @@ class KernelCache:
         dev = Device(device_index)
         dev.set_current()
         major, minor = dev.compute_capability
-        cubin = compile_cubin(name, f"sm_{major}{minor}", defines)
+        cubin = compile_for_load(name, f"sm_{major}{minor}", defines, kernel)
         module = ObjectCode.from_cubin(cubin, name=name)
         return LoadedKernel(module, module.get_kernel(kernel))
