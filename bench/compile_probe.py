@@ -23,9 +23,9 @@ barrier, where the warp-block kernel's blocks' sums meet ([WARPS/2, ..., 1]: the
 
     python bench/compile_probe.py --cuda-forward N ROWS [inference]
 prints, as JSON, the CUDA backend's forward of ROWS bf16 rows of N as its tables plan it (the training forward, or an
-inference call's without rstd), compiled by NVRTC for sm_90: registers, threads a block, and its global loads in all and
-ahead of the row sum's first shuffle (ptxas places a load by its first use: the weight's, used only after the sum,
-comes after the shuffles unless something ties it to the row's loads).
+inference call's without rstd), compiled by NVRTC for sm_90 as the backend loads it: registers, threads a block, and its
+global loads in all, ahead of the row sum's first shuffle and ahead of its first store (ptxas places a load by its first
+use: the weight's, used only after the sum, comes after the shuffles unless something ties it to the row's loads).
 """
 
 from __future__ import annotations

@@ -631,7 +631,6 @@ def test_host_breakdown_backward_pieces_on_cpu(monkeypatch):
     assert 0 < inside < step
 
 
-
 def test_cuda_forward_at_128_columns_loads_its_rows_before_the_sum_when_compiled():
     """The CUDA forward at 65536 x 128 as its tables plan it, compiled by NVRTC for sm_90 (bench/compile_probe.py
     --cuda-forward): an inference call's (FWD_INFERENCE_TABLE: the weight loaded with the row) issues every global
