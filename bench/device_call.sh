@@ -52,6 +52,12 @@ while [ $# -gt 0 ]; do
     *) echo "device_call.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
+# The test jobs' pytest workers share GPU 0's memory: 12-14 fit an H200's 141 GB; on an 80 GB H100 14 ran out of it
+# (bench/results/2026-12-06-h100-run50, call b: one worker held 20.7 GB), 8 did not (call d)
+if [ -z "${TEST_WORKERS:-}" ] && command -v nvidia-smi > /dev/null; then
+  GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2> /dev/null | head -1)
+  if [ "${GPU_MIB:-0}" -gt 0 ] 2> /dev/null && [ "$GPU_MIB" -lt 100000 ]; then TEST_WORKERS=8; fi
+fi
 export PYTHONPATH="$PWD/src:$PWD/bench" PYTHONUNBUFFERED=1 STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
 export STRICTNORM_FAILURE_LOG="$W/failures.log"
 TESTS="env devices suite triton cute cuda pytest"

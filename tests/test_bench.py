@@ -333,6 +333,28 @@ def test_device_call_plans_its_jobs(tmp_path):
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
 
 
+def test_device_call_runs_fewer_test_workers_on_a_smaller_gpu(tmp_path):
+    """device_call.sh's test jobs take 14 pytest workers on GPU 0 of more than 100000 MiB (an H200), 8 on less (an
+    80 GB H100, where 14 ran out of memory), and TEST_WORKERS where it is set (nvidia-smi faked on PATH)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+
+    def workers(mib: int, **extra: str) -> str:
+        (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho {mib}\n")
+        (fake / "nvidia-smi").chmod(0o755)
+        env = {"PATH": f"{fake}:/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "o"),
+               "GPUS": "1", **extra}
+        run = subprocess.run(["bash", "bench/device_call.sh", "--first", "suite"], cwd=root, env=env,
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.split(" -n ")[1].split()[0]
+
+    assert workers(143771) == "14" and workers(81559) == "8" and workers(81559, TEST_WORKERS="5") == "5"
+
+
 def test_device_call_profiles_with_ncu(tmp_path):
     """device_call.sh's ncu job: Nsight Compute over bench/ncu_probe.py with $NCU_PROBE's shape and cases and the
     named sections (each a --section flag), from the probe's profiler range on; sweep-onepass runs its sweep."""

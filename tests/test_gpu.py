@@ -1062,6 +1062,41 @@ def test_cuda_table_row_bounds_bitwise(direction, n, m, seed):
     assert bits_equal(want_dx, fast_dx)
 
 
+def _triton_row_bound_edges() -> list[tuple[str, int, int]]:
+    """(direction, N, rows) on both sides of every row-bounded entry of the Triton tile table."""
+    from strictnorm.backends.triton.backend import TILE_TABLE
+
+    return [(direction, p, rows) for direction in ("fwd", "bwd") for p, entry in sorted(TILE_TABLE[direction].items())
+            if isinstance(entry, tuple) for bound, _ in entry[:-1] for rows in (bound, bound + 1)]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("direction, n, m", _triton_row_bound_edges())
+def test_triton_table_row_bounds_bitwise(direction, n, m, dtype, seed):
+    """The Triton tile table's entries at the last row count of each bounded entry and the first of the next, in
+    16-bit and fp32 rows (which take twice the registers: a tile's register bound meets them too): the forward's y
+    and rstd and the inference forward's y, the backward's dx and strict dW the reference's bits (gemma offset)."""
+    from strictnorm.contract import make_spec
+
+    tb, tr = get_backend("triton"), get_backend("torch")
+    g = torch.Generator(device=DEV).manual_seed(seed + m)
+    x = torch.randn(m, n, device=DEV, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).to(dtype)
+    spec = make_spec(dtype, 1e-6, 1.0, "gemma", dtype)
+    want = tr.rms_norm_fwd(x, w, None, spec)
+    if direction == "fwd":
+        got = tb.rms_norm_fwd(x, w, None, spec)
+        assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
+        y, _, _ = tb.rms_norm_fwd(x, w, None, spec, need_rstd=False)
+        assert bits_equal(want[0], y)
+        return
+    dy = torch.randn(m, n, device=DEV, generator=g).to(dtype)
+    want_dx, want_dw = tr.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)
+    got_dx, got_dw = tb.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)
+    assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_random_configurations_bitwise(cuda_backend, seed):
     """helpers.random_case on the CUDA backend: 12 random configurations a family and run."""
