@@ -79,7 +79,7 @@ job_command() {
     cute) echo "timeout ${CUTE_TIMEOUT:-240} python3 -m pytest -n ${TEST_WORKERS:-12} -q -rfE -p no:cacheprovider" \
                "tests/test_cute.py > '$log' 2>&1" ;;
     cuda) echo "timeout ${TEST_TIMEOUT:-450} python3 -m pytest -n ${TEST_WORKERS:-14} -q -rfE -p no:cacheprovider tests" \
-               "-k 'cuda_table_row_bounds or test_cuda_forward or test_cuda_backward_bitwise or test_cuda_random" \
+               "-k '(table_row_bounds and cuda) or test_cuda_forward or test_cuda_backward_bitwise or test_cuda_random" \
                "or (graph_replay and cuda) or (batch_invariance and cuda)' > '$log' 2>&1" ;;
     pytest:*) echo "timeout ${TEST_TIMEOUT:-400} python3 -m pytest -n ${TEST_WORKERS:-12} -q -rfE -p no:cacheprovider" \
                    "tests -k '$(echo "${job#pytest:}" | tr + ' ')' > '$log' 2>&1" ;;

@@ -1017,84 +1017,55 @@ def test_cuda_special_values_bitwise(n, dtype, fused, cuda_backend, seed):
         check_special_values(cuda_backend, n, dtype, fused, mode, DEV, torch.Generator().manual_seed(seed))
 
 
-def _cuda_row_bound_edges() -> list[tuple[str, int, int]]:
-    """(direction, N, rows) on both sides of every row-bounded entry of the CUDA tables: where the plan changes
-    ("fwd_nr": the inference forward's own table)."""
+def _row_bound_edges() -> list[tuple[str, str, int, int]]:
+    """(backend, table, N, rows) on both sides of every row-bounded entry of the CUDA tables and the Triton tile
+    table: where the plan changes ("fwd_nr": the CUDA inference forward's own table)."""
     from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_INFERENCE_TABLE, FWD_TABLE
-
-    tables = (("fwd", FWD_TABLE), ("fwd_nr", FWD_INFERENCE_TABLE), ("bwd", BWD_TABLE))
-    return [(direction, p, rows) for direction, table in tables
-            for p, entries in sorted(table.items()) for bound, _ in entries[:-1] for rows in (bound, bound + 1)]
-
-
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("direction, n, m", _cuda_row_bound_edges())
-def test_cuda_table_row_bounds_bitwise(direction, n, m, seed):
-    """The tables' own entries (no tuning override) at the last row count of each bounded entry and the first of the
-    next: the forward's y and rstd (the inference forward's y), the backward's dx and strict dW the reference's bits
-    (gemma offset, bf16)."""
-    from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_INFERENCE_TABLE, FWD_TABLE, tuning_for
-    from strictnorm.contract import make_spec
-
-    table = {"fwd": FWD_TABLE, "fwd_nr": FWD_INFERENCE_TABLE, "bwd": BWD_TABLE}[direction]
-    assert tuning_for(table, n, m) is not tuning_for(table, n, m + 1) or tuning_for(table, n, m - 1) is not \
-        tuning_for(table, n, m)  # the pair really straddles a bound
-    cb, tr = get_backend("cuda"), get_backend("torch")
-    assert cb.fwd_tuning is None and cb.bwd_tuning is None
-    g = torch.Generator(device=DEV).manual_seed(seed + m)
-    x = torch.randn(m, n, device=DEV, generator=g).bfloat16()
-    w = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).bfloat16()
-    spec = make_spec(torch.bfloat16, 1e-6, 1.0, "gemma", torch.bfloat16)
-    want = tr.rms_norm_fwd(x, w, None, spec)
-    if direction == "fwd":
-        got = cb.rms_norm_fwd(x, w, None, spec)
-        assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
-        return
-    if direction == "fwd_nr":
-        y, rstd, _ = cb.rms_norm_fwd(x, w, None, spec, need_rstd=False)
-        assert rstd is None and bits_equal(want[0], y)
-        return
-    dy = torch.randn(m, n, device=DEV, generator=g).bfloat16()
-    want_dx, want_dw = tr.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)  # a launch a row
-    got_dx, got_dw = cb.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)
-    assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw)
-    fast_dx, _ = cb.rms_norm_bwd(dy, x, w, want[1], None, spec, "fast", True, None)
-    assert bits_equal(want_dx, fast_dx)
-
-
-def _triton_row_bound_edges() -> list[tuple[str, int, int]]:
-    """(direction, N, rows) on both sides of every row-bounded entry of the Triton tile table."""
     from strictnorm.backends.triton.backend import TILE_TABLE
 
-    return [(direction, p, rows) for direction in ("fwd", "bwd") for p, entry in sorted(TILE_TABLE[direction].items())
-            if isinstance(entry, tuple) for bound, _ in entry[:-1] for rows in (bound, bound + 1)]
+    tables = {("cuda", "fwd"): FWD_TABLE, ("cuda", "fwd_nr"): FWD_INFERENCE_TABLE, ("cuda", "bwd"): BWD_TABLE,
+              ("triton", "fwd"): TILE_TABLE["fwd"], ("triton", "bwd"): TILE_TABLE["bwd"]}
+    return [(backend, direction, p, rows) for (backend, direction), table in tables.items()
+            for p, entries in sorted(table.items()) if isinstance(entries, tuple)
+            for bound, _ in entries[:-1] for rows in (bound, bound + 1)]
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("direction, n, m", _triton_row_bound_edges())
-def test_triton_table_row_bounds_bitwise(direction, n, m, dtype, seed):
-    """The Triton tile table's entries at the last row count of each bounded entry and the first of the next, in
-    16-bit and fp32 rows (which take twice the registers: a tile's register bound meets them too): the forward's y
-    and rstd and the inference forward's y, the backward's dx and strict dW the reference's bits (gemma offset)."""
+@pytest.mark.parametrize("backend, direction, n, m", _row_bound_edges())
+def test_table_row_bounds_bitwise(backend, direction, n, m, dtype, seed):
+    """The tables' own entries (no tuning override) at the last row count of each bounded entry and the first of the
+    next, in 16-bit and fp32 rows (which take twice the registers: a tile's register bound meets them too): the
+    forward's y and rstd and the inference forward's y, the backward's dx and strict dW, and the fast backward's dx
+    the reference's bits (gemma offset)."""
     from strictnorm.contract import make_spec
 
-    tb, tr = get_backend("triton"), get_backend("torch")
+    if backend == "cuda":
+        from strictnorm.backends.cuda.backend import BWD_TABLE, FWD_INFERENCE_TABLE, FWD_TABLE, tuning_for
+
+        table = {"fwd": FWD_TABLE, "fwd_nr": FWD_INFERENCE_TABLE, "bwd": BWD_TABLE}[direction]
+        assert tuning_for(table, n, m) is not tuning_for(table, n, m + 1) or tuning_for(table, n, m - 1) is not \
+            tuning_for(table, n, m)  # the pair really straddles a bound
+        assert get_backend("cuda").fwd_tuning is None and get_backend("cuda").bwd_tuning is None
+    kb, tr = get_backend(backend), get_backend("torch")
     g = torch.Generator(device=DEV).manual_seed(seed + m)
     x = torch.randn(m, n, device=DEV, generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).to(dtype)
     spec = make_spec(dtype, 1e-6, 1.0, "gemma", dtype)
     want = tr.rms_norm_fwd(x, w, None, spec)
-    if direction == "fwd":
-        got = tb.rms_norm_fwd(x, w, None, spec)
-        assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
-        y, _, _ = tb.rms_norm_fwd(x, w, None, spec, need_rstd=False)
-        assert bits_equal(want[0], y)
+    if direction.startswith("fwd"):
+        if direction == "fwd":
+            got = kb.rms_norm_fwd(x, w, None, spec)
+            assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
+        y, rstd, _ = kb.rms_norm_fwd(x, w, None, spec, need_rstd=False)
+        assert rstd is None and bits_equal(want[0], y)
         return
     dy = torch.randn(m, n, device=DEV, generator=g).to(dtype)
-    want_dx, want_dw = tr.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)
-    got_dx, got_dw = tb.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)
+    want_dx, want_dw = tr.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)  # a launch a row
+    got_dx, got_dw = kb.rms_norm_bwd(dy, x, w, want[1], None, spec, "strict", True, None)
     assert bits_equal(want_dx, got_dx) and bits_equal(want_dw, got_dw)
+    fast_dx, _ = kb.rms_norm_bwd(dy, x, w, want[1], None, spec, "fast", True, None)
+    assert bits_equal(want_dx, fast_dx)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

@@ -131,9 +131,10 @@ def compile_for_load(name: str, arch: str, defines: dict[str, int], kernel: str)
     __launch_bounds__ asks for) that made ptxas spill is dropped. The bound is a request for occupancy, and the same
     arithmetic compiles either way (the same bits); spilling to meet it would cost more than the blocks gain."""
     cubin = compile_cubin(name, arch, defines)
-    if "MIN_BLOCKS" in defines and cubin_stack(cubin).get(kernel, 0):
+    stack = cubin_stack(cubin).get(kernel, 0) if "MIN_BLOCKS" in defines else 0
+    if stack:
         free = compile_cubin(name, arch, {k: v for k, v in defines.items() if k != "MIN_BLOCKS"})
-        if cubin_stack(free).get(kernel, 0) < cubin_stack(cubin)[kernel]:
+        if cubin_stack(free).get(kernel, 0) < stack:
             return free
     return cubin
 
