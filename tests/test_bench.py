@@ -39,6 +39,30 @@ def test_ratios_against_best_anchor_excluding_aa_control():
     assert "fwd_speedup_vs_best_anchor" not in rows[4]
 
 
+def test_bytes_only_reference_is_no_anchor_and_divides_every_row():
+    rows = [dict(provider="Quack", M=1, N=2, fwd_us=4.0, bwd_us=10.0),
+            dict(provider=bench.BYTES_ONLY, M=1, N=2, fwd_us=1.0, bwd_us=5.0),
+            dict(provider="strictnorm fast", M=1, N=2, fwd_us=2.0, bwd_us=8.0),
+            dict(provider="strictnorm fast", M=3, N=4, fwd_us=2.0, bwd_us=8.0)]
+    bench.ratios(rows)
+    assert rows[2]["fwd_speedup_vs_best_anchor"] == 2.0  # best anchor Quack's 4.0, not the reference's 1.0
+    assert rows[2]["bwd_speedup_vs_best_anchor"] == 1.25
+    assert (rows[2]["fwd_over_bytes_only"], rows[2]["bwd_over_bytes_only"]) == (2.0, 1.6)
+    assert rows[0]["fwd_over_bytes_only"] == 4.0
+    assert "fwd_over_bytes_only" not in rows[3]  # no reference at its shape
+
+
+def test_bytes_only_moves_the_norms_bytes():
+    providers, _ = bench.norm_providers(torch.device("cpu"), False)
+    x = torch.randn(5, 24, requires_grad=True)
+    dy = torch.randn(5, 24)
+    y = providers[bench.BYTES_ONLY](x, torch.randn(24, requires_grad=True), None)
+    assert torch.equal(y, x.detach()) and y.data_ptr() != x.data_ptr()
+    (dx,) = torch.autograd.grad(y, (x,), dy)
+    assert torch.equal(dx, x.detach() + dy)
+    assert bench.BYTES_ONLY not in bench.norm_providers(torch.device("cpu"), False, "fused_add")[0]
+
+
 def test_aa_spread():
     rows = [dict(provider="torch F.rms_norm", M=1, N=2, fwd_us=10.0),
             dict(provider=bench.AA_CONTROL, M=1, N=2, fwd_us=11.0)]
@@ -74,8 +98,10 @@ def test_cli_end_to_end_on_cpu(tmp_path):
     data = json.loads(j.read_text())
     assert data["device"] == "cpu" and "wall-clock" in data["note"]
     names = {r["provider"] for r in data["norm"]}
-    assert {"torch F.rms_norm", bench.AA_CONTROL, "strictnorm torch fast", "strictnorm torch strict"} <= names
+    assert {"torch F.rms_norm", bench.AA_CONTROL, bench.BYTES_ONLY, "strictnorm torch fast",
+            "strictnorm torch strict"} <= names
     assert all(r["fwd_us"] > 0 for r in data["norm"])
+    assert all(r["fwd_over_bytes_only"] > 0 for r in data["norm"])
     assert data["copy_GBps"] > 0 and "fwd_us" in data["aa_spread"]
     with open(c) as f:
         assert len(list(csv.DictReader(f))) == len(data["norm"])

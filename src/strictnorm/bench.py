@@ -9,9 +9,10 @@ is measured in the same run as the ceiling.
 
 Sections: norm (forward and backward, bf16, llama casting; presets: the PERF.md grid, Llama-3 and
 QK-norm shapes, or --shapes) with rounds in shuffled provider order and an A/A control (the same
-provider measured twice: the run's noise); fold (--fold: the strict left fold on the seed's shapes,
-against the Python loop and a one-thread-per-column kernel). On a CPU-only machine the reference
-backend and the torch anchors are timed by wall clock, labelled as such.
+provider measured twice: the run's noise) and a bytes-only reference (the same bytes moved by PyTorch's
+copy and add kernels, no norm: each provider's time is also given over it); fold (--fold: the strict left
+fold on the seed's shapes, against the Python loop and a one-thread-per-column kernel). On a CPU-only
+machine the reference backend and the torch anchors are timed by wall clock, labelled as such.
 """
 
 from __future__ import annotations
@@ -198,6 +199,23 @@ def _hf_gemma(eps: float) -> Callable:
 
 
 AA_CONTROL = "A/A: torch F.rms_norm"
+BYTES_ONLY = "bytes only: copy, add"
+
+
+class _BytesOnly(torch.autograd.Function):
+    """The norm's bytes with no norm: the forward copies x (reads x, writes y), the backward adds x and dy (reads
+    both, writes dx) with PyTorch's own elementwise kernels. Neither an anchor nor a norm: what moving exactly these
+    bytes took in this run at this shape (launch, ramp and tail included), beside the copy ceiling's large copy."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        return torch.add(x, dy), None
 OPS = ("rms_norm", "fused_add", "qk_norm")
 MODES = ("llama", "gemma", "none")
 QK_HEADS = 8  # op qk_norm: rows M = tokens x QK_HEADS, weight (QK_HEADS, N) per head
@@ -240,6 +258,8 @@ def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_no
             skipped["Quack"] = f"Quack's rmsnorm has no {mode} casting mode"
     else:
         skipped["Liger"] = skipped["Quack"] = "GPU only" if device.type != "cuda" else f"not measured for {op}"
+    if op != "fused_add":  # the fused op moves other bytes (the residual in and out)
+        base[BYTES_ONLY] = _BytesOnly.apply
     # anchors as f(x, w, r): for the fused op, the add then the norm, as an eager model runs them
     if op == "fused_add":
         providers = {name: (lambda x, w, r, f=f: f(x + r, w)) for name, f in base.items()}
@@ -360,17 +380,25 @@ def _peak_mb(device: torch.device, fn: Callable, x, w, dy, r) -> float | None:
 
 def ratios(rows: list[dict]) -> None:
     """Each row's speed-up over the best anchor at its shape: best anchor time / own time (> 1: faster).
-    Anchors are the providers not named strictnorm, the A/A control excluded."""
+    Anchors are the providers not named strictnorm, the A/A control and the bytes-only reference excluded.
+    Where the bytes-only reference ran, each row's time over its time too (1.0: as fast as moving the bytes)."""
     for key in ("fwd_us", "bwd_us"):
         best: dict[tuple, float] = {}
+        floor: dict[tuple, float] = {}
         for r in rows:
-            if not r["provider"].startswith("strictnorm") and r["provider"] != AA_CONTROL and r.get(key, 0) > 0:
-                k = (r["M"], r["N"])
+            if r.get(key, 0) <= 0:
+                continue
+            k = (r["M"], r["N"])
+            if r["provider"] == BYTES_ONLY:
+                floor[k] = r[key]
+            elif not r["provider"].startswith("strictnorm") and r["provider"] != AA_CONTROL:
                 best[k] = min(best.get(k, float("inf")), r[key])
         for r in rows:
             k = (r["M"], r["N"])
             if k in best and r.get(key, 0) > 0:
                 r[f"{key[:3]}_speedup_vs_best_anchor"] = best[k] / r[key]
+            if k in floor and r.get(key, 0) > 0:
+                r[f"{key[:3]}_over_bytes_only"] = r[key] / floor[k]
 
 
 def aa_spread(rows: list[dict]) -> dict[str, float]:
@@ -477,7 +505,7 @@ def print_tables(result: dict, out=sys.stdout) -> None:
     nan = float("nan")
     if result.get("norm"):
         print(f"\n{'provider':22s} {'M x N':>13s} {'fwd us':>9s} {'%copy':>6s} {'bwd us':>9s} {'%copy':>6s}"
-              f" {'fwd x':>6s} {'bwd x':>6s} {'eager f':>9s} {'eager fb':>9s}", file=out)
+              f" {'fwd x':>6s} {'bwd x':>6s} {'f/byte':>6s} {'b/byte':>6s} {'eager f':>9s} {'eager fb':>9s}", file=out)
         for r in result["norm"]:
             if "error" in r:
                 print(f"{r['provider']:22s} {r['M']:>6d}x{r['N']:<6d} ERROR {r['error'][:70]}", file=out)
@@ -485,8 +513,10 @@ def print_tables(result: dict, out=sys.stdout) -> None:
             print(f"{r['provider']:22s} {r['M']:>6d}x{r['N']:<6d} {r['fwd_us']:9.1f}"
                   f" {100 * (r['fwd_frac_copy'] or 0):5.0f}% {r['bwd_us']:9.1f} {100 * (r['bwd_frac_copy'] or 0):5.0f}%"
                   f" {r.get('fwd_speedup_vs_best_anchor', nan):6.2f} {r.get('bwd_speedup_vs_best_anchor', nan):6.2f}"
+                  f" {r.get('fwd_over_bytes_only', nan):6.2f} {r.get('bwd_over_bytes_only', nan):6.2f}"
                   f" {r['fwd_eager_us']:9.1f} {r['fwdbwd_eager_us']:9.1f}", file=out)
-        print("(fwd x / bwd x: best anchor's time over this provider's; > 1 is faster)", file=out)
+        print("(fwd x / bwd x: best anchor's time over this provider's; > 1 is faster. f/byte, b/byte: this"
+              f" provider's time over '{BYTES_ONLY}''s, the same bytes moved by a copy and an add)", file=out)
     if result.get("aa_spread"):
         print("A/A control, largest relative difference: "
               + ", ".join(f"{k} {100 * v:.1f}%" for k, v in result["aa_spread"].items()), file=out)
@@ -557,8 +587,8 @@ def write_markdown(result: dict, path: str) -> None:
              f"Copy ceiling measured in the same run: {result['copy_GBps']:.0f} GB/s.", ""]
     if result.get("norm"):
         lines += ["| provider | M × N | fwd µs | fwd % copy | bwd µs | bwd % copy | fwd vs best anchor |"
-                  " bwd vs best anchor | eager fwd µs | eager fwd+bwd µs |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  " bwd vs best anchor | fwd / bytes only | bwd / bytes only | eager fwd µs | eager fwd+bwd µs |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in result["norm"]:
             if "error" in r:
                 lines.append(f"| {r['provider']} | {r['M']} × {r['N']} | error: {r['error'][:80]} |")
@@ -568,8 +598,11 @@ def write_markdown(result: dict, path: str) -> None:
                 f" | {r['bwd_us']:.1f} | {100 * (r['bwd_frac_copy'] or 0):.0f}%"
                 f" | {r.get('fwd_speedup_vs_best_anchor', float('nan')):.2f}×"
                 f" | {r.get('bwd_speedup_vs_best_anchor', float('nan')):.2f}×"
+                f" | {r.get('fwd_over_bytes_only', float('nan')):.2f}"
+                f" | {r.get('bwd_over_bytes_only', float('nan')):.2f}"
                 f" | {r['fwd_eager_us']:.1f} | {r['fwdbwd_eager_us']:.1f} |")
-        lines.append("")
+        lines += ["", f"'{BYTES_ONLY}': the same bytes moved by PyTorch's copy (forward) and add (backward) kernels,"
+                  " no norm: the run's reference for what moving them takes at each shape.", ""]
     if result.get("aa_spread"):
         lines += ["A/A control (the same provider twice), largest relative difference: "
                   + ", ".join(f"{k} {100 * v:.1f}%" for k, v in result["aa_spread"].items()), ""]
