@@ -45,7 +45,7 @@ from strictnorm.backends.triton.kernels import (
     store_rounded,
     widen,
 )
-from strictnorm.bench import Timer, norm_providers
+from strictnorm.bench import BYTES_ONLY, Timer, norm_providers
 from strictnorm.reference import exact_mean_scale, next_pow2
 
 EPS = 1e-6
@@ -119,10 +119,12 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: t
 
 def anchors(dev: torch.device) -> dict[str, Callable]:
     """strictnorm.bench's providers for rms_norm (llama) that this probe times beside its tiles: each available
-    backend's forward (inference calls, fast dW: the forward is the same) and the installed anchors, as f(x, w)."""
-    providers, _ = norm_providers(dev, compile_anchor=False)
+    backend's forward (inference calls, fast dW: the forward is the same), the installed anchors with torch.compile,
+    and the bytes-only copy, as f(x, w)."""
+    providers, _ = norm_providers(dev, compile_anchor=True)
     return {name.removesuffix(" fast"): (lambda x, w, f=f: f(x, w, None)) for name, f in providers.items()
-            if name in ("Quack", "Liger") or (name.startswith("strictnorm ") and name.endswith(" fast"))}
+            if name in ("Quack", "Liger", "torch.compile", BYTES_ONLY)
+            or (name.startswith("strictnorm ") and name.endswith(" fast"))}
 
 
 def main() -> None:
