@@ -4,8 +4,8 @@ kernel-only times, beside strictnorm's backends and Liger at the same shape, and
 PERF.md's anchors put torch.compile ahead of every other anchor at 128 x 4096 (forward 1.9 us, backward 4.7 on an
 H200), a shape where strictnorm's forward trails Liger's. This probe shows where that time comes from: each provider's
 kernels one by one (torch.profiler, L2 flushed before each call, median over the iterations, as strictnorm.bench),
-with the grid and block the profiler recorded. torch.compile is used as PERF.md's anchor script used it (the
-function compiled once, shapes specialized as they come).
+with the grid and block the profiler recorded. The providers are strictnorm.bench's (torch.compile of its HF-style
+module, compiled once, shapes specialized as they come, as PERF.md's anchor script used it).
 
 Run on the GPU machine: python3 bench/inductor_probe.py OUT_DIR [MxN ...] (default 128x4096 4096x128 65536x128).
 Writes OUT_DIR/inductor-probe.json and the Triton sources Inductor generated, OUT_DIR/inductor-src.tar.xz.
@@ -26,15 +26,11 @@ CACHE = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix
 
 import torch  # noqa: E402
 
-from strictnorm import api  # noqa: E402
-from strictnorm.bench import Timer, environment  # noqa: E402
+from strictnorm.bench import Timer, environment, norm_providers  # noqa: E402
 
-EPS = 1e-6
-
-
-def hf_rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+# strictnorm.bench's providers this probe takes apart (torch.compile of its HF-style module), under shorter names
+PROVIDERS = {"torch.compile": "torch.compile", "strictnorm triton fast": "strictnorm triton",
+             "strictnorm cuda fast": "strictnorm cuda", "Liger": "Liger"}
 
 
 def kernels_of(fn, timer: Timer, trace_dir: str) -> list[dict]:
@@ -71,20 +67,12 @@ def main(argv: list[str]) -> int:
     out_dir = argv[0] if argv else "."
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in (argv[1:] or ["128x4096", "4096x128", "65536x128"])]
     os.makedirs(out_dir, exist_ok=True)
-    cache = CACHE
     device = torch.device("cuda")
     timer = Timer(device, 15)
-    compiled = torch.compile(hf_rms)
-    providers = {"torch.compile": compiled,
-                 "strictnorm triton": lambda x, w: api.rms_norm(x, w, EPS, backend="triton"),
-                 "strictnorm cuda": lambda x, w: api.rms_norm(x, w, EPS, backend="cuda")}
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        providers["Liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
-    except Exception as e:  # an anchor that is not installed is reported
-        print(f"no Liger: {e!r}"[:200], file=sys.stderr)
-    result: dict = {"env": environment(), "rows": []}
+    available, skipped = norm_providers(device, compile_anchor=True)
+    providers = {short: (lambda x, w, f=available[name]: f(x, w, None)) for name, short in PROVIDERS.items()
+                 if name in available}
+    result: dict = {"env": environment(), "rows": [], "skipped": skipped}
     trace_dir = tempfile.mkdtemp(prefix="traces-")
     for m, n in shapes:
         g = torch.Generator(device=device).manual_seed(m + n)
@@ -110,10 +98,10 @@ def main(argv: list[str]) -> int:
             print(json.dumps(row), file=sys.stderr, flush=True)
     with open(os.path.join(out_dir, "inductor-probe.json"), "w") as f:
         json.dump(result, f, indent=1)
-    sources = glob.glob(os.path.join(cache, "**", "*.py"), recursive=True)
+    sources = glob.glob(os.path.join(CACHE, "**", "*.py"), recursive=True)
     if sources:
-        subprocess.run(["tar", "-cJf", os.path.join(out_dir, "inductor-src.tar.xz"), "-C", cache,
-                        *[os.path.relpath(s, cache) for s in sources]], check=False)
+        subprocess.run(["tar", "-cJf", os.path.join(out_dir, "inductor-src.tar.xz"), "-C", CACHE,
+                        *[os.path.relpath(s, CACHE) for s in sources]], check=False)
     print(f"\n{'provider':18s} {'M x N':>11s} {'fwd us':>7s} {'step us':>8s}  kernels (grid x block: us)")
     for r in result["rows"]:
         if "error" in r:

@@ -216,6 +216,8 @@ class _BytesOnly(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
         (x,) = ctx.saved_tensors
         return torch.add(x, dy), None
+
+
 OPS = ("rms_norm", "fused_add", "qk_norm")
 MODES = ("llama", "gemma", "none")
 QK_HEADS = 8  # op qk_norm: rows M = tokens x QK_HEADS, weight (QK_HEADS, N) per head
