@@ -1,0 +1,75 @@
+"""Why two timings of one forward part: strictnorm.bench and bench/exactness_probe.py, both by Timer.kernel_us, gave
+strictnorm triton's 128 x 4096 forward 2.46 and 1.92 us on one H200 (bench/results/2026-12-06-h200-run53), the
+bytes-only copy 1.79 and 1.44, and torch.compile 1.86 in both.
+
+This probe times the same forwards (strictnorm.bench's providers as f(x, w, r): torch.compile, the bytes-only copy,
+strictnorm's Triton and CUDA backends, and exactness_probe's exact tile) in one process by two timers (kernel_us:
+the profiler, one call alone after an idle host gap; queued_us: the call enqueued behind a sleep kernel, so the GPU
+is busy until it starts), in two phases: on inputs made at the start (as exactness_probe makes them), then again on
+inputs made after the copy-ceiling measurement has allocated and freed 4 GiB (as strictnorm.bench makes them), each
+phase in provider order and again reversed. A figure that moves with the phase or the order, and not with the timer,
+points at the inputs' memory; one that moves with the timer points at the GPU's idle gap. Run on the GPU machine:
+    PROBE_SHAPES=128x4096 python3 bench/timing_probe.py [out.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+from exactness_probe import VARIANTS, launcher
+
+from strictnorm.bench import BYTES_ONLY, Timer, _norm_inputs, copy_ceiling_gbps, norm_providers
+
+WANTED = ("torch.compile", BYTES_ONLY, "strictnorm triton fast", "strictnorm cuda fast")
+
+
+def forwards(dev: torch.device, x: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> dict[str, Callable]:
+    """The forwards to time on these inputs, each a no-argument call."""
+    providers, _ = norm_providers(dev, compile_anchor=True)
+    calls = {name: (lambda f=providers[name]: f(x, w, r)) for name in WANTED if name in providers}
+    exact = next(v for v in VARIANTS if v[0] == "exact")
+    calls["exactness_probe tile 1x8"] = launcher(x, w, 1, 8, exact)
+    return calls
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROBE_SHAPES", "128x4096").split(",")]
+    timer = Timer(dev, iters=21)
+    rows = []
+    for phase in ("inputs first", "after copy ceiling"):
+        if phase == "after copy ceiling":
+            print(f"copy ceiling {copy_ceiling_gbps(dev):.0f} GB/s", flush=True)
+        for m, n in shapes:
+            x, w, _, r = _norm_inputs(dev, m, n)
+            calls = forwards(dev, x, w, r)
+            for order in ("forward", "reversed"):
+                names = list(calls) if order == "forward" else list(reversed(calls))
+                for name in names:
+                    for how in ("kernel", "queued"):
+                        us = (timer.kernel_us if how == "kernel" else timer.queued_us)(calls[name])
+                        row = dict(phase=phase, M=m, N=n, order=order, what=name, timer=how, us=us)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            del x, w, r, calls
+            torch.cuda.empty_cache()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"\n{'phase':>19s} {'M x N':>12s} {'what':>26s} {'kernel fwd/rev':>15s} {'queued fwd/rev':>15s}")
+    for phase in ("inputs first", "after copy ceiling"):
+        for m, n in shapes:
+            for name in dict.fromkeys(r["what"] for r in rows):
+                us = {(r["timer"], r["order"]): r["us"] for r in rows
+                      if (r["phase"], r["M"], r["N"], r["what"]) == (phase, m, n, name)}
+                print(f"{phase:>19s} {m:>5d} x {n:<5d} {name:>26s} "
+                      f"{us['kernel', 'forward']:7.2f}/{us['kernel', 'reversed']:<7.2f}"
+                      f"{us['queued', 'forward']:7.2f}/{us['queued', 'reversed']:<7.2f}")
+
+
+if __name__ == "__main__":
+    main()
