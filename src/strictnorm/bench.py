@@ -40,6 +40,7 @@ NORM_SHAPES = [(128, 4096), (2048, 4096), (8192, 4096), (32768, 4096), (8192, 81
 FOLD_SHAPES = ([(r, 128) for r in (1, 16, 256, 1024, 4096, 16384, 65536, 262144)]
                + [(r, 4096) for r in (1, 64, 1024, 4096)] + [(1024, c) for c in (64, 512, 4096, 8192)])
 CHAIN_NS_PER_ROW = 4 / 1.98  # one dependent fp32 add: 4 cycles at ~1.98 GHz
+COMPILE_ANCHOR = "torch.compile"
 HOLD_CYCLES = 4_000_000  # queued_us's sleep: ~2 ms at ~1.98 GHz, longer than the host takes to enqueue a call
 
 
@@ -239,9 +240,12 @@ def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_no
     base = {"torch F.rms_norm": native, eager_name: eager}
     skipped: dict[str, str] = {}
     if compile_anchor:
-        base["torch.compile"] = torch.compile(eager)
+        # static shapes, as PERF.md's anchors compile it, and bench_norm resets dynamo at each shape: under automatic
+        # dynamic shapes the second shape's recompile made one dynamic kernel that every later shape ran (run 53:
+        # forward 1323 us at 262144 x 128, against 33 for the copy of its bytes)
+        base[COMPILE_ANCHOR] = torch.compile(eager, dynamic=False)
     else:
-        skipped["torch.compile"] = "not requested (--compile)"
+        skipped[COMPILE_ANCHOR] = "not requested (--compile)"
     if device.type == "cuda" and op == "rms_norm":
         try:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -304,6 +308,8 @@ def bench_norm(timer: Timer, shapes, ceiling: float, providers: dict[str, Callab
     for i, (m, n) in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] {op} {m}x{n}: {len(providers)} providers x {rounds} rounds", file=sys.stderr,
               flush=True)  # progress
+        if COMPILE_ANCHOR in providers:  # each shape its own static graphs (norm_providers), none carried over
+            torch._dynamo.reset()
         inputs = _norm_inputs(timer.device, m, n, dtype, op)
         per: dict[str, list[dict]] = {name: [] for name in providers}
         errors: dict[str, str] = {}
