@@ -10,7 +10,11 @@ rsqrt instead of div_rn, sqrt_rn and div_rn; `approximate sqrt` and `approximate
 `no llama rounding` (x * rstd not rounded to bf16 before the weight),
 and `all relaxed` (all four: about what Quack's forward computes). `mean by division` is exact too: the row's
 mean as div_rn(ss, N) where the kernels take ss * (1 / N) for N a power of two (the same bits; what that saves), and
-so is `rstd by rcp_rn` (the reciprocal as rcp.rn.f32, NVIDIA only: the same bits in a shorter sequence).
+so is `rstd by rcp_rn` (the reciprocal as rcp.rn.f32, NVIDIA only: the same bits in a shorter sequence). Three
+exact variants take the structure of torch.compile's forward (Inductor's, bench/inductor_probe.py) instead:
+`x loaded again` (x not held across the sum but read again after it, from L2), `weight after sum` (the weight
+loaded only once the sum is taken) and `Inductor's order` (both); `relaxed, Inductor's order` is that with all four
+steps relaxed: about Inductor's kernel.
 A relaxed variant's largest relative difference from the exact y is reported, never used. Kernel-only time as in
 strictnorm.bench (L2 flushed, profiler).
 PROBE_SHAPES=MxN,... (default 262144x128,65536x128; any N, the row held whole), PROBE_TILES=ROWSxWARPS,... (default
@@ -53,27 +57,36 @@ EPS = 1e-6
 # rcp_rn for the reciprocal, or relaxed: rsqrt, the approximate square root with the exact division, the exact square
 # root with the approximate division (Triton's `/`)
 RSTD_EXACT, RSTD_RCP, RSTD_RSQRT, RSTD_SQRT_APPROX, RSTD_DIV_APPROX = (tl.constexpr(i) for i in range(5))
-# (name, exact sum, rstd, llama rounding, rstd stored, a power of two's mean by multiplication)
-VARIANTS = [("exact", True, RSTD_EXACT, True, True, True), ("mean by division", True, RSTD_EXACT, True, True, False),
-            ("rstd by rcp_rn", True, RSTD_RCP, True, True, True),
-            ("no rstd store", True, RSTD_EXACT, True, False, True), ("tl.sum", False, RSTD_EXACT, True, True, True),
-            ("approximate rstd", True, RSTD_RSQRT, True, True, True),
-            ("approximate sqrt", True, RSTD_SQRT_APPROX, True, True, True),
-            ("approximate 1 / s", True, RSTD_DIV_APPROX, True, True, True),
-            ("no llama rounding", True, RSTD_EXACT, False, True, True),
-            ("all relaxed", False, RSTD_RSQRT, False, False, True)]
-EXACT = ("exact", "mean by division", "rstd by rcp_rn")
+# (name, exact sum, rstd, llama rounding, rstd stored, a power of two's mean by multiplication, x loaded again after
+# the sum, the weight loaded after the sum)
+VARIANTS = [("exact", True, RSTD_EXACT, True, True, True, False, False),
+            ("mean by division", True, RSTD_EXACT, True, True, False, False, False),
+            ("rstd by rcp_rn", True, RSTD_RCP, True, True, True, False, False),
+            ("x loaded again", True, RSTD_EXACT, True, True, True, True, False),
+            ("weight after sum", True, RSTD_EXACT, True, True, True, False, True),
+            ("Inductor's order", True, RSTD_EXACT, True, True, True, True, True),
+            ("no rstd store", True, RSTD_EXACT, True, False, True, False, False),
+            ("tl.sum", False, RSTD_EXACT, True, True, True, False, False),
+            ("approximate rstd", True, RSTD_RSQRT, True, True, True, False, False),
+            ("approximate sqrt", True, RSTD_SQRT_APPROX, True, True, True, False, False),
+            ("approximate 1 / s", True, RSTD_DIV_APPROX, True, True, True, False, False),
+            ("no llama rounding", True, RSTD_EXACT, False, True, True, False, False),
+            ("all relaxed", False, RSTD_RSQRT, False, False, True, False, False),
+            ("relaxed, Inductor's order", False, RSTD_RSQRT, False, False, True, True, True)]
+EXACT = ("exact", "mean by division", "rstd by rcp_rn", "x loaded again", "weight after sum", "Inductor's order")
 
 
 @triton.jit
 def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
                 EXACT_SUM: tl.constexpr, RSTD_MODE: tl.constexpr, LLAMA_ROUND: tl.constexpr,
-                STORE_RSTD: tl.constexpr, MEAN_SCALE: tl.constexpr):
+                STORE_RSTD: tl.constexpr, MEAN_SCALE: tl.constexpr, RELOAD_X: tl.constexpr, LATE_W: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, P)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    x = widen(tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0))
-    wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
+    x = widen(tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0,
+                      eviction_policy="evict_last" if RELOAD_X else ""))
+    if not LATE_W:
+        wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
     ss = canon_sum(x * x, ROWS, P, LOG2P) if EXACT_SUM else tl.sum(x * x, axis=1)
     if RSTD_MODE == RSTD_EXACT:
         rstd = _rstd(ss, N, eps, ROWS, MEAN_SCALE)
@@ -90,6 +103,10 @@ def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, L
             rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), root)
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=rows < M)
+    if RELOAD_X:  # as Inductor's forward: x not held across the sum, read again (from L2) for y
+        x = widen(tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"))
+    if LATE_W:
+        wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
     xn = normalized_as_used(x, rstd, LLAMA, BF16) if LLAMA_ROUND else x * rstd[:, None]
     store_rounded(Y + rows[:, None] * N + cols[None, :], xn * wf, mask, BF16)
 
@@ -101,7 +118,7 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: t
     convert them as integers)."""
     m, n = x.shape
     p = next_pow2(n)
-    _, exact_sum, rstd_mode, llama_round, store_rstd, mean_by_multiply = variant
+    _, exact_sum, rstd_mode, llama_round, store_rstd, mean_by_multiply, reload_x, late_w = variant
     mean_scale = exact_mean_scale(n) if mean_by_multiply else 0.0
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +127,8 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: t
         tile_kernel[(triton.cdiv(m, rows),)](x, w, _store_view(y), rstd, m, n, EPS, ROWS=rows, P=p,
                                              LOG2P=p.bit_length() - 1, EXACT_SUM=exact_sum, RSTD_MODE=rstd_mode.value,
                                              LLAMA_ROUND=llama_round, STORE_RSTD=store_rstd,
-                                             MEAN_SCALE=mean_scale, num_warps=warps,
+                                             MEAN_SCALE=mean_scale, RELOAD_X=reload_x, LATE_W=late_w,
+                                             num_warps=warps,
                                              enable_fp_fusion=False)
         return y, rstd
 

@@ -575,16 +575,18 @@ def test_reduction_probe_checks_its_canonical_kernels(tmp_path):
 def test_exactness_probe_checks_its_exact_kernel(tmp_path):
     """bench/exactness_probe.py under the interpreter (CPU tensors): its exact kernel gives the reference's y and rstd
     at power-of-two and odd N, one row a program or several, with the mean of a power of two's squares by
-    multiplication (the kernels') and by division, and every relaxed variant (rstd's steps relaxed together and
+    multiplication (the kernels') and by division, x loaded again after the sum and the weight loaded after it
+    (Inductor's order), and every relaxed variant (rstd's steps relaxed together and
     apart) runs beside it; dropping llama's
     rounding changes some y (the check can fail), dropping the rstd store none."""
     rows = _interpreted_probe("exactness_probe.py", tmp_path, PROBE_SHAPES="5x128,9x100", PROBE_TILES="4x1,1x2")
     exact = [r for r in rows if "bitwise" in r]
-    assert {r["what"] for r in exact} == {"exact", "mean by division"}
-    assert len(exact) == 8 and all(r["bitwise"] for r in exact)
+    assert {r["what"] for r in exact} == {"exact", "mean by division", "x loaded again", "weight after sum",
+                                          "Inductor's order"}
+    assert len(exact) == 20 and all(r["bitwise"] for r in exact)
     relaxed = {r["what"]: r["y_max_rel_diff"] for r in rows if "bitwise" not in r and r["N"] == 100}
     assert set(relaxed) == {"no rstd store", "tl.sum", "approximate rstd", "approximate sqrt", "approximate 1 / s",
-                            "no llama rounding", "all relaxed"}  # rcp_rn's exact variant runs compiled only
+                            "no llama rounding", "all relaxed", "relaxed, Inductor's order"}  # rcp_rn: compiled only
     assert relaxed["no rstd store"] == 0.0 and relaxed["no llama rounding"] > 0.0
 
 
