@@ -37,6 +37,8 @@ def forwards(dev: torch.device, x: torch.Tensor, w: torch.Tensor, r: torch.Tenso
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("timing_probe.py times CUDA kernels: run it on a GPU machine")
     dev = torch.device("cuda")
     shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROBE_SHAPES", "128x4096").split(",")]
     timer = Timer(dev, iters=21)
