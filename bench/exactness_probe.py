@@ -30,6 +30,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -57,22 +58,30 @@ EPS = 1e-6
 # rcp_rn for the reciprocal, or relaxed: rsqrt, the approximate square root with the exact division, the exact square
 # root with the approximate division (Triton's `/`)
 RSTD_EXACT, RSTD_RCP, RSTD_RSQRT, RSTD_SQRT_APPROX, RSTD_DIV_APPROX = (tl.constexpr(i) for i in range(5))
-# (name, exact sum, rstd, llama rounding, rstd stored, a power of two's mean by multiplication, x loaded again after
-# the sum, the weight loaded after the sum)
-VARIANTS = [("exact", True, RSTD_EXACT, True, True, True, False, False),
-            ("mean by division", True, RSTD_EXACT, True, True, False, False, False),
-            ("rstd by rcp_rn", True, RSTD_RCP, True, True, True, False, False),
-            ("x loaded again", True, RSTD_EXACT, True, True, True, True, False),
-            ("weight after sum", True, RSTD_EXACT, True, True, True, False, True),
-            ("Inductor's order", True, RSTD_EXACT, True, True, True, True, True),
-            ("no rstd store", True, RSTD_EXACT, True, False, True, False, False),
-            ("tl.sum", False, RSTD_EXACT, True, True, True, False, False),
-            ("approximate rstd", True, RSTD_RSQRT, True, True, True, False, False),
-            ("approximate sqrt", True, RSTD_SQRT_APPROX, True, True, True, False, False),
-            ("approximate 1 / s", True, RSTD_DIV_APPROX, True, True, True, False, False),
-            ("no llama rounding", True, RSTD_EXACT, False, True, True, False, False),
-            ("all relaxed", False, RSTD_RSQRT, False, False, True, False, False),
-            ("relaxed, Inductor's order", False, RSTD_RSQRT, False, False, True, True, True)]
+
+
+class Variant(NamedTuple):
+    """One tile kernel: the exact steps it keeps and the order of its loads (the defaults: the exact kernel's)."""
+
+    name: str
+    exact_sum: bool = True  # canon_sum, else tl.sum
+    rstd: tl.constexpr = RSTD_EXACT
+    llama_round: bool = True  # x * rstd rounded to bf16 before the weight
+    store_rstd: bool = True
+    mean_by_multiply: bool = True  # a power of two's mean as ss * 2^-k (kernels.py's row_mean)
+    reload_x: bool = False  # x read again after the sum instead of held across it
+    late_w: bool = False  # the weight loaded after the sum
+
+
+RELAXED = dict(exact_sum=False, rstd=RSTD_RSQRT, llama_round=False, store_rstd=False)
+INDUCTOR_ORDER = dict(reload_x=True, late_w=True)
+VARIANTS = [Variant("exact"), Variant("mean by division", mean_by_multiply=False),
+            Variant("rstd by rcp_rn", rstd=RSTD_RCP), Variant("x loaded again", reload_x=True),
+            Variant("weight after sum", late_w=True), Variant("Inductor's order", **INDUCTOR_ORDER),
+            Variant("no rstd store", store_rstd=False), Variant("tl.sum", exact_sum=False),
+            Variant("approximate rstd", rstd=RSTD_RSQRT), Variant("approximate sqrt", rstd=RSTD_SQRT_APPROX),
+            Variant("approximate 1 / s", rstd=RSTD_DIV_APPROX), Variant("no llama rounding", llama_round=False),
+            Variant("all relaxed", **RELAXED), Variant("relaxed, Inductor's order", **RELAXED, **INDUCTOR_ORDER)]
 EXACT = ("exact", "mean by division", "rstd by rcp_rn", "x loaded again", "weight after sum", "Inductor's order")
 
 
@@ -83,8 +92,8 @@ def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, L
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, P)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    x = widen(tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0,
-                      eviction_policy="evict_last" if RELOAD_X else ""))
+    x_ptrs = X + rows[:, None] * N + cols[None, :]
+    x = widen(tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last" if RELOAD_X else ""))
     if not LATE_W:
         wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
     ss = canon_sum(x * x, ROWS, P, LOG2P) if EXACT_SUM else tl.sum(x * x, axis=1)
@@ -104,31 +113,30 @@ def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, L
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=rows < M)
     if RELOAD_X:  # as Inductor's forward: x not held across the sum, read again (from L2) for y
-        x = widen(tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"))
+        x = widen(tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first"))
     if LATE_W:
         wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
     xn = normalized_as_used(x, rstd, LLAMA, BF16) if LLAMA_ROUND else x * rstd[:, None]
     store_rounded(Y + rows[:, None] * N + cols[None, :], xn * wf, mask, BF16)
 
 
-def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: tuple
+def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: Variant
              ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """A call of one variant over x's rows, as the backend's forward makes one: y and rstd allocated per call, bf16 y
     written through its int16 view (kernels.py's store_rounded stores bit patterns; into a bf16 pointer the GPU would
     convert them as integers)."""
     m, n = x.shape
     p = next_pow2(n)
-    _, exact_sum, rstd_mode, llama_round, store_rstd, mean_by_multiply, reload_x, late_w = variant
-    mean_scale = exact_mean_scale(n) if mean_by_multiply else 0.0
+    mean_scale = exact_mean_scale(n) if variant.mean_by_multiply else 0.0
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.empty_like(x)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         tile_kernel[(triton.cdiv(m, rows),)](x, w, _store_view(y), rstd, m, n, EPS, ROWS=rows, P=p,
-                                             LOG2P=p.bit_length() - 1, EXACT_SUM=exact_sum, RSTD_MODE=rstd_mode.value,
-                                             LLAMA_ROUND=llama_round, STORE_RSTD=store_rstd,
-                                             MEAN_SCALE=mean_scale, RELOAD_X=reload_x, LATE_W=late_w,
-                                             num_warps=warps,
+                                             LOG2P=p.bit_length() - 1, EXACT_SUM=variant.exact_sum,
+                                             RSTD_MODE=variant.rstd.value, LLAMA_ROUND=variant.llama_round,
+                                             STORE_RSTD=variant.store_rstd, MEAN_SCALE=mean_scale,
+                                             RELOAD_X=variant.reload_x, LATE_W=variant.late_w, num_warps=warps,
                                              enable_fp_fusion=False)
         return y, rstd
 
@@ -160,11 +168,11 @@ def main() -> None:
         want_y, want_rstd = sn.rms_norm_with_rstd(x, w, EPS, backend="torch")
         for rows, warps in tiles:
             exact_y = None
-            for variant in VARIANTS if not interpreting else [v for v in VARIANTS if v[2] != RSTD_RCP]:
+            for variant in VARIANTS if not interpreting else [v for v in VARIANTS if v.rstd != RSTD_RCP]:
                 call = launcher(x, w, rows, warps, variant)
                 y, rstd = call()
-                row = dict(M=m, N=n, rows=rows, warps=warps, what=variant[0])
-                if variant[0] in EXACT:
+                row = dict(M=m, N=n, rows=rows, warps=warps, what=variant.name)
+                if variant.name in EXACT:
                     exact_y = exact_y if exact_y is not None else y
                     row["bitwise"] = bool(torch.equal(y, want_y) and torch.equal(rstd, want_rstd))
                 else:

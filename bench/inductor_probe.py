@@ -5,7 +5,7 @@ PERF.md's anchors put torch.compile ahead of every other anchor at 128 x 4096 (f
 H200), a shape where strictnorm's forward trails Liger's. This probe shows where that time comes from: each provider's
 kernels one by one (torch.profiler, L2 flushed before each call, median over the iterations, as strictnorm.bench),
 with the grid and block the profiler recorded. The providers are strictnorm.bench's (torch.compile of its HF-style
-module, compiled once, shapes specialized as they come, as PERF.md's anchor script used it).
+module, static shapes, as PERF.md's anchor script compiles it: each shape its own kernels).
 
 Run on the GPU machine: python3 bench/inductor_probe.py OUT_DIR [MxN ...] (default 128x4096 4096x128 65536x128).
 Writes OUT_DIR/inductor-probe.json and the Triton sources Inductor generated, OUT_DIR/inductor-src.tar.xz.

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from exactness_probe import VARIANTS, launcher
+from exactness_probe import Variant, launcher
 
 from strictnorm.bench import BYTES_ONLY, Timer, _norm_inputs, copy_ceiling_gbps, norm_providers
 
@@ -31,8 +31,7 @@ def forwards(dev: torch.device, x: torch.Tensor, w: torch.Tensor, r: torch.Tenso
     """The forwards to time on these inputs, each a no-argument call."""
     providers, _ = norm_providers(dev, compile_anchor=True)
     calls = {name: (lambda f=providers[name]: f(x, w, r)) for name in WANTED if name in providers}
-    exact = next(v for v in VARIANTS if v[0] == "exact")
-    calls["exactness_probe tile 1x8"] = launcher(x, w, 1, 8, exact)
+    calls["exactness_probe tile 1x8"] = launcher(x, w, 1, 8, Variant("exact"))
     return calls
 
 
