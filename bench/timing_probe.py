@@ -24,6 +24,11 @@ from exactness_probe import Variant, launcher
 
 from strictnorm.bench import BYTES_ONLY, Timer, _norm_inputs, copy_ceiling_gbps, norm_providers
 
+# the bench's steps a provider takes in a round (strictnorm.bench._norm_once), cumulatively: which one, run before
+# the next round's forward, moves that forward's kernel_us
+SEQUENCES = {"fwd only": ("fwd",), "fwd, fwd_bwd": ("fwd", "fwd_bwd"),
+             "fwd, fwd_bwd, eager": ("fwd", "fwd_bwd", "eager")}
+
 WANTED = ("torch.compile", BYTES_ONLY, "strictnorm triton fast", "strictnorm cuda fast")
 
 
@@ -33,6 +38,35 @@ def forwards(dev: torch.device, x: torch.Tensor, w: torch.Tensor, r: torch.Tenso
     calls = {name: (lambda f=providers[name]: f(x, w, r)) for name in WANTED if name in providers}
     calls["exactness_probe tile 1x8"] = launcher(x, w, 1, 8, Variant("exact"))
     return calls
+
+
+def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int = 3) -> list[dict]:
+    """The forward's kernel_us as the bench takes it (iters 9, rounds of the providers with the steps of SEQUENCES
+    between two forwards), one row per sequence and provider: the median over the rounds and every round."""
+    x, w, dy, r = _norm_inputs(dev, m, n)
+    providers, _ = norm_providers(dev, compile_anchor=True)
+    rows = []
+    for seq, steps in SEQUENCES.items():
+        got: dict[str, list[float]] = {name: [] for name in WANTED if name in providers}
+        for _ in range(rounds):
+            for name, f in providers.items():
+                if name not in got:
+                    continue
+                xg, wg = (t.clone().requires_grad_(True) for t in (x, w))
+                fwd = lambda f=f: f(x, w, r)  # noqa: E731
+                fwd_bwd = lambda f=f, xg=xg, wg=wg: torch.autograd.grad(f(xg, wg, r), (xg, wg), dy, allow_unused=True)  # noqa: E731
+                got[name].append(timer.kernel_us(fwd))
+                if "fwd_bwd" in steps:
+                    timer.kernel_us(fwd_bwd)
+                if "eager" in steps:
+                    timer.eager_us(fwd)
+                    timer.eager_us(fwd_bwd)
+        for name, us in got.items():
+            row = dict(phase="bench sequence", M=m, N=n, sequence=seq, what=name, us=sorted(us)[len(us) // 2],
+                       rounds=us)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -58,9 +92,10 @@ def main() -> None:
                         print(json.dumps(row), flush=True)
             del x, w, r, calls
             torch.cuda.empty_cache()
+    sequence_rows = [row for m, n in shapes for row in bench_sequence(Timer(dev, iters=9), dev, m, n)]
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows + sequence_rows, f, indent=1)
     print(f"\n{'phase':>19s} {'M x N':>12s} {'what':>26s} {'kernel fwd/rev':>15s} {'queued fwd/rev':>15s}")
     for phase in ("inputs first", "after copy ceiling"):
         for m, n in shapes:
@@ -70,6 +105,9 @@ def main() -> None:
                 print(f"{phase:>19s} {m:>5d} x {n:<5d} {name:>26s} "
                       f"{us['kernel', 'forward']:7.2f}/{us['kernel', 'reversed']:<7.2f}"
                       f"{us['queued', 'forward']:7.2f}/{us['queued', 'reversed']:<7.2f}")
+    print(f"\n{'bench sequence (iters 9, 3 rounds)':>36s} {'M x N':>12s} {'what':>26s} {'kernel us':>10s}")
+    for row in sequence_rows:
+        print(f"{row['sequence']:>36s} {row['M']:>5d} x {row['N']:<5d} {row['what']:>26s} {row['us']:10.2f}")
 
 
 if __name__ == "__main__":
