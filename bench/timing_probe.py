@@ -8,7 +8,11 @@ the profiler, one call alone after an idle host gap; queued_us: the call enqueue
 is busy until it starts), in two phases: on inputs made at the start (as exactness_probe makes them), then again on
 inputs made after the copy-ceiling measurement has allocated and freed 4 GiB (as strictnorm.bench makes them), each
 phase in provider order and again reversed. A figure that moves with the phase or the order, and not with the timer,
-points at the inputs' memory; one that moves with the timer points at the GPU's idle gap. Run on the GPU machine:
+points at the inputs' memory; one that moves with the timer points at the GPU's idle gap. Run 54 (H100) ruled out the
+inputs' memory and the order; a last phase times the forward as the bench does, in rounds with the bench's other
+steps between two forwards (SEQUENCES: none, the forward-backward step, then also the eager timings; in
+inductor_probe a torch.compile step before strictnorm's forward was enough for 2.53 us), with y's placement beside.
+Run on the GPU machine:
     PROBE_SHAPES=128x4096 python3 bench/timing_probe.py [out.json]
 """
 
@@ -48,6 +52,8 @@ def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int 
     rows = []
     for seq, steps in SEQUENCES.items():
         got: dict[str, list[float]] = {name: [] for name in WANTED if name in providers}
+        # where y lands (its address within its 2 MiB page, and its page), in case the placement is what moves
+        y_at: dict[str, list[tuple[int, int]]] = {name: [] for name in got}
         for _ in range(rounds):
             for name, f in providers.items():
                 if name not in got:
@@ -56,6 +62,8 @@ def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int 
                 fwd = lambda f=f: f(x, w, r)  # noqa: E731
                 fwd_bwd = lambda f=f, xg=xg, wg=wg: torch.autograd.grad(f(xg, wg, r), (xg, wg), dy, allow_unused=True)  # noqa: E731
                 got[name].append(timer.kernel_us(fwd))
+                y = fwd().data_ptr()
+                y_at[name].append((y % (2 << 20), y >> 21))
                 if "fwd_bwd" in steps:
                     timer.kernel_us(fwd_bwd)
                 if "eager" in steps:
@@ -63,7 +71,7 @@ def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int 
                     timer.eager_us(fwd_bwd)
         for name, us in got.items():
             row = dict(phase="bench sequence", M=m, N=n, sequence=seq, what=name, us=sorted(us)[len(us) // 2],
-                       rounds=us)
+                       rounds=us, y_at=y_at[name])
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
