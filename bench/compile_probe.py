@@ -88,7 +88,7 @@ def _registers(cubin: bytes) -> int:
     return int(next(iter(re.findall(r"REG:(\d+)", _resources(cubin))), 0))
 
 
-_LOAD = re.compile(r"\bLDG\.E(?:\.(?:64|128))?(?:\.[A-Z.]+)?\s+R(\d+),")
+_LOAD = re.compile(r"\bLDG(?:\.[A-Z0-9]+)+\s+R(\d+),")  # any qualifiers (.E, .128, .EF: evict_first, ...)
 
 
 def load_reuse(sass: str) -> tuple[int, int]:
