@@ -52,7 +52,8 @@ def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int 
     rows = []
     for seq, steps in SEQUENCES.items():
         got: dict[str, list[float]] = {name: [] for name in WANTED if name in providers}
-        # where y lands (its address within its 2 MiB page, and its page), in case the placement is what moves
+        # where y lands (its address within its 2 MiB page, and its page counted from x's), in case the placement
+        # (a page the kernel shares with x or not, after the flush has emptied the TLBs) is what moves
         y_at: dict[str, list[tuple[int, int]]] = {name: [] for name in got}
         for _ in range(rounds):
             for name, f in providers.items():
@@ -63,7 +64,7 @@ def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int 
                 fwd_bwd = lambda f=f, xg=xg, wg=wg: torch.autograd.grad(f(xg, wg, r), (xg, wg), dy, allow_unused=True)  # noqa: E731
                 got[name].append(timer.kernel_us(fwd))
                 y = fwd().data_ptr()
-                y_at[name].append((y % (2 << 20), y >> 21))
+                y_at[name].append((y % (2 << 20), (y >> 21) - (x.data_ptr() >> 21)))
                 if "fwd_bwd" in steps:
                     timer.kernel_us(fwd_bwd)
                 if "eager" in steps:
