@@ -106,6 +106,24 @@ def test_compile_anchor_is_static_and_compiled_afresh_at_each_shape(monkeypatch)
     assert resets == [0, 2]  # no compile anchor, no reset
 
 
+def test_timing_probe_replays_the_bench_round_on_cpu(monkeypatch):
+    """bench/timing_probe.py's bench sequence (the forward timed in the bench's rounds, with the round's other steps
+    between two forwards) runs end to end on the CPU: one row per sequence and provider it times, each with every
+    round's figure, the median among them, and where y landed each round (before it spends GPU time)."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the round's structure, not Inductor, is under test
+    import timing_probe
+
+    rows = timing_probe.bench_sequence(bench.Timer(torch.device("cpu"), 1), torch.device("cpu"), 4, 64, rounds=3)
+    timed = [name for name in timing_probe.WANTED if name in (bench.COMPILE_ANCHOR, bench.BYTES_ONLY)]
+    assert [(r["sequence"], r["what"]) for r in rows] == [(seq, name) for seq in timing_probe.SEQUENCES
+                                                          for name in timed]
+    for r in rows:
+        assert len(r["rounds"]) == 3 and r["us"] == sorted(r["rounds"])[1] and r["us"] > 0
+        assert len(r["y_at"]) == 3 and all(0 <= within < 2 << 20 for within, _ in r["y_at"])
+
+
 def test_cli_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("matplotlib")
     j, c, png, md = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png", tmp_path / "b.md"
