@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from exactness_probe import Variant, launcher
 
-from strictnorm.bench import BYTES_ONLY, Timer, _norm_inputs, copy_ceiling_gbps, norm_providers
+from strictnorm.bench import BYTES_ONLY, Timer, _norm_inputs, copy_ceiling_gbps, norm_calls, norm_providers
 
 # the bench's steps a provider takes in a round (strictnorm.bench._norm_once), cumulatively: which one, run before
 # the next round's forward, moves that forward's kernel_us
@@ -59,9 +59,7 @@ def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int 
             for name, f in providers.items():
                 if name not in got:
                     continue
-                xg, wg = (t.clone().requires_grad_(True) for t in (x, w))
-                fwd = lambda f=f: f(x, w, r)  # noqa: E731
-                fwd_bwd = lambda f=f, xg=xg, wg=wg: torch.autograd.grad(f(xg, wg, r), (xg, wg), dy, allow_unused=True)  # noqa: E731
+                fwd, fwd_bwd = norm_calls(f, x, w, dy, r)  # the bench's own calls (strictnorm.bench._norm_once)
                 got[name].append(timer.kernel_us(fwd))
                 y = fwd().data_ptr()
                 y_at[name].append((y % (2 << 20), (y >> 21) - (x.data_ptr() >> 21)))

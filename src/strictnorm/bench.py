@@ -351,7 +351,9 @@ def _norm_inputs(device: torch.device, m: int, n: int, dtype: torch.dtype = torc
     return x, w, dy, r
 
 
-def _norm_once(timer: Timer, fn: Callable, x, w, dy, r) -> dict:
+def norm_calls(fn: Callable, x, w, dy, r) -> tuple[Callable[[], object], Callable[[], object]]:
+    """A provider's two timed calls on these inputs: the inference forward, and the forward with the backward of
+    every input (on clones that require grad)."""
     xg, wg, rg = (t.clone().requires_grad_(True) for t in (x, w, r))
 
     def fwd():
@@ -360,6 +362,11 @@ def _norm_once(timer: Timer, fn: Callable, x, w, dy, r) -> dict:
     def fwd_bwd():
         torch.autograd.grad(fn(xg, wg, rg), (xg, wg, rg), dy, allow_unused=True)
 
+    return fwd, fwd_bwd
+
+
+def _norm_once(timer: Timer, fn: Callable, x, w, dy, r) -> dict:
+    fwd, fwd_bwd = norm_calls(fn, x, w, dy, r)
     fwd_us = timer.kernel_us(fwd)
     return {"fwd_us": fwd_us, "bwd_us": timer.kernel_us(fwd_bwd) - fwd_us,
             "fwd_eager_us": timer.eager_us(fwd), "fwdbwd_eager_us": timer.eager_us(fwd_bwd)}
