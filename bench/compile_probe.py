@@ -48,6 +48,7 @@ from strictnorm.reference import exact_mean_scale
 
 TARGET = GPUTarget("cuda", 90, 32)
 PIECE = 8  # bf16 elements in 16 bytes: the warp blocks' piece of aligned bf16 rows (backend._warp_block_piece)
+NO_DW_COLUMNS = {"DW_MB": 0, "DW_BN": 0, "WDT": 0}  # the backward without the few rows' dW by columns
 
 
 def _compile(fn, sig: dict, const: dict, num_warps: int, max_registers: int = 0):
@@ -171,7 +172,7 @@ def warp_block_kernels(n: int, rows: int, warps: int) -> dict:
             fwd = dict(common, YDT=1, HAS_RES=res, MEAN_SCALE=exact_mean_scale(n), STORE_RSTD=True,
                        **tile.forward_constexprs(piece=8))
             bwd = dict(common, HAS_DRES=res, DW_PARTIALS=pa + t <= 8192, MEAN_SCALE=exact_mean_scale(n), GDC=False,
-                       **tile.backward_constexprs(piece=8),
+                       **NO_DW_COLUMNS, **tile.backward_constexprs(piece=8),
                        **tile.chunk_constexprs())
             for label, fn, sig, const in (("", k.rms_fwd_kernel, _FWD_SIG, fwd),
                                           ("backward ", k.rms_bwd_kernel, _BWD_SIG, bwd)):
@@ -235,6 +236,7 @@ def main(args: list[str]) -> None:
         tile, common = tiled("bwd")
         # GDC: the early signal to the dependent partial sum, as the backward with partials runs on sm_90
         c, s = _compile(k.rms_bwd_kernel, bwd_sig, {**common, "HAS_DRES": False, "DW_PARTIALS": True, "GDC": True,
+                                                    **NO_DW_COLUMNS,
                                                     "MEAN_SCALE": exact_mean_scale(n),
                                                     **tile.backward_constexprs(PIECE), **tile.chunk_constexprs()},
                         tile.num_warps, tile.max_registers)

@@ -674,7 +674,9 @@ def test_left_fold_of_rows_past_2_31_elements(backend, seed):
     m, n = _PAST_2_31
     g = torch.Generator(device=DEV).manual_seed(seed)
     ints = torch.randint(-4, 5, (m, n), device=DEV, generator=g, dtype=torch.int8)
-    want = ints.sum(0, dtype=torch.int64)  # |sum| <= 4 m < 2^24: exact in fp32
+    # |sum| <= 4 m < 2^24: exact in fp32. Summed a slab of rows at a time: a whole int64 copy of ints is 16 GiB, more
+    # than an 80 GB card has free while other test workers hold theirs
+    want = sum(slab.sum(0, dtype=torch.int64) for slab in ints.split(1 << 16))
     got = sn.reduce_rows_left_fold(ints.to(torch.bfloat16), backend=backend)
     assert torch.equal(got, want.to(torch.float32))
 

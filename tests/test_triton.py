@@ -117,6 +117,54 @@ def test_fast_dw_is_deterministic_and_close(m, n, seed):
     assert rel < 1e-5
 
 
+@pytest.mark.parametrize("m, n, xdt, wdt, mode", [
+    (1, 7, torch.bfloat16, torch.bfloat16, "llama"), (5, 64, torch.float32, torch.float32, "gemma"),
+    (37, 1000, torch.bfloat16, torch.float32, "none"), (128, 256, torch.float16, torch.bfloat16, "llama"),
+    (256, 100, torch.bfloat16, torch.float16, "gemma"), (257, 100, torch.bfloat16, torch.bfloat16, "llama")])
+def test_fast_dw_of_few_rows_by_columns(m, n, xdt, wdt, mode, seed):
+    """Up to _DW_COLUMNS_ROWS rows (P <= _PARTIALS_MAX_P, dx not in place) the fast backward's last programs sum dW
+    by columns in the dx pass's launch (kernels.py, _dw_columns), no partial rows: y, rstd and dx bit for bit, dW in
+    the weight's dtype within the fast bound of the strict one and the same on a second call. Past the bound (257
+    rows) the partial rows, as before."""
+    from strictnorm.backends.triton import backend as tb
+
+    g = torch.Generator().manual_seed(seed)
+    x, dy = randn(m, n, dtype=xdt, gen=g), randn(m, n, dtype=xdt, gen=g)
+    w = (1 + 0.1 * randn(n, gen=g)).to(wdt)
+    offset = 1.0 if mode == "gemma" else 0.0
+    backend = get_backend("triton")
+    backend._bwd_plans.clear()
+    want = _run("torch", x, w, dy, mode=mode, offset=offset, dw="strict")
+    a = _run("triton", x, w, dy, mode=mode, offset=offset, dw="fast", device=DEV)
+    b = _run("triton", x, w, dy, mode=mode, offset=offset, dw="fast", device=DEV)
+    (plan,) = backend._bwd_plans.values()
+    by_columns = m <= tb._DW_COLUMNS_ROWS
+    assert bool(plan.meta.get("DW_BN")) == by_columns and plan.meta["DW_PARTIALS"] != by_columns
+    _assert_same(want, a, skip=("dw",))
+    assert a["dw"].dtype == wdt and bits_equal(a["dw"], b["dw"])
+    rel = fast_dw_excess(a["dw"].cpu(), want["dw"], dy, x, w, want["rstd"], mode, offset)
+    assert rel < max(torch.finfo(wdt).eps / 2, 1e-5), rel
+
+
+def test_fast_dw_by_columns_only_out_of_place():
+    """The dW programs read dy and z while the row programs write dx: a backward whose dx may overwrite them (a dx_out
+    given, as the in-place backward passes) keeps the partial rows; so do per-head weights (the strict fold)."""
+    from strictnorm.backends.triton import backend as tb
+    from strictnorm.contract import make_spec
+
+    spec = make_spec(torch.bfloat16, 1e-6, 0.0, "llama", torch.bfloat16)
+    z = torch.zeros(8, 256, dtype=torch.bfloat16)
+    w, rstd = torch.ones(256, dtype=torch.bfloat16), torch.ones(8)
+    plan = tb.TritonBackend()._plan_bwd(z, z, w, rstd, None, None, spec, "fast", True)
+    assert plan.meta["DW_BN"] == 256 and plan.meta["DW_MB"] == 8 and not plan.meta["DW_PARTIALS"]
+    tile = tb.row_tile(256, "bwd_dx", 8)
+    rows_programs = tb._programs(tb._cdiv(8, tile.rows), tile, z.device, tile.prefetch or tile.stages > 1)
+    assert plan.grid == (rows_programs + 1,)  # and one program for dW's 256 columns
+    in_place = tb.TritonBackend()._plan_bwd(z, z, w, rstd, None, z, spec, "fast", True)
+    assert not in_place.meta.get("DW_BN") and in_place.meta["DW_PARTIALS"]
+    assert not tb.TritonBackend()._plan_bwd(z, z, w, rstd, None, None, spec, "strict", True).meta.get("DW_BN")
+
+
 def test_no_weight_and_offsets(seed):
     g = torch.Generator().manual_seed(seed)
     x, dy = randn(4, 33, dtype=torch.float16, gen=g), randn(4, 33, dtype=torch.float16, gen=g)
@@ -784,6 +832,7 @@ def test_backward_column_chunks_give_the_same_bits(n, qk, chunk, seed, monkeypat
     p = next_pow2(n)
     x, w, dy, kw = _per_head_or_fused_case(n, qk, 22, "fast", g)
     want = _run("torch", x, w, dy, **{**kw, "dw": "strict"})
+    monkeypatch.setattr(tb, "_DW_COLUMNS_ROWS", 0)  # 22 rows: the partials, not the few rows' dW by columns
     for rows in (1, 2):
         outs = []
         for c in (0, chunk):
@@ -847,6 +896,6 @@ def test_direct_launch_passes_every_constexpr_in_order():
                 DW_PARTIALS=True, PREFETCH=True, num_warps=4)
     tail = tb.constexpr_tail(fn, len(runtime), meta)
     # the rest: their defaults
-    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1, 0, 0, 1, 0, 0, 8, 0, 0.0, False)
+    assert tail == (2, 64, 6, 0, 0, 1, 1, True, False, False, True, True, 1, 0, 0, 1, 0, 0, 8, 0, 0.0, False, 0, 0, 0)
     with pytest.raises(TypeError, match="not constexprs"):
         tb.constexpr_tail(fn, len(runtime) - 1, meta)

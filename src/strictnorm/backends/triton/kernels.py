@@ -665,6 +665,42 @@ def _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1,
             tl.store(DW_PART + pid.to(tl.int64) * N + cols_b, tl.sum(dw_b, axis=0), mask=cols_b < N)
 
 
+@triton.jit
+def _dw_columns(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, RSTD, DW, blk, M, N, R1, G, MB: tl.constexpr,
+                BN: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, WDT: tl.constexpr):
+    """The fast dW of columns [blk * BN, blk * BN + BN) over all M <= MB rows, from dy, z and rstd in one tile: the
+    rows' contributions (as the partials' and the fold's) summed by one tl.sum over the rows, an order fixed by the
+    compiled kernel, then rounded once to the weight's dtype WDT (bf16 stored through an int16 view). Rows past M
+    add +0.0 (their z, dy and rstd load as 0)."""
+    rows = tl.arange(0, MB)
+    cols = blk * BN + tl.arange(0, BN)
+    z_offs, _ = row_offsets(rows, R1, G, zs0, zs1, zsg)
+    d_offs, _ = row_offsets(rows, R1, G, ds0, ds1, dsg)
+    rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+    z, dy = _bwd_load(Z, z_offs, DY, d_offs, rows, M, N, cols)
+    contributions = widen(dy) * normalized_as_used(widen(z), rstd, MODE, XDT)
+    store_rounded(DW + cols, tl.sum(contributions, axis=0), cols < N, WDT)
+
+
+@triton.jit
+def _bwd_rows(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
+              pid, nprog, M, N, R1, G, offset, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr,
+              T: tl.constexpr, LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
+              PER_HEAD: tl.constexpr, HAS_DRES: tl.constexpr, DW_PARTIALS: tl.constexpr, PREFETCH: tl.constexpr,
+              STAGES: tl.constexpr, CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr, NCH: tl.constexpr,
+              LOG2NCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr,
+              MEAN_SCALE: tl.constexpr):
+    """dx (and the partials) of the row blocks program pid of nprog takes: rows held whole or in column chunks."""
+    if CHUNK > 0:
+        _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg,
+                     DW_PART, pid, nprog, M, N, R1, G, offset, ROWS, CHUNK, LOG2CHUNK, NCH, LOG2NCH, MODE, XDT, HAS_W,
+                     PER_HEAD, HAS_DRES, DW_PARTIALS, STAGES, MEAN_SCALE)
+    else:
+        _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
+                  pid, nprog, M, N, R1, G, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, HAS_W, PER_HEAD, HAS_DRES,
+                  DW_PARTIALS, PREFETCH, STAGES, WB_NW, WB_S, WB_ST, MEAN_SCALE)
+
+
 @triton.jit(do_not_specialize=["M"])
 def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg,
                    DX, xs0, xs1, xsg, DW_PART,
@@ -675,12 +711,16 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
                    PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 1, CHUNK: tl.constexpr = 0,
                    LOG2CHUNK: tl.constexpr = 0, NCH: tl.constexpr = 1, LOG2NCH: tl.constexpr = 0,
                    WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8, WB_ST: tl.constexpr = 0,
-                   MEAN_SCALE: tl.constexpr = 0.0, GDC: tl.constexpr = False):
+                   MEAN_SCALE: tl.constexpr = 0.0, GDC: tl.constexpr = False, DW_MB: tl.constexpr = 0,
+                   DW_BN: tl.constexpr = 0, WDT: tl.constexpr = 0):
     """dx for blocks of ROWS rows, programs striding over the blocks, in one or two column tiles (T), or in column
     chunks of CHUNK lanes (CHUNK > 0, T = 0: _bwd_chunked). With DW_PARTIALS, each program also sums its rows' dW
     contributions (shared weight only) into DW_PART[pid]. GDC (sm_90 and newer): each program first lets the
     partial rows' sum, launched after it as a dependent grid, be scheduled (it waits for this grid's end on the GPU:
     the CUDA backend's partial_sum.cu).
+    DW_BN > 0 (few rows, M <= DW_MB; no partials): the grid's last cdiv(N, DW_BN) programs compute the fast dW
+    itself, DW_BN columns each over every row (_dw_columns), into DW_PART (the weight's dtype WDT), while the others
+    compute dx: dW and dx in one launch, no partial rows. dx must not overwrite dy or z (not in place).
     PREFETCH: the next block's rows loaded into registers before this block's sums (its loads in flight while this
     block computes and stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory, that many
     stages. WB_NW > 0 (num_warps = WB_NW; rows held whole): the row in warp blocks, as in rms_fwd_kernel. MEAN_SCALE:
@@ -689,14 +729,21 @@ def rms_bwd_kernel(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0,
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    if CHUNK > 0:
-        _bwd_chunked(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg,
-                     DW_PART, pid, nprog, M, N, R1, G, offset, ROWS, CHUNK, LOG2CHUNK, NCH, LOG2NCH, MODE, XDT, HAS_W,
-                     PER_HEAD, HAS_DRES, DW_PARTIALS, STAGES, MEAN_SCALE)
+    if DW_BN > 0:
+        n_dx = nprog - tl.cdiv(N, DW_BN)
+        if pid >= n_dx:
+            _dw_columns(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, RSTD, DW_PART, pid - n_dx, M, N, R1, G, DW_MB, DW_BN,
+                        MODE, XDT, WDT)
+        else:
+            _bwd_rows(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg,
+                      DW_PART, pid, n_dx, M, N, R1, G, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, HAS_W,
+                      PER_HEAD, HAS_DRES, DW_PARTIALS, PREFETCH, STAGES, CHUNK, LOG2CHUNK, NCH, LOG2NCH, WB_NW,
+                      WB_S, WB_ST, MEAN_SCALE)
     else:
-        _bwd_held(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg, DW_PART,
-                  pid, nprog, M, N, R1, G, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, HAS_W, PER_HEAD, HAS_DRES,
-                  DW_PARTIALS, PREFETCH, STAGES, WB_NW, WB_S, WB_ST, MEAN_SCALE)
+        _bwd_rows(DY, ds0, ds1, dsg, Z, zs0, zs1, zsg, W, wsg, RSTD, DRES, es0, es1, esg, DX, xs0, xs1, xsg,
+                  DW_PART, pid, nprog, M, N, R1, G, offset, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, HAS_W, PER_HEAD,
+                  HAS_DRES, DW_PARTIALS, PREFETCH, STAGES, CHUNK, LOG2CHUNK, NCH, LOG2NCH, WB_NW, WB_S, WB_ST,
+                  MEAN_SCALE)
 
 
 @triton.jit(do_not_specialize=["ROWS_PER_GROUP", "GROUP_STEP"])
