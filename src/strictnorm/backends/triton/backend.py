@@ -501,16 +501,16 @@ class TritonBackend:
         dyk, zk, w, rstd, dresk, dxk = lays.inputs(dy, z, weight, rstd, dres, dx)
         partials = plan.meta["DW_PARTIALS"]
         dw, join = None, no_join
-        if plan.meta.get("DW_BN"):  # the fast dW by columns, in the dx pass's launch
+        if plan.meta.get("DW_BN"):  # the fast dW by columns, stored by the dx pass's launch in its partials' place
             dw = torch.empty(weight.shape, dtype=weight.dtype, device=z.device)
-        elif need_dw and not partials:  # beside the dx pass (CUDA fold), or before it: in place, dx overwrites dy
-            dw, join = self._launch_fold(dyk, lays.dlay, zk, lays.lay, rstd, MODE_CODES[spec.mode] + 1,
-                                         DTYPE_CODES[z.dtype], weight.shape[0] if lays.per_head else 1, weight.dtype,
-                                         dx=dx, reads=(dy, z, rstd), sms=plan.fold_sms)
-            dw = dw.reshape(weight.shape)
-        part = torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials else rstd
-        if plan.meta.get("DW_BN"):
             part = _store_view(dw)
+        else:
+            if need_dw and not partials:  # beside the dx pass (CUDA fold), or before it: in place, dx overwrites dy
+                dw, join = self._launch_fold(dyk, lays.dlay, zk, lays.lay, rstd, MODE_CODES[spec.mode] + 1,
+                                             DTYPE_CODES[z.dtype], weight.shape[0] if lays.per_head else 1,
+                                             weight.dtype, dx=dx, reads=(dy, z, rstd), sms=plan.fold_sms)
+                dw = dw.reshape(weight.shape)
+            part = torch.empty((plan.grid[0], lays.lay.n), dtype=torch.float32, device=z.device) if partials else rstd
         plan.launch(
             plan.grid, z.get_device(), dyk, *lays.dlay.args(), zk, *lays.lay.args(), w if w is not None else zk,
             plan.wsg, rstd, dresk, *lays.elay.args(), _store_view(dxk), *lays.xlay.args(), part, *plan.scalars)
@@ -538,7 +538,6 @@ class TritonBackend:
         tile = stages_that_fit(row_tile(n, "bwd" if wants_partials else "bwd_dx", rows),
                                z.element_size() + dy.element_size(), _smem_optin(z.device))
         partials = wants_partials and (next_pow2(n) <= _PARTIALS_MAX_P or tile.chunk > 0)
-        dw_rows = next_pow2(rows)
         dw_columns = (partials and rows <= _DW_COLUMNS_ROWS and dx_out is None and tile.chunk == 0
                       and weight is not None and weight.dtype in DTYPE_CODES)
         if dw_columns:  # dx alone in the row programs: the dx pass's own tile
@@ -558,6 +557,7 @@ class TritonBackend:
                     GDC=partials and self._dependent_sum(z),
                     **tile.backward_constexprs(piece), **tile.chunk_constexprs(), **tile.meta())
         if dw_columns:  # the grid's last programs: dW by columns (kernels.py, _dw_columns)
+            dw_rows = next_pow2(rows)
             bn = min(next_pow2(n), max(1, _DW_ELEMS_A_THREAD * 32 * tile.num_warps // dw_rows))
             meta.update(DW_MB=dw_rows, DW_BN=bn, WDT=DTYPE_CODES[weight.dtype])
             nprog += _cdiv(n, bn)
