@@ -12,8 +12,15 @@ points at the inputs' memory; one that moves with the timer points at the GPU's 
 inputs' memory and the order; a last phase times the forward as the bench does, in rounds with the bench's other
 steps between two forwards (SEQUENCES: none, the forward-backward step, then also the eager timings; in
 inductor_probe a torch.compile step before strictnorm's forward was enough for 2.53 us), with y's placement beside.
+Run 55 (H100) found the forward-backward step to be what slows the next eager forward (0.26-0.35 us at 128 x 4096,
+PyTorch's copy and strictnorm's alike, torch.compile's not), and the slowdown lasting into later rounds. The trigger
+mode looks for its cause: in a fresh process, the forwards timed as the bench times them, then one step of TRIGGERS
+(each a suspect: autograd's engine on the CPU or the GPU, the backward's allocations, a dx-sized kernel, a backward
+timed under the profiler or run plainly), then the forwards twice more (right after, and after a second timing: does
+it last).
 Run on the GPU machine:
     PROBE_SHAPES=128x4096 python3 bench/timing_probe.py [out.json]
+    python3 bench/timing_probe.py --trigger NAME [out.json]    # at 128 x 4096 unless PROBE_SHAPES names one shape
 """
 
 from __future__ import annotations
@@ -42,6 +49,58 @@ def forwards(dev: torch.device, x: torch.Tensor, w: torch.Tensor, r: torch.Tenso
     calls = {name: (lambda f=providers[name]: f(x, w, r)) for name in WANTED if name in providers}
     calls["exactness_probe tile 1x8"] = launcher(x, w, 1, 8, Variant("exact"))
     return calls
+
+
+def _tiny_grad(device: torch.device) -> Callable[[], object]:
+    a = torch.randn(64, device=device, requires_grad=True)
+    return lambda: torch.autograd.grad((a * 2).sum(), a)
+
+
+def _backward_buffers(x: torch.Tensor) -> Callable[[], object]:
+    """The backward's allocations without its kernels: dx (x's size) and fp32 dW partials of x's size."""
+    return lambda: (torch.empty_like(x), torch.empty(x.shape, dtype=torch.float32, device=x.device))
+
+
+# name -> (provider whose fwd_bwd it runs, or None; how it runs: "profiled" as the bench times a step, or "plain";
+# or a maker of the call from (device, x, dy)); each is run by itself in a fresh process
+TRIGGERS: dict[str, tuple[str | None, str, Callable | None]] = {
+    "nothing": (None, "profiled", lambda dev, x, dy: (lambda: None)),
+    "cpu_autograd": (None, "profiled", lambda dev, x, dy: _tiny_grad(torch.device("cpu"))),
+    "gpu_autograd": (None, "profiled", lambda dev, x, dy: _tiny_grad(dev)),
+    "backward_buffers": (None, "profiled", lambda dev, x, dy: _backward_buffers(x)),
+    "dx_sized_add": (None, "profiled", lambda dev, x, dy: (lambda: torch.add(x, dy))),
+    "copy_fwd_bwd": (BYTES_ONLY, "profiled", None),
+    "triton_fwd_bwd": ("strictnorm triton fast", "profiled", None),
+    "triton_fwd_bwd_plain": ("strictnorm triton fast", "plain", None),
+    "compile_fwd_bwd": ("torch.compile", "profiled", None),
+}
+
+
+def triggered(timer: Timer, dev: torch.device, m: int, n: int, trigger: str) -> list[dict]:
+    """The forwards of WANTED (kernel_us as the bench takes it) before TRIGGERS[trigger], right after it, and after
+    those timings again: one row per forward with the three figures."""
+    x, w, dy, r = _norm_inputs(dev, m, n)
+    providers, _ = norm_providers(dev, compile_anchor=True)
+    fwds = {name: norm_calls(providers[name], x, w, dy, r)[0] for name in WANTED if name in providers}
+    source, how, make = TRIGGERS[trigger]
+    step = make(dev, x, dy) if source is None else norm_calls(providers[source], x, w, dy, r)[1]
+    got: dict[str, list[float]] = {name: [timer.kernel_us(f)] for name, f in fwds.items()}
+    if how == "profiled":
+        timer.kernel_us(step)
+    else:
+        for _ in range(timer.iters + 2):
+            step()
+        timer.sync()
+    for _ in ("after", "after again"):
+        for name, f in fwds.items():
+            got[name].append(timer.kernel_us(f))
+    rows = []
+    for name, (before, after, again) in got.items():
+        row = dict(phase="trigger", M=m, N=n, trigger=trigger, what=name, before=before, after=after,
+                   after_again=again)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int = 3) -> list[dict]:
@@ -80,6 +139,17 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("timing_probe.py times CUDA kernels: run it on a GPU machine")
     dev = torch.device("cuda")
+    if len(sys.argv) > 2 and sys.argv[1] == "--trigger":
+        m, n = (int(v) for v in os.environ.get("PROBE_SHAPES", "128x4096").split("x"))
+        rows = triggered(Timer(dev, iters=9), dev, m, n, sys.argv[2])
+        if len(sys.argv) > 3:
+            with open(sys.argv[3], "w") as f:
+                json.dump(rows, f, indent=1)
+        print(f"\n{'trigger':>22s} {'what':>26s} {'before':>7s} {'after':>7s} {'again':>7s}")
+        for row in rows:
+            print(f"{row['trigger']:>22s} {row['what']:>26s} {row['before']:7.2f} {row['after']:7.2f} "
+                  f"{row['after_again']:7.2f}")
+        return
     shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROBE_SHAPES", "128x4096").split(",")]
     timer = Timer(dev, iters=21)
     rows = []

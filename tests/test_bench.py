@@ -124,6 +124,25 @@ def test_timing_probe_replays_the_bench_round_on_cpu(monkeypatch):
         assert len(r["y_at"]) == 3 and all(0 <= within < 2 << 20 for within, _ in r["y_at"])
 
 
+def test_timing_probe_triggers_run_on_cpu(monkeypatch):
+    """bench/timing_probe.py's trigger mode: every suspect step it can run on the CPU (those not needing a GPU
+    provider) runs between the forwards' timings, and each forward gets three positive figures (before, right after,
+    after again) under the trigger's name."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    import timing_probe
+
+    cpu = torch.device("cpu")
+    providers, _ = bench.norm_providers(cpu, compile_anchor=True)
+    runnable = [t for t, (source, _, _) in timing_probe.TRIGGERS.items() if source is None or source in providers]
+    assert {"nothing", "gpu_autograd", "dx_sized_add", "copy_fwd_bwd", "compile_fwd_bwd"} <= set(runnable)
+    for trigger in runnable:
+        rows = timing_probe.triggered(bench.Timer(cpu, 1), cpu, 4, 64, trigger)
+        assert [r["what"] for r in rows] == [n for n in timing_probe.WANTED if n in providers]
+        assert all(r["trigger"] == trigger and min(r["before"], r["after"], r["after_again"]) > 0 for r in rows)
+
+
 def test_cli_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("matplotlib")
     j, c, png, md = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png", tmp_path / "b.md"
