@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from exactness_probe import Variant, launcher
 
-from strictnorm.bench import BYTES_ONLY, Timer, _norm_inputs, copy_ceiling_gbps, norm_calls, norm_providers
+from strictnorm.bench import BYTES_ONLY, Timer, _norm_inputs, _norm_once, copy_ceiling_gbps, norm_calls, norm_providers
 
 # the bench's steps a provider takes in a round (strictnorm.bench._norm_once), cumulatively: which one, run before
 # the next round's forward, moves that forward's kernel_us
@@ -61,8 +61,10 @@ def _backward_buffers(x: torch.Tensor) -> Callable[[], object]:
     return lambda: (torch.empty_like(x), torch.empty(x.shape, dtype=torch.float32, device=x.device))
 
 
-# name -> (provider whose fwd_bwd it runs, or None; how it runs: "profiled" as the bench times a step, or "plain";
-# or a maker of the call from (device, x, dy)); each is run by itself in a fresh process
+# name -> (source, how, maker). source: the provider whose fwd_bwd is the step ("NAME:fwd": its forward), "*" (every
+# WANTED provider), or None (the maker's call from (device, x, dy)); how: "profiled" (as the bench times a step),
+# "plain" (run iters + 2 times), "eager" (the bench's eager timing), "round" (the bench's whole round of each source).
+# Each trigger is run by itself in a fresh process.
 TRIGGERS: dict[str, tuple[str | None, str, Callable | None]] = {
     "nothing": (None, "profiled", lambda dev, x, dy: (lambda: None)),
     "cpu_autograd": (None, "profiled", lambda dev, x, dy: _tiny_grad(torch.device("cpu"))),
@@ -73,6 +75,12 @@ TRIGGERS: dict[str, tuple[str | None, str, Callable | None]] = {
     "triton_fwd_bwd": ("strictnorm triton fast", "profiled", None),
     "triton_fwd_bwd_plain": ("strictnorm triton fast", "plain", None),
     "compile_fwd_bwd": ("torch.compile", "profiled", None),
+    "cuda_fwd_bwd": ("strictnorm cuda fast", "profiled", None),
+    # the bench's eager step (triton's do_bench: its own 256 MB L2-clearing buffer, made and zeroed every call)
+    "eager_copy_fwd": (BYTES_ONLY + ":fwd", "eager", None),
+    "eager_triton_fwd_bwd": ("strictnorm triton fast", "eager", None),
+    # the bench's whole round (strictnorm.bench._norm_once) of every WANTED provider
+    "bench_round": ("*", "round", None),
 }
 
 
@@ -83,10 +91,19 @@ def triggered(timer: Timer, dev: torch.device, m: int, n: int, trigger: str) -> 
     providers, _ = norm_providers(dev, compile_anchor=True)
     fwds = {name: norm_calls(providers[name], x, w, dy, r)[0] for name in WANTED if name in providers}
     source, how, make = TRIGGERS[trigger]
-    step = make(dev, x, dy) if source is None else norm_calls(providers[source], x, w, dy, r)[1]
+    if source is None:
+        step = make(dev, x, dy)
+    elif source != "*":
+        name = source.removesuffix(":fwd")
+        step = norm_calls(providers[name], x, w, dy, r)[0 if name != source else 1]
     got: dict[str, list[float]] = {name: [timer.kernel_us(f)] for name, f in fwds.items()}
     if how == "profiled":
         timer.kernel_us(step)
+    elif how == "eager":
+        timer.eager_us(step)
+    elif how == "round":
+        for name in fwds:
+            _norm_once(timer, providers[name], x, w, dy, r)
     else:
         for _ in range(timer.iters + 2):
             step()
