@@ -19,6 +19,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def large_gpu_memory():
+    """For a test that needs many GiB of GPU memory: such tests run one at a time across pytest-xdist's workers (a
+    file lock), and each hands its cached blocks back to the driver when done. Four of them side by side beside 8
+    workers ran an 80 GB H100 out of memory (bench/results/2026-12-07-h100-run56/a-tests.log), with other workers
+    still holding the cached blocks of big tests they had finished."""
+    import fcntl
+    import tempfile
+
+    with open(os.path.join(tempfile.gettempdir(), "strictnorm-large-gpu-memory.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if HAS_CUDA:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture
 def seed() -> int:
     """A fresh seed per test run (a failure's report shows it, see pytest_runtest_makereport); the
     environment variable STRICTNORM_TEST_SEED fixes it, to replay a failure."""

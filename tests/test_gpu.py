@@ -651,7 +651,7 @@ _PAST_2_31 = ((1 << 31) // 4096 + 64, 4096)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_norm_rows_past_2_31_elements(backend, seed):
+def test_norm_rows_past_2_31_elements(backend, seed, large_gpu_memory):
     """A batch of 2^31 + 262144 bf16 elements: the rows on both sides of the 2^31-element mark (and the first rows)
     give, inside the batch, the reference's bits for those rows alone (a row's y, rstd and dx do not depend on the
     batch): every offset computed in 64 bits."""
@@ -668,14 +668,13 @@ def test_norm_rows_past_2_31_elements(backend, seed):
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_left_fold_of_rows_past_2_31_elements(backend, seed):
+def test_left_fold_of_rows_past_2_31_elements(backend, seed, large_gpu_memory):
     """The left fold over 2^31 + 262144 bf16 elements reads every row once, those past the 2^31-element mark
     included: small integers, whose fp32 sums are exact in any order, against their int64 sum."""
     m, n = _PAST_2_31
     g = torch.Generator(device=DEV).manual_seed(seed)
     ints = torch.randint(-4, 5, (m, n), device=DEV, generator=g, dtype=torch.int8)
-    # |sum| <= 4 m < 2^24: exact in fp32. Summed a slab of rows at a time: a whole int64 copy of ints is 16 GiB, more
-    # than an 80 GB card has free while other test workers hold theirs
+    # |sum| <= 4 m < 2^24: exact in fp32. Summed a slab of rows at a time: a whole int64 copy of ints is 16 GiB
     want = sum(slab.sum(0, dtype=torch.int64) for slab in ints.split(1 << 16))
     got = sn.reduce_rows_left_fold(ints.to(torch.bfloat16), backend=backend)
     assert torch.equal(got, want.to(torch.float32))
