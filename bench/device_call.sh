@@ -27,6 +27,8 @@
 #   pattern-probe bench/pattern_probe.py (the dW fold's column stripes read with nothing else to do; PATTERN_*)
 #   partial-probe bench/partial_probe.py (the fast dW's partial-row sum in one launch or in segments; PARTIAL_*)
 #   reduction-probe bench/reduction_probe.py (the Triton forward's canon_sum against tl.sum; PROBE_SHAPES, PROBE_WARPS)
+#   triggers      bench/timing_probe.py --triggers: each of $TRIGGERS (default all; comma-separated) in a fresh
+#                 process, the forwards timed before and after it, the GPU's clocks read between
 #   exactness-probe bench/exactness_probe.py (the Triton forward's tile with each exact step relaxed, beside the
 #                 backends and anchors; PROBE_SHAPES, PROBE_TILES)
 #   ncu-source:M:N:CASE  bench/ncu_source.sh over one bench/ncu_probe.py case (per-instruction stall samples;
@@ -102,6 +104,8 @@ job_command() {
                        "${SPLIT_ARGS:-} > '$log' 2>&1" ;;
     consumer-probe) echo "timeout 120 python3 bench/consumer_probe.py '$W/consumer-probe.json' > '$log' 2>&1" ;;
     reduction-probe) echo "timeout 200 python3 bench/reduction_probe.py '$W/reduction-probe.json' > '$log' 2>&1" ;;
+    triggers) echo "timeout ${PROBE_TIMEOUT:-400} python3 bench/timing_probe.py --triggers ${TRIGGERS:-all}" \
+                   "'$W/triggers.json' > '$log' 2>&1" ;;
     exactness-probe) echo "timeout ${PROBE_TIMEOUT:-200} python3 bench/exactness_probe.py '$W/exactness-probe.json'" \
                           "> '$log' 2>&1" ;;
     supply-probe) echo "timeout ${SUPPLY_TIMEOUT:-300} python3 bench/supply_probe.py '$W/supply-probe.json' > '$log' 2>&1" ;;

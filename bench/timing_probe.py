@@ -21,14 +21,18 @@ it last).
 Run on the GPU machine:
     PROBE_SHAPES=128x4096 python3 bench/timing_probe.py [out.json]
     python3 bench/timing_probe.py --trigger NAME [out.json]    # at 128 x 4096 unless PROBE_SHAPES names one shape
+    python3 bench/timing_probe.py --triggers all|NAME,NAME [out.json]   # each in a fresh process, clocks between
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from exactness_probe import Variant, launcher
@@ -152,20 +156,61 @@ def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int 
     return rows
 
 
+def gpu_state() -> str:
+    """The GPU's SM and memory clocks, temperature and power draw now (nvidia-smi), or why not."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                               "--format=csv,noheader", "-i", "0"], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"nvidia-smi: {e}"
+
+
+def run_triggers(names: list[str], out: str | None) -> list[dict]:
+    """Each trigger of names by itself in a fresh process (this script's --trigger), the GPU's clocks read before
+    each; every row gets its trigger's process's state."""
+    rows = []
+    for name in names:
+        state = gpu_state()
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            run = subprocess.run([sys.executable, __file__, "--trigger", name, tmp.name], capture_output=True,
+                                 text=True, timeout=300)
+            got = json.loads(Path(tmp.name).read_text() or "[]") if run.returncode == 0 else []
+        print(f"trigger {name}: rc {run.returncode}; GPU before it: {state}", flush=True)
+        if run.returncode != 0:
+            print(run.stdout[-2000:], run.stderr[-4000:], sep="\n", flush=True)
+        rows += [dict(row, gpu_before=state) for row in got]
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+def print_triggered(rows: list[dict]) -> None:
+    print(f"\n{'trigger':>22s} {'what':>26s} {'before':>7s} {'after':>7s} {'again':>7s}")
+    for row in rows:
+        print(f"{row['trigger']:>22s} {row['what']:>26s} {row['before']:7.2f} {row['after']:7.2f} "
+              f"{row['after_again']:7.2f}")
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("timing_probe.py times CUDA kernels: run it on a GPU machine")
     dev = torch.device("cuda")
+    if len(sys.argv) > 2 and sys.argv[1] == "--triggers":
+        names = list(TRIGGERS) if sys.argv[2] == "all" else sys.argv[2].split(",")
+        unknown = sorted(set(names) - set(TRIGGERS))
+        if unknown:
+            sys.exit(f"unknown triggers {unknown}; known: {', '.join(TRIGGERS)}")
+        print_triggered(run_triggers(names, sys.argv[3] if len(sys.argv) > 3 else None))
+        return
     if len(sys.argv) > 2 and sys.argv[1] == "--trigger":
         m, n = (int(v) for v in os.environ.get("PROBE_SHAPES", "128x4096").split("x"))
         rows = triggered(Timer(dev, iters=9), dev, m, n, sys.argv[2])
         if len(sys.argv) > 3:
             with open(sys.argv[3], "w") as f:
                 json.dump(rows, f, indent=1)
-        print(f"\n{'trigger':>22s} {'what':>26s} {'before':>7s} {'after':>7s} {'again':>7s}")
-        for row in rows:
-            print(f"{row['trigger']:>22s} {row['what']:>26s} {row['before']:7.2f} {row['after']:7.2f} "
-                  f"{row['after_again']:7.2f}")
+        print_triggered(rows)
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROBE_SHAPES", "128x4096").split(",")]
     timer = Timer(dev, iters=21)

@@ -145,6 +145,33 @@ def test_timing_probe_triggers_run_on_cpu(monkeypatch):
         assert all(r["trigger"] == trigger and min(r["before"], r["after"], r["after_again"]) > 0 for r in rows)
 
 
+def test_timing_probe_runs_each_trigger_apart(monkeypatch, tmp_path):
+    """timing_probe's --triggers: each named trigger in its own `--trigger` process (here the process replaced by
+    the same call in this one, on the CPU), the GPU's state read before each, the rows merged into one JSON."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    import timing_probe
+
+    cpu, calls = torch.device("cpu"), []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        if cmd[0] == "nvidia-smi":
+            return subprocess.CompletedProcess(cmd, 0, stdout=f"state {len(calls)}\n", stderr="")
+        assert cmd[1:3] == [timing_probe.__file__, "--trigger"]
+        Path(cmd[4]).write_text(json.dumps(timing_probe.triggered(bench.Timer(cpu, 1), cpu, 4, 64, cmd[3])))
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(timing_probe.subprocess, "run", fake_run)
+    out = tmp_path / "triggers.json"
+    rows = timing_probe.run_triggers(["nothing", "dx_sized_add"], str(out))
+    assert json.loads(out.read_text()) == rows
+    assert [c[3] for c in calls if c[0] != "nvidia-smi"] == ["nothing", "dx_sized_add"]
+    assert sorted({(r["trigger"], r["gpu_before"]) for r in rows}) == [("dx_sized_add", "state 3"),
+                                                                       ("nothing", "state 1")]
+
+
 def test_cli_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("matplotlib")
     j, c, png, md = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png", tmp_path / "b.md"
@@ -415,6 +442,11 @@ def test_device_call_plans_its_jobs(tmp_path):
     assert all(f"{tmp_path}/w/" in line for line in lines)
     bad = subprocess.run(["bash", "bench/device_call.sh", "--bogus"], cwd=root, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
+    for names, want in ((None, "--triggers all"), ("nothing,bench_round", "--triggers nothing,bench_round")):
+        run = subprocess.run(["bash", "bench/device_call.sh", "--first", "triggers"], cwd=root, capture_output=True,
+                             env={**env, **({"TRIGGERS": names} if names else {})}, text=True)
+        assert run.returncode == 0 and "bench/timing_probe.py" in run.stdout and want in run.stdout, run.stderr
+        assert f"{tmp_path}/w/triggers.json" in run.stdout
 
 
 def test_device_call_runs_fewer_test_workers_on_a_smaller_gpu(tmp_path):
