@@ -173,8 +173,12 @@ def run_triggers(names: list[str], out: str | None) -> list[dict]:
     for name in names:
         state = gpu_state()
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            run = subprocess.run([sys.executable, __file__, "--trigger", name, tmp.name], capture_output=True,
-                                 text=True, timeout=300)
+            try:
+                run = subprocess.run([sys.executable, __file__, "--trigger", name, tmp.name], capture_output=True,
+                                     text=True, timeout=300)
+            except subprocess.TimeoutExpired:
+                print(f"trigger {name}: past 300 s, left out; GPU before it: {state}", flush=True)
+                continue
             got = json.loads(Path(tmp.name).read_text() or "[]") if run.returncode == 0 else []
         print(f"trigger {name}: rc {run.returncode}; GPU before it: {state}", flush=True)
         if run.returncode != 0:
