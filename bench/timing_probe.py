@@ -166,6 +166,9 @@ def gpu_state() -> str:
         return f"nvidia-smi: {e}"
 
 
+TRIGGER_TIMEOUT_S = 300  # one trigger's process (compiling torch.compile's kernels included)
+
+
 def run_triggers(names: list[str], out: str | None) -> list[dict]:
     """Each trigger of names by itself in a fresh process (this script's --trigger), the GPU's clocks read before
     each; every row gets its trigger's process's state."""
@@ -175,9 +178,9 @@ def run_triggers(names: list[str], out: str | None) -> list[dict]:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             try:
                 run = subprocess.run([sys.executable, __file__, "--trigger", name, tmp.name], capture_output=True,
-                                     text=True, timeout=300)
+                                     text=True, timeout=TRIGGER_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                print(f"trigger {name}: past 300 s, left out; GPU before it: {state}", flush=True)
+                print(f"trigger {name}: past {TRIGGER_TIMEOUT_S} s, left out; GPU before it: {state}", flush=True)
                 continue
             got = json.loads(Path(tmp.name).read_text() or "[]") if run.returncode == 0 else []
         print(f"trigger {name}: rc {run.returncode}; GPU before it: {state}", flush=True)
