@@ -19,7 +19,8 @@ registers, the loop's loads in 2 or 3 shared-memory stages, SWEEP_PROGRAMS (2,4)
 times SWEEP_ROW_FACTORS (1). Every result is
 checked against the torch reference's bits (y and rstd; dx, and the fast dW the same twice; sweep_cuda.measure), and
 timed kernel-only as in strictnorm.bench.
-SWEEP_MAX_TILE (16384) bounds the lanes of a program of several rows.
+SWEEP_MAX_TILE (16384) bounds the lanes of a program of several rows; SWEEP_TILE_ROWS (1,2,4,8,16,32) and
+SWEEP_TILE_WARPS (1,2,4,8,16,32) list the rows a program and warps of the tiles held whole.
 SWEEP_SHAPES=MxN,MxN limits the shapes (compiling is most of the time: about 2 s per configuration and direction on
 an H200 machine). Run on the GPU machine:
     python3 bench/sweep_triton.py [out.json [tuning.json]]
@@ -55,13 +56,15 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
     if os.environ.get("SWEEP_PIPELINES") == "1":
         return with_variants(pipeline_configs(n, m))
     out = []
+    tile_rows = sorted(int(v) for v in os.environ.get("SWEEP_TILE_ROWS", "1,2,4,8,16,32").split(","))
+    tile_warps = [int(v) for v in os.environ.get("SWEEP_TILE_WARPS", "1,2,4,8,16,32").split(",")]
     for split in sorted({False, tb.column_tiles(n, True) != tb.column_tiles(n, False)}):
         pa, t = tb.column_tiles(n, split)
-        for rows in (1, 2, 4, 8, 16, 32):
+        for rows in tile_rows:
             lanes = rows * (pa + t)
             if rows > 1 and lanes > MAX_TILE:
                 break
-            out += [tb.TileChoice(rows, w, split) for w in (1, 2, 4, 8, 16, 32)
+            out += [tb.TileChoice(rows, w, split) for w in tile_warps
                     if 32 * w <= lanes <= 32 * w * MAX_LANES_PER_THREAD]
     if os.environ.get("SWEEP_WFIRST") == "1":  # each also with the forward's weight loaded before the sum
         out += [dataclasses.replace(c, w_first=True) for c in out]

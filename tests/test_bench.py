@@ -281,6 +281,20 @@ def test_triton_sweep_tries_warp_blocks_and_keeps_them(tmp_path, monkeypatch):
     assert tb.row_tile(4096, "fwd").warp_blocks
 
 
+def test_triton_sweep_tile_rows_and_warps_narrow_the_sweep(monkeypatch):
+    """SWEEP_TILE_ROWS / SWEEP_TILE_WARPS: only those rows a program and warps among the tiles held whole, each still
+    bounded by the lanes a thread (32 rows of 128 columns need 2 warps at least: 64 lanes a thread)."""
+    _bench_scripts(monkeypatch)
+    import sweep_triton
+
+    full = sweep_triton.configs(128, 65536)
+    assert {c.rows for c in full} == {1, 2, 4, 8, 16, 32}
+    monkeypatch.setenv("SWEEP_TILE_ROWS", "32,8,64")
+    monkeypatch.setenv("SWEEP_TILE_WARPS", "1,2,8")
+    narrow = sweep_triton.configs(128, 65536)
+    assert [(c.rows, c.num_warps) for c in narrow] == [(8, 1), (8, 2), (8, 8), (32, 2), (32, 8), (64, 8)]
+
+
 def test_triton_sweep_choice_loads_as_tiles(tmp_path, monkeypatch):
     """bench/sweep_triton.best_tunings: per direction and padded length the configuration with the least mean
     slowdown over that length's shapes (the backend's own choice, measured twice, counted once; configurations
