@@ -93,13 +93,14 @@ def triggered(timer: Timer, dev: torch.device, m: int, n: int, trigger: str) -> 
     those timings again: one row per forward with the three figures."""
     x, w, dy, r = _norm_inputs(dev, m, n)
     providers, _ = norm_providers(dev, compile_anchor=True)
-    fwds = {name: norm_calls(providers[name], x, w, dy, r)[0] for name in WANTED if name in providers}
+    fwds = {name: norm_calls(providers[name], x, w, dy, r).fwd for name in WANTED if name in providers}
     source, how, make = TRIGGERS[trigger]
     if source is None:
         step = make(dev, x, dy)
     elif source != "*":
         name = source.removesuffix(":fwd")
-        step = norm_calls(providers[name], x, w, dy, r)[0 if name != source else 1]
+        calls = norm_calls(providers[name], x, w, dy, r)
+        step = calls.fwd if name != source else calls.fwd_bwd
     got: dict[str, list[float]] = {name: [timer.kernel_us(f)] for name, f in fwds.items()}
     if how == "profiled":
         timer.kernel_us(step)
@@ -139,7 +140,7 @@ def bench_sequence(timer: Timer, dev: torch.device, m: int, n: int, rounds: int 
             for name, f in providers.items():
                 if name not in got:
                     continue
-                fwd, fwd_bwd = norm_calls(f, x, w, dy, r)  # the bench's own calls (strictnorm.bench._norm_once)
+                fwd, fwd_bwd, _ = norm_calls(f, x, w, dy, r)  # the bench's own calls (strictnorm.bench._norm_once)
                 got[name].append(timer.kernel_us(fwd))
                 y = fwd().data_ptr()
                 y_at[name].append((y % (2 << 20), (y >> 21) - (x.data_ptr() >> 21)))

@@ -73,6 +73,30 @@ def test_parse_shapes():
     assert bench.parse_shapes("128x4096,2048X18432") == [(128, 4096), (2048, 18432)]
 
 
+def test_backward_less_the_training_forward_where_it_differs_from_inference():
+    """bwd_us is the forward-backward less the inference forward (PERF.md's anchors); bwd_only_us less the training
+    forward, timed alone: a provider whose training forward is slower than its inference forward (here by a call's
+    own count of kernels) shows it there and not in bwd_only_us."""
+    kernels = {"fwd": 2.0, "train_fwd": 5.0, "fwd_bwd": 12.0}  # what each timed call "runs", us
+    seen = []
+
+    class CountingTimer:
+        def kernel_us(self, fn):
+            seen.append(fn.__name__)
+            fn()
+            return kernels[fn.__name__]
+
+        def eager_us(self, fn):
+            fn()
+            return 0.0
+
+    x, w, dy, r = (torch.randn(3, 8) for _ in range(4))
+    row = bench._norm_once(CountingTimer(), lambda x, w, r: x * w, x, w[0], dy, r)
+    assert sorted(seen) == ["fwd", "fwd_bwd", "train_fwd"]
+    assert (row["fwd_us"], row["train_fwd_us"]) == (2.0, 5.0)
+    assert (row["bwd_us"], row["bwd_only_us"]) == (10.0, 7.0)
+
+
 def test_a_provider_that_raises_is_reported_not_fatal():
     timer = bench.Timer(torch.device("cpu"), iters=2)
 

@@ -5,7 +5,10 @@ torch.profiler: their durations summed, kernels running side by side counted onc
 each timed call, median over iterations; the method behind the anchor figures in PERF.md) and eager
 time (triton.testing.do_bench: what a Python caller sees, host cost included). Bytes are counted
 (forward: read x, write y; backward: read x, dy, write dx), and the device-to-device copy bandwidth
-is measured in the same run as the ceiling.
+is measured in the same run as the ceiling. The backward is the forward-backward less the inference forward, as
+PERF.md's anchors define it; each JSON row also gives the training forward timed alone (train_fwd_us) and the
+forward-backward less it (bwd_only_us), which differ where a provider's training forward is not its inference forward
+(torch.compile's graphs of their own; an rstd stored).
 
 Sections: norm (forward and backward, bf16, llama casting; presets: the PERF.md grid, Llama-3 and
 QK-norm shapes, or --shapes) with rounds in shuffled provider order and an A/A control (the same
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -351,9 +355,15 @@ def _norm_inputs(device: torch.device, m: int, n: int, dtype: torch.dtype = torc
     return x, w, dy, r
 
 
-def norm_calls(fn: Callable, x, w, dy, r) -> tuple[Callable[[], object], Callable[[], object]]:
-    """A provider's two timed calls on these inputs: the inference forward, and the forward with the backward of
-    every input (on clones that require grad)."""
+class NormCalls(NamedTuple):
+    """A provider's timed calls on one shape's inputs."""
+
+    fwd: Callable[[], object]  # the inference forward
+    fwd_bwd: Callable[[], object]  # the forward with the backward of every input (on clones that require grad)
+    train_fwd: Callable[[], object]  # fwd_bwd's forward alone (its graph built, then dropped)
+
+
+def norm_calls(fn: Callable, x, w, dy, r) -> NormCalls:
     xg, wg, rg = (t.clone().requires_grad_(True) for t in (x, w, r))
 
     def fwd():
@@ -362,14 +372,22 @@ def norm_calls(fn: Callable, x, w, dy, r) -> tuple[Callable[[], object], Callabl
     def fwd_bwd():
         torch.autograd.grad(fn(xg, wg, rg), (xg, wg, rg), dy, allow_unused=True)
 
-    return fwd, fwd_bwd
+    def train_fwd():
+        fn(xg, wg, rg)
+
+    return NormCalls(fwd, fwd_bwd, train_fwd)
 
 
 def _norm_once(timer: Timer, fn: Callable, x, w, dy, r) -> dict:
-    fwd, fwd_bwd = norm_calls(fn, x, w, dy, r)
-    fwd_us = timer.kernel_us(fwd)
-    return {"fwd_us": fwd_us, "bwd_us": timer.kernel_us(fwd_bwd) - fwd_us,
-            "fwd_eager_us": timer.eager_us(fwd), "fwdbwd_eager_us": timer.eager_us(fwd_bwd)}
+    """bwd_us is the forward-backward less the inference forward, as PERF.md's anchors define it; where a provider's
+    training forward differs from its inference forward (a compiled graph of its own, an rstd store) that is not its
+    backward kernels' time: bwd_only_us (the forward-backward less the training forward, timed alone) is."""
+    calls = norm_calls(fn, x, w, dy, r)
+    fwd_us, fwd_bwd_us = timer.kernel_us(calls.fwd), timer.kernel_us(calls.fwd_bwd)
+    train_fwd_us = timer.kernel_us(calls.train_fwd)
+    return {"fwd_us": fwd_us, "bwd_us": fwd_bwd_us - fwd_us, "train_fwd_us": train_fwd_us,
+            "bwd_only_us": fwd_bwd_us - train_fwd_us,
+            "fwd_eager_us": timer.eager_us(calls.fwd), "fwdbwd_eager_us": timer.eager_us(calls.fwd_bwd)}
 
 
 def _derived(row: dict, m: int, n: int, ceiling: float, fused: bool, x_size: int = 2) -> dict:
