@@ -162,11 +162,16 @@ def test_timing_probe_triggers_run_on_cpu(monkeypatch):
     runnable = [t for t, (source, _, _) in timing_probe.TRIGGERS.items()
                 if source in (None, "*") or source.removesuffix(":fwd") in providers]
     assert {"nothing", "gpu_autograd", "dx_sized_add", "copy_fwd_bwd", "compile_fwd_bwd", "eager_copy_fwd",
-            "bench_round"} <= set(runnable)
+            "bench_round", "bench_preamble", "bench_main"} <= set(runnable)
+    benched = []  # the providers bench_main's bench timed
+    bench_norm = bench.bench_norm
+    monkeypatch.setattr(bench, "bench_norm", lambda t, s, c, p, *a, **k: benched.append(sorted(p)) or
+                        bench_norm(t, s, c, p, *a, **k))
     for trigger in runnable:
         rows = timing_probe.triggered(bench.Timer(cpu, 1), cpu, 4, 64, trigger)
         assert [r["what"] for r in rows] == [n for n in timing_probe.WANTED if n in providers]
         assert all(r["trigger"] == trigger and min(r["before"], r["after"], r["after_again"]) > 0 for r in rows)
+    assert benched == [sorted(n for n in timing_probe.WANTED if n in providers)]
 
 
 def test_timing_probe_runs_each_trigger_apart(monkeypatch, tmp_path):
