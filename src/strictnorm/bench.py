@@ -8,7 +8,9 @@ time (triton.testing.do_bench: what a Python caller sees, host cost included). B
 is measured in the same run as the ceiling. The backward is the forward-backward less the inference forward, as
 PERF.md's anchors define it; each JSON row also gives the training forward timed alone (train_fwd_us) and the
 forward-backward less it (bwd_only_us), which differ where a provider's training forward is not its inference forward
-(torch.compile's graphs of their own; an rstd stored).
+(torch.compile's graphs of their own; an rstd stored). With --compile the HF module is timed compiled twice: as
+torch.compile makes it by default, and with Inductor's emulate_precision_casts, which keeps the module's casts and so
+its eager bits (the default drops its round trip through x's dtype).
 
 Sections: norm (forward and backward, bf16, llama casting; presets: the PERF.md grid, Llama-3 and
 QK-norm shapes, or --shapes) with rounds in shuffled provider order and an A/A control (the same
@@ -45,6 +47,10 @@ FOLD_SHAPES = ([(r, 128) for r in (1, 16, 256, 1024, 4096, 16384, 65536, 262144)
                + [(r, 4096) for r in (1, 64, 1024, 4096)] + [(1024, c) for c in (64, 512, 4096, 8192)])
 CHAIN_NS_PER_ROW = 4 / 1.98  # one dependent fp32 add: 4 cycles at ~1.98 GHz
 COMPILE_ANCHOR = "torch.compile"
+# torch.compile of the same module with Inductor's emulate_precision_casts: by default Inductor drops the module's
+# round trip through x's dtype (llama: (x * rstd).to(bf16) before the weight), a cheaper computation with other
+# bits; with it on, the compiled module gives eager's bits (tests/test_bench.py), the computation strictnorm matches
+COMPILE_EXACT_ANCHOR = "torch.compile (eager casts)"
 HOLD_CYCLES = 4_000_000  # queued_us's sleep: ~2 ms at ~1.98 GHz, longer than the host takes to enqueue a call
 
 
@@ -248,8 +254,9 @@ def norm_providers(device: torch.device, compile_anchor: bool, op: str = "rms_no
         # dynamic shapes the second shape's recompile made one dynamic kernel that every later shape ran (run 53:
         # forward 1323 us at 262144 x 128, against 33 for the copy of its bytes)
         base[COMPILE_ANCHOR] = torch.compile(eager, dynamic=False)
+        base[COMPILE_EXACT_ANCHOR] = torch.compile(eager, dynamic=False, options={"emulate_precision_casts": True})
     else:
-        skipped[COMPILE_ANCHOR] = "not requested (--compile)"
+        skipped[COMPILE_ANCHOR] = skipped[COMPILE_EXACT_ANCHOR] = "not requested (--compile)"
     if device.type == "cuda" and op == "rms_norm":
         try:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -312,7 +319,7 @@ def bench_norm(timer: Timer, shapes, ceiling: float, providers: dict[str, Callab
     for i, (m, n) in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] {op} {m}x{n}: {len(providers)} providers x {rounds} rounds", file=sys.stderr,
               flush=True)  # progress
-        if COMPILE_ANCHOR in providers:  # each shape its own static graphs (norm_providers), none carried over
+        if {COMPILE_ANCHOR, COMPILE_EXACT_ANCHOR} & set(providers):  # each shape its own static graphs, none carried
             torch._dynamo.reset()
         inputs = _norm_inputs(timer.device, m, n, dtype, op)
         per: dict[str, list[dict]] = {name: [] for name in providers}
