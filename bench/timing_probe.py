@@ -106,7 +106,8 @@ TRIGGERS: dict[str, tuple[str | None, str, Callable | None]] = {
 
 
 def _bench_main(dev: torch.device, x: torch.Tensor) -> Callable[[], object]:
-    """`strictnorm bench` on x's shape with torch.compile and the WANTED providers only, as a call."""
+    """`strictnorm bench` on x's shape, as a call: the providers whose names contain a WANTED name (--only matches
+    parts of names, so both compiled anchors: the default and eager's casts)."""
     only = ",".join(name.split(",")[0] for name in WANTED)  # --only splits at commas ("bytes only: copy, add")
     args = ["--compile", "--shapes", f"{x.shape[0]}x{x.shape[1]}", "--only", only, "--device", dev.type]
     return lambda: bench_main(args)
