@@ -50,7 +50,7 @@ from strictnorm.backends.triton.kernels import (
     store_rounded,
     widen,
 )
-from strictnorm.bench import BYTES_ONLY, Timer, norm_providers
+from strictnorm.bench import BYTES_ONLY, COMPILE_ANCHOR, COMPILE_EXACT_ANCHOR, Timer, norm_providers
 from strictnorm.reference import exact_mean_scale, next_pow2
 
 EPS = 1e-6
@@ -71,31 +71,49 @@ class Variant(NamedTuple):
     mean_by_multiply: bool = True  # a power of two's mean as ss * 2^-k (kernels.py's row_mean)
     reload_x: bool = False  # x read again after the sum instead of held across it
     late_w: bool = False  # the weight loaded after the sum
+    masked: bool = True  # loads and stores masked by rows < M and cols < N (unmasked: M % ROWS == 0 and N == P only)
+    offs64: bool = True  # row offsets in 64-bit integers (the backend's); else 32-bit, as Inductor's where they fit
 
 
 RELAXED = dict(exact_sum=False, rstd=RSTD_RSQRT, llama_round=False, store_rstd=False)
 INDUCTOR_ORDER = dict(reload_x=True, late_w=True)
+# Inductor's addressing at a static shape whose rows fill the tiles: no masks, 32-bit offsets (bench/inductor_probe.py)
+INDUCTOR_ADDRESSING = dict(masked=False, offs64=False)
 VARIANTS = [Variant("exact"), Variant("mean by division", mean_by_multiply=False),
             Variant("rstd by rcp_rn", rstd=RSTD_RCP), Variant("x loaded again", reload_x=True),
             Variant("weight after sum", late_w=True), Variant("Inductor's order", **INDUCTOR_ORDER),
             Variant("no rstd store", store_rstd=False), Variant("tl.sum", exact_sum=False),
             Variant("approximate rstd", rstd=RSTD_RSQRT), Variant("approximate sqrt", rstd=RSTD_SQRT_APPROX),
             Variant("approximate 1 / s", rstd=RSTD_DIV_APPROX), Variant("no llama rounding", llama_round=False),
-            Variant("all relaxed", **RELAXED), Variant("relaxed, Inductor's order", **RELAXED, **INDUCTOR_ORDER)]
-EXACT = ("exact", "mean by division", "rstd by rcp_rn", "x loaded again", "weight after sum", "Inductor's order")
+            Variant("all relaxed", **RELAXED), Variant("relaxed, Inductor's order", **RELAXED, **INDUCTOR_ORDER),
+            Variant("no masks", masked=False), Variant("32-bit offsets", offs64=False),
+            Variant("Inductor's addressing", **INDUCTOR_ADDRESSING),
+            Variant("relaxed, Inductor's addressing", **RELAXED, **INDUCTOR_ADDRESSING)]
+EXACT = ("exact", "mean by division", "rstd by rcp_rn", "x loaded again", "weight after sum", "Inductor's order",
+         "no masks", "32-bit offsets", "Inductor's addressing")
+
+
+def applies(variant: Variant, m: int, n: int, rows: int) -> bool:
+    """Whether a variant computes every row of (m, n) in tiles of `rows` rows: an unmasked one only where the rows
+    fill the tiles and the row its P lanes."""
+    return variant.masked or (m % rows == 0 and n == next_pow2(n))
 
 
 @triton.jit
 def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
                 EXACT_SUM: tl.constexpr, RSTD_MODE: tl.constexpr, LLAMA_ROUND: tl.constexpr,
-                STORE_RSTD: tl.constexpr, MEAN_SCALE: tl.constexpr, RELOAD_X: tl.constexpr, LATE_W: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+                STORE_RSTD: tl.constexpr, MEAN_SCALE: tl.constexpr, RELOAD_X: tl.constexpr, LATE_W: tl.constexpr,
+                MASKED: tl.constexpr, OFFS64: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = (pid.to(tl.int64) if OFFS64 else pid) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, P)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    # unmasked: every lane's mask is a constant true, which Triton folds away (as Inductor's static kernels have none)
+    mask = (rows < M)[:, None] & (cols < N)[None, :] if MASKED else tl.full((ROWS, P), True, tl.int1)
+    w_mask = cols < N if MASKED else tl.full((P,), True, tl.int1)
     x_ptrs = X + rows[:, None] * N + cols[None, :]
     x = widen(tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last" if RELOAD_X else ""))
     if not LATE_W:
-        wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
+        wf = effective_weight(W, cols, w_mask, 0.0, LLAMA, BF16, True)[None, :]
     ss = canon_sum(x * x, ROWS, P, LOG2P) if EXACT_SUM else tl.sum(x * x, axis=1)
     if RSTD_MODE == RSTD_EXACT:
         rstd = _rstd(ss, N, eps, ROWS, MEAN_SCALE)
@@ -111,11 +129,11 @@ def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, L
         else:
             rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), root)
     if STORE_RSTD:
-        tl.store(RSTD + rows, rstd, mask=rows < M)
+        tl.store(RSTD + rows, rstd, mask=rows < M if MASKED else tl.full((ROWS,), True, tl.int1))
     if RELOAD_X:  # as Inductor's forward: x not held across the sum, read again (from L2) for y
         x = widen(tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first"))
     if LATE_W:
-        wf = effective_weight(W, cols, cols < N, 0.0, LLAMA, BF16, True)[None, :]
+        wf = effective_weight(W, cols, w_mask, 0.0, LLAMA, BF16, True)[None, :]
     xn = normalized_as_used(x, rstd, LLAMA, BF16) if LLAMA_ROUND else x * rstd[:, None]
     store_rounded(Y + rows[:, None] * N + cols[None, :], xn * wf, mask, BF16)
 
@@ -136,7 +154,8 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: V
                                              LOG2P=p.bit_length() - 1, EXACT_SUM=variant.exact_sum,
                                              RSTD_MODE=variant.rstd.value, LLAMA_ROUND=variant.llama_round,
                                              STORE_RSTD=variant.store_rstd, MEAN_SCALE=mean_scale,
-                                             RELOAD_X=variant.reload_x, LATE_W=variant.late_w, num_warps=warps,
+                                             RELOAD_X=variant.reload_x, LATE_W=variant.late_w,
+                                             MASKED=variant.masked, OFFS64=variant.offs64, num_warps=warps,
                                              enable_fp_fusion=False)
         return y, rstd
 
@@ -149,7 +168,7 @@ def anchors(dev: torch.device) -> dict[str, Callable]:
     and the bytes-only copy, as f(x, w)."""
     providers, _ = norm_providers(dev, compile_anchor=True)
     return {name.removesuffix(" fast"): (lambda x, w, f=f: f(x, w, None)) for name, f in providers.items()
-            if name in ("Quack", "Liger", "torch.compile", BYTES_ONLY)
+            if name in ("Quack", "Liger", COMPILE_ANCHOR, COMPILE_EXACT_ANCHOR, BYTES_ONLY)
             or (name.startswith("strictnorm ") and name.endswith(" fast"))}
 
 
@@ -169,6 +188,8 @@ def main() -> None:
         for rows, warps in tiles:
             exact_y = None
             for variant in VARIANTS if not interpreting else [v for v in VARIANTS if v.rstd != RSTD_RCP]:
+                if not applies(variant, m, n, rows):
+                    continue
                 call = launcher(x, w, rows, warps, variant)
                 y, rstd = call()
                 row = dict(M=m, N=n, rows=rows, warps=warps, what=variant.name)
