@@ -150,7 +150,7 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: V
     def call() -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.empty_like(x)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-        tile_kernel[(triton.cdiv(m, rows),)](x, w, _store_view(y), rstd, m, n, EPS, ROWS=rows, P=p,
+        call.compiled = tile_kernel[(triton.cdiv(m, rows),)](x, w, _store_view(y), rstd, m, n, EPS, ROWS=rows, P=p,
                                              LOG2P=p.bit_length() - 1, EXACT_SUM=variant.exact_sum,
                                              RSTD_MODE=variant.rstd.value, LLAMA_ROUND=variant.llama_round,
                                              STORE_RSTD=variant.store_rstd, MEAN_SCALE=mean_scale,
@@ -193,6 +193,8 @@ def main() -> None:
                 call = launcher(x, w, rows, warps, variant)
                 y, rstd = call()
                 row = dict(M=m, N=n, rows=rows, warps=warps, what=variant.name)
+                if dev.type == "cuda":  # registers decide how many programs an SM holds (one wave or more)
+                    row["registers"] = getattr(call.compiled, "n_regs", None)
                 if variant.name in EXACT:
                     exact_y = exact_y if exact_y is not None else y
                     row["bitwise"] = bool(torch.equal(y, want_y) and torch.equal(rstd, want_rstd))
@@ -211,10 +213,11 @@ def main() -> None:
     print(f"\nexact kernels bitwise with the reference everywhere: "
           f"{all(r['bitwise'] for r in results if 'bitwise' in r)}")
     if timer is not None:
-        print(f"{'M x N':>14s} {'tile':>6s} {'what':>20s} {'us':>8s}")
+        print(f"{'M x N':>14s} {'tile':>6s} {'what':>30s} {'us':>8s} {'regs':>5s}")
         for r in results:
             tile = f"{r['rows']}x{r['warps']}" if "rows" in r else ""
-            print(f"{r['M']:>7d} x {r['N']:<5d} {tile:>6s} {r['what']:>20s} {r['us']:8.2f}")
+            regs = r.get("registers") or ""
+            print(f"{r['M']:>7d} x {r['N']:<5d} {tile:>6s} {r['what']:>30s} {r['us']:8.2f} {regs:>5}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
