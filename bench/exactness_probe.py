@@ -15,10 +15,11 @@ exact variants take the structure of torch.compile's forward (Inductor's, bench/
 `x loaded again` (x not held across the sum but read again after it, from L2), `weight after sum` (the weight
 loaded only once the sum is taken) and `Inductor's order` (both); `relaxed, Inductor's order` is that with all four
 steps relaxed: about Inductor's kernel.
-A relaxed variant's largest relative difference from the exact y is reported, never used. Kernel-only time as in
-strictnorm.bench (L2 flushed, profiler).
-PROBE_SHAPES=MxN,... (default 262144x128,65536x128; any N, the row held whole), PROBE_TILES=ROWSxWARPS,... (default
-8x2,16x2). Run on the GPU machine:
+A relaxed variant's largest relative difference from the reference's y (the exact y) is reported, never used.
+Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
+PROBE_SHAPES=MxN,... (default 262144x128,65536x128; any N, the row held whole), PROBE_TILES=ROWSxWARPS[rREGS],...
+(default 8x2,16x2; rREGS: registers a thread bounded), PROBE_VARIANTS="exact;name;..." (default all). Run on the GPU
+machine:
     python3 bench/exactness_probe.py [out.json]
 (Under TRITON_INTERPRET=1 on a CPU it runs the kernels on CPU tensors: a check of the exact kernel's bits, not a
 measurement.)
@@ -73,6 +74,7 @@ class Variant(NamedTuple):
     late_w: bool = False  # the weight loaded after the sum
     masked: bool = True  # loads and stores masked by rows < M and cols < N (unmasked: M % ROWS == 0 and N == P only)
     offs64: bool = True  # row offsets in 64-bit integers (the backend's); else 32-bit, as Inductor's where they fit
+    rewiden: bool = False  # x held across the sum as loaded (16-bit) and widened again for y, not held widened
 
 
 RELAXED = dict(exact_sum=False, rstd=RSTD_RSQRT, llama_round=False, store_rstd=False)
@@ -87,10 +89,12 @@ VARIANTS = [Variant("exact"), Variant("mean by division", mean_by_multiply=False
             Variant("approximate 1 / s", rstd=RSTD_DIV_APPROX), Variant("no llama rounding", llama_round=False),
             Variant("all relaxed", **RELAXED), Variant("relaxed, Inductor's order", **RELAXED, **INDUCTOR_ORDER),
             Variant("no masks", masked=False), Variant("32-bit offsets", offs64=False),
-            Variant("Inductor's addressing", **INDUCTOR_ADDRESSING),
+            Variant("Inductor's addressing", **INDUCTOR_ADDRESSING), Variant("x widened again", rewiden=True),
+            Variant("x widened again, Inductor's addressing", rewiden=True, **INDUCTOR_ADDRESSING),
             Variant("relaxed, Inductor's addressing", **RELAXED, **INDUCTOR_ADDRESSING)]
 EXACT = ("exact", "mean by division", "rstd by rcp_rn", "x loaded again", "weight after sum", "Inductor's order",
-         "no masks", "32-bit offsets", "Inductor's addressing")
+         "no masks", "32-bit offsets", "Inductor's addressing", "x widened again",
+         "x widened again, Inductor's addressing")
 
 
 def applies(variant: Variant, m: int, n: int, rows: int) -> bool:
@@ -100,10 +104,16 @@ def applies(variant: Variant, m: int, n: int, rows: int) -> bool:
 
 
 @triton.jit
+def widen_bits(v):
+    """bf16 widened to fp32 through its bit pattern (exact, as widen)."""
+    return ((v.to(tl.int16, bitcast=True).to(tl.uint32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
                 EXACT_SUM: tl.constexpr, RSTD_MODE: tl.constexpr, LLAMA_ROUND: tl.constexpr,
                 STORE_RSTD: tl.constexpr, MEAN_SCALE: tl.constexpr, RELOAD_X: tl.constexpr, LATE_W: tl.constexpr,
-                MASKED: tl.constexpr, OFFS64: tl.constexpr):
+                MASKED: tl.constexpr, OFFS64: tl.constexpr, REWIDEN: tl.constexpr):
     pid = tl.program_id(0)
     rows = (pid.to(tl.int64) if OFFS64 else pid) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, P)
@@ -111,7 +121,8 @@ def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, L
     mask = (rows < M)[:, None] & (cols < N)[None, :] if MASKED else tl.full((ROWS, P), True, tl.int1)
     w_mask = cols < N if MASKED else tl.full((P,), True, tl.int1)
     x_ptrs = X + rows[:, None] * N + cols[None, :]
-    x = widen(tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last" if RELOAD_X else ""))
+    x_loaded = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last" if RELOAD_X else "")
+    x = widen(x_loaded)
     if not LATE_W:
         wf = effective_weight(W, cols, w_mask, 0.0, LLAMA, BF16, True)[None, :]
     ss = canon_sum(x * x, ROWS, P, LOG2P) if EXACT_SUM else tl.sum(x * x, axis=1)
@@ -132,13 +143,15 @@ def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, L
         tl.store(RSTD + rows, rstd, mask=rows < M if MASKED else tl.full((ROWS,), True, tl.int1))
     if RELOAD_X:  # as Inductor's forward: x not held across the sum, read again (from L2) for y
         x = widen(tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first"))
+    elif REWIDEN:  # the same values by another exact path, which the compiler does not merge with the first widening
+        x = widen_bits(x_loaded)
     if LATE_W:
         wf = effective_weight(W, cols, w_mask, 0.0, LLAMA, BF16, True)[None, :]
     xn = normalized_as_used(x, rstd, LLAMA, BF16) if LLAMA_ROUND else x * rstd[:, None]
     store_rounded(Y + rows[:, None] * N + cols[None, :], xn * wf, mask, BF16)
 
 
-def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: Variant
+def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: Variant, max_registers: int = 0
              ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """A call of one variant over x's rows, as the backend's forward makes one: y and rstd allocated per call, bf16 y
     written through its int16 view (kernels.py's store_rounded stores bit patterns; into a bf16 pointer the GPU would
@@ -155,11 +168,20 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: V
                                              RSTD_MODE=variant.rstd.value, LLAMA_ROUND=variant.llama_round,
                                              STORE_RSTD=variant.store_rstd, MEAN_SCALE=mean_scale,
                                              RELOAD_X=variant.reload_x, LATE_W=variant.late_w,
-                                             MASKED=variant.masked, OFFS64=variant.offs64, num_warps=warps,
+                                             MASKED=variant.masked, OFFS64=variant.offs64, REWIDEN=variant.rewiden,
+                                             num_warps=warps, **({"maxnreg": max_registers} if max_registers else {}),
                                              enable_fp_fusion=False)
         return y, rstd
 
     return call
+
+
+def parse_tile(text: str) -> tuple[int, int, int]:
+    """"ROWSxWARPS" or "ROWSxWARPSrREGS" (registers a thread bounded, Triton's maxnreg: how many programs an SM holds
+    at once) -> (rows, warps, registers or 0)."""
+    tile, _, regs = text.partition("r")
+    rows, warps = (int(v) for v in tile.split("x"))
+    return rows, warps, int(regs or 0)
 
 
 def anchors(dev: torch.device) -> dict[str, Callable]:
@@ -177,7 +199,10 @@ def main() -> None:
     dev = torch.device("cpu" if interpreting or not torch.cuda.is_available() else "cuda")
     shapes = [tuple(int(v) for v in s.split("x"))
               for s in os.environ.get("PROBE_SHAPES", "262144x128,65536x128").split(",")]
-    tiles = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROBE_TILES", "8x2,16x2").split(",")]
+    wanted = os.environ.get("PROBE_VARIANTS")  # names separated by ";" (names hold commas); default every one
+    variants = [v for v in VARIANTS if (wanted is None or v.name in wanted.split(";"))
+                and not (interpreting and v.rstd == RSTD_RCP)]  # relaxed ones are compared with the reference
+    tiles = [parse_tile(s) for s in os.environ.get("PROBE_TILES", "8x2,16x2").split(",")]
     timer = None if dev.type == "cpu" else Timer(dev, iters=15)
     g = torch.Generator(device=dev).manual_seed(0)
     results = []
@@ -185,22 +210,20 @@ def main() -> None:
         x = torch.randn(m, n, device=dev, generator=g).bfloat16()
         w = (1 + 0.1 * torch.randn(n, device=dev, generator=g)).bfloat16()
         want_y, want_rstd = sn.rms_norm_with_rstd(x, w, EPS, backend="torch")
-        for rows, warps in tiles:
-            exact_y = None
-            for variant in VARIANTS if not interpreting else [v for v in VARIANTS if v.rstd != RSTD_RCP]:
+        for rows, warps, max_registers in tiles:
+            for variant in variants:
                 if not applies(variant, m, n, rows):
                     continue
-                call = launcher(x, w, rows, warps, variant)
+                call = launcher(x, w, rows, warps, variant, max_registers)
                 y, rstd = call()
-                row = dict(M=m, N=n, rows=rows, warps=warps, what=variant.name)
+                row = dict(M=m, N=n, rows=rows, warps=warps, max_registers=max_registers, what=variant.name)
                 if dev.type == "cuda":  # registers decide how many programs an SM holds (one wave or more)
                     row["registers"] = getattr(call.compiled, "n_regs", None)
                 if variant.name in EXACT:
-                    exact_y = exact_y if exact_y is not None else y
                     row["bitwise"] = bool(torch.equal(y, want_y) and torch.equal(rstd, want_rstd))
                 else:
-                    row["y_max_rel_diff"] = float(((y.float() - exact_y.float()).abs()
-                                                   / exact_y.float().abs().clamp_min(1e-30)).max())
+                    row["y_max_rel_diff"] = float(((y.float() - want_y.float()).abs()
+                                                   / want_y.float().abs().clamp_min(1e-30)).max())
                 if timer is not None:
                     row["us"] = timer.kernel_us(call)
                 results.append(row)
@@ -213,11 +236,12 @@ def main() -> None:
     print(f"\nexact kernels bitwise with the reference everywhere: "
           f"{all(r['bitwise'] for r in results if 'bitwise' in r)}")
     if timer is not None:
-        print(f"{'M x N':>14s} {'tile':>6s} {'what':>30s} {'us':>8s} {'regs':>5s}")
+        print(f"{'M x N':>14s} {'tile':>8s} {'what':>30s} {'us':>8s} {'regs':>5s}")
         for r in results:
-            tile = f"{r['rows']}x{r['warps']}" if "rows" in r else ""
+            tile = f"{r['rows']}x{r['warps']}" + (f"r{r['max_registers']}" if r.get("max_registers") else "") \
+                if "rows" in r else ""
             regs = r.get("registers") or ""
-            print(f"{r['M']:>7d} x {r['N']:<5d} {tile:>6s} {r['what']:>30s} {r['us']:8.2f} {regs:>5}")
+            print(f"{r['M']:>7d} x {r['N']:<5d} {tile:>8s} {r['what']:>30s} {r['us']:8.2f} {regs:>5}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
