@@ -50,6 +50,7 @@ from strictnorm.backends.triton.kernels import (
     row_mean,
     store_rounded,
     widen,
+    widen_bits,
 )
 from strictnorm.bench import BYTES_ONLY, COMPILE_ANCHOR, COMPILE_EXACT_ANCHOR, Timer, norm_providers
 from strictnorm.reference import exact_mean_scale, next_pow2
@@ -101,12 +102,6 @@ def applies(variant: Variant, m: int, n: int, rows: int) -> bool:
     """Whether a variant computes every row of (m, n) in tiles of `rows` rows: an unmasked one only where the rows
     fill the tiles and the row its P lanes."""
     return variant.masked or (m % rows == 0 and n == next_pow2(n))
-
-
-@triton.jit
-def widen_bits(v):
-    """bf16 widened to fp32 through its bit pattern (exact, as widen)."""
-    return ((v.to(tl.int16, bitcast=True).to(tl.uint32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -12,7 +12,10 @@ configuration (held whole, in chunks or in two column tiles) also with the row i
 (TileChoice.warp_blocks; kernels.py's notes; the backward's only where its rows are held whole);
 SWEEP_MAX_REGISTERS=64,... also with ptxas's registers a thread bounded (TileChoice.max_registers); SWEEP_W_ROWS=1
 also with the forward's shared weight loaded the other way (TileChoice.w_rows: as one row, or in the rows' layout);
-SWEEP_DROP_RSTD=1 also with an inference call's rstd store the other way (TileChoice.drop_rstd; timed by fwd_nr).
+SWEEP_DROP_RSTD=1 also with an inference call's rstd store the other way (TileChoice.drop_rstd; timed by fwd_nr);
+SWEEP_REWIDEN=1 also with bf16 rows held as loaded across the forward's sum (TileChoice.rewiden).
+SWEEP_BASE='{"w_first": true, ...}' sets those TileChoice fields in every configuration before the variants toggle
+them.
 SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (the forward's with
 SWEEP_DIRECTIONS=fwd), its warps times SWEEP_WARP_FACTORS (1,2) with its pipelining: the next block prefetched into
 registers, the loop's loads in 2 or 3 shared-memory stages, SWEEP_PROGRAMS (2,4) programs an SM, its rows a program
@@ -79,10 +82,13 @@ def configs(n: int, m: int) -> list[tb.TileChoice]:
 
 
 def with_variants(out: list[tb.TileChoice]) -> list[tb.TileChoice]:
-    """out, and with SWEEP_WARP_BLOCKS=1 each of its choices also in warp blocks; with SWEEP_W_ROWS=1 each of those
+    """out (with SWEEP_BASE's fields), and with SWEEP_WARP_BLOCKS=1 each of its choices also in warp blocks; with
+    SWEEP_W_ROWS=1 each of those
     also with the forward's weight loaded the other way (TileChoice.w_rows); with SWEEP_DROP_RSTD=1 each of those also
     with an inference call's rstd store the other way (TileChoice.drop_rstd); with SWEEP_MAX_REGISTERS=64,... each of
-    those also with ptxas's registers a thread bounded by each value (TileChoice.max_registers)."""
+    those also with ptxas's registers a thread bounded by each value (TileChoice.max_registers); with SWEEP_REWIDEN=1
+    each of those also with the forward's bf16 rows held as loaded (TileChoice.rewiden)."""
+    out = [dataclasses.replace(c, **json.loads(os.environ.get("SWEEP_BASE", "{}"))) for c in out]
     if os.environ.get("SWEEP_WARP_BLOCKS") == "1":
         out = out + [dataclasses.replace(c, warp_blocks=True) for c in out]
     if os.environ.get("SWEEP_W_ROWS") == "1":  # the forward's shared weight loaded in the rows' layout
@@ -90,7 +96,10 @@ def with_variants(out: list[tb.TileChoice]) -> list[tb.TileChoice]:
     if os.environ.get("SWEEP_DROP_RSTD") == "1":  # an inference call's forward without rstd's store (fwd_nr)
         out = out + [dataclasses.replace(c, drop_rstd=not c.drop_rstd) for c in out]
     caps = [int(v) for v in os.environ.get("SWEEP_MAX_REGISTERS", "").split(",") if v]
-    return out + [dataclasses.replace(c, max_registers=cap) for cap in caps for c in out]
+    out = out + [dataclasses.replace(c, max_registers=cap) for cap in caps for c in out]
+    if os.environ.get("SWEEP_REWIDEN") == "1":
+        out = out + [dataclasses.replace(c, rewiden=not c.rewiden) for c in out]
+    return out
 
 
 def pipeline_configs(n: int, m: int) -> list[tb.TileChoice]:
@@ -175,16 +184,18 @@ def best_tunings(results: list[dict]) -> dict:
 def _key(r: dict) -> tuple:
     return (r["rows"], r["num_warps"], r["split"], r.get("w_first", False), r.get("chunk", 0),
             r.get("programs_per_sm", 4), r.get("prefetch", False), r.get("stages", 1), r.get("warp_blocks", False),
-            r.get("max_registers", 0), r.get("w_rows", False), r.get("drop_rstd", False))
+            r.get("max_registers", 0), r.get("w_rows", False), r.get("drop_rstd", False), r.get("rewiden", False))
 
 
 def _knobs(key: tuple) -> dict:
-    rows, warps, split, w_first, chunk, programs, prefetch, stages, warp_blocks, max_registers, w_rows, drop_rstd = key
+    (rows, warps, split, w_first, chunk, programs, prefetch, stages, warp_blocks, max_registers, w_rows, drop_rstd,
+     rewiden) = key
     knobs = {"rows": rows, "num_warps": warps, "split": split, "w_first": w_first}
     extra = {"chunk": chunk, "programs_per_sm": programs, "prefetch": prefetch, "stages": stages,
-             "warp_blocks": warp_blocks, "max_registers": max_registers, "w_rows": w_rows, "drop_rstd": drop_rstd}
+             "warp_blocks": warp_blocks, "max_registers": max_registers, "w_rows": w_rows, "drop_rstd": drop_rstd,
+             "rewiden": rewiden}
     defaults = {"chunk": 0, "programs_per_sm": 4, "prefetch": False, "stages": 1, "warp_blocks": False,
-                "max_registers": 0, "w_rows": False, "drop_rstd": False}
+                "max_registers": 0, "w_rows": False, "drop_rstd": False, "rewiden": False}
     return {**knobs, **{k: v for k, v in extra.items() if v != defaults[k]}}
 
 
@@ -223,7 +234,7 @@ def main() -> None:
                            num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk,
                            programs_per_sm=tile.programs_per_sm, prefetch=tile.prefetch, stages=tile.stages,
                            warp_blocks=tile.warp_blocks, max_registers=tile.max_registers, w_rows=tile.w_rows,
-                           drop_rstd=tile.drop_rstd)
+                           drop_rstd=tile.drop_rstd, rewiden=tile.rewiden)
                 row.update(measure(timer, triton, case, direction, ceiling))
                 results.append(row)
                 print(json.dumps(row), flush=True)
@@ -231,7 +242,7 @@ def main() -> None:
         _write(ceiling, results)  # after each shape: a run cut by a time limit keeps what it measured
     print(f"\nbest per shape (all rows bitwise: {all(r.get('bitwise') for r in results)}): us (rows, warps, split, "
           "w_first, chunk, programs an SM, prefetch, stages, warp blocks, registers bound, weight in the rows' "
-          "layout, inference without rstd); the "
+          "layout, inference without rstd, rows held as loaded); the "
           "backend's own choice")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
@@ -243,7 +254,8 @@ def main() -> None:
                 line += (f"  {direction} {b['us']:7.1f} ({b['rows']}, {b['num_warps']}, {int(b['split'])}, "
                          f"{int(b['w_first'])}, {b['chunk']}, {b['programs_per_sm']}, {int(b['prefetch'])}, "
                          f"{b['stages']}, {int(b.get('warp_blocks', False))}, {b.get('max_registers', 0)}, "
-                         f"{int(b.get('w_rows', False))}, {int(b.get('drop_rstd', False))})"
+                         f"{int(b.get('w_rows', False))}, {int(b.get('drop_rstd', False))}, "
+                         f"{int(b.get('rewiden', False))})"
                          f" own {own['us'] if own else float('nan'):7.1f}")
         print(line)
 

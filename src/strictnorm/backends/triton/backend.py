@@ -99,6 +99,9 @@ class TileChoice:
     # (_Launcher; 0: no bound): 16 warps of at most 64 fit twice in an SM's 65536, where 70 leave room for one
     # program only. Register use decides how many programs an SM runs, never a bit
     max_registers: int = 0
+    # forward, rows held whole: bf16 rows without a residual held across the sum as loaded and widened again for y
+    # (kernels.py, REWIDEN): half the registers for the rows, so more programs an SM (the same bits)
+    rewiden: bool = False
 
 
 # Choices per direction and padded length P: a TileChoice, or ((max rows, TileChoice), ..., (None, TileChoice)) where
@@ -221,6 +224,7 @@ class RowTile:
     max_registers: int = 0
     w_rows: bool = False
     drop_rstd: bool = False
+    rewiden: bool = False
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -261,7 +265,8 @@ class RowTile:
         """The forward's weight-first, weight-layout, chunk, persistent-grid, stage and warp-block constexprs (the
         chunk loops' stages, or the persistent grid's; warp_block_constexprs)."""
         persistent = self.forward_persistent
-        return dict(W_FIRST=self.w_first, W_ROWS=self.w_rows, STAGES=self.stages if self.chunk or persistent else 1,
+        return dict(W_FIRST=self.w_first, W_ROWS=self.w_rows, REWIDEN=self.rewiden,
+                    STAGES=self.stages if self.chunk or persistent else 1,
                     PERSISTENT=persistent, PREFETCH=self.prefetch and persistent,
                     **self.warp_block_constexprs(piece), **self.chunk_constexprs())
 
@@ -316,7 +321,8 @@ def _tile_of(n: int, choice: TileChoice) -> RowTile:
     num_warps = choice.num_warps or 1 << max(0, min(5, (lanes // 512).bit_length() - 1))  # a power of two, 1 to 32
     chunk = choice.chunk if t == 0 and 0 < choice.chunk < pa else 0
     return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk, choice.programs_per_sm, choice.prefetch,
-                   choice.stages, choice.warp_blocks, choice.max_registers, choice.w_rows, choice.drop_rstd)
+                   choice.stages, choice.warp_blocks, choice.max_registers, choice.w_rows, choice.drop_rstd,
+                   choice.rewiden)
 
 
 class _Launcher:

@@ -67,11 +67,18 @@ def _bf16_bits(v):
 
 
 @triton.jit
+def widen_bits(v):
+    """bf16 widened to fp32 through its bit pattern (exact): the interpreter's path (widen), and a second widening of
+    loaded rows that the compiler does not merge with a first one by widen (_fwd_rows, REWIDEN)."""
+    return ((v.to(tl.int16, bitcast=True).to(tl.uint32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def widen(v):
     """A loaded value widened to fp32, exactly. The interpreter's bf16 -> fp32 cast flushes subnormals to
     zero: there bf16 goes through its bit pattern."""
     if not COMPILED and v.dtype == tl.bfloat16:
-        return ((v.to(tl.int16, bitcast=True).to(tl.uint32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        return widen_bits(v)
     else:
         return v.to(tl.float32)
 
@@ -368,14 +375,15 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
                    PREFETCH: tl.constexpr = False, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
                    WB_ST: tl.constexpr = 0, MEAN_SCALE: tl.constexpr = 0.0, W_ROWS: tl.constexpr = False,
-                   STORE_RSTD: tl.constexpr = True):
+                   STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
     y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0
     (num_warps = WB_NW): the row (each chunk; the first column tile) in warp blocks of WB_S-element pieces (the
     module's notes), the second column tile (T > 0) in pieces of WB_ST. MEAN_SCALE: 1 / N where N is a power of two,
     else 0 (_rstd). W_ROWS: a shared weight loaded as (ROWS, lanes) in the rows' layout (_fwd_weight). STORE_RSTD
-    False (rows held whole): no rstd stored, for an inference call that asks for none. The same bits every way."""
+    False (rows held whole): no rstd stored, for an inference call that asks for none. REWIDEN (rows held whole): bf16
+    rows held as loaded across the sum (_fwd_rows). The same bits every way."""
     pid = tl.program_id(0)
     cols_a = row_columns(PA, 0 if CHUNK > 0 else WB_NW, WB_S)
     cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if T > 0 else 0, WB_ST)
@@ -390,7 +398,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     elif PERSISTENT:
         _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pid, M, N, R1, G, eps, offset,
                         cols_a, cols_b, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES,
-                        PREFETCH, WB_NW, WB_S, WB_ST, MEAN_SCALE, W_ROWS, STORE_RSTD)
+                        PREFETCH, WB_NW, WB_S, WB_ST, MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN)
     else:
         xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b, ROWS, T,
                                     HAS_RES)
@@ -400,7 +408,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                                       PER_HEAD, W_ROWS)
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
                   PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S, WB_ST,
-                  MEAN_SCALE, W_ROWS, STORE_RSTD)
+                  MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN)
 
 
 @triton.jit
@@ -409,7 +417,8 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                     LOG2T: tl.constexpr, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
                     HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr,
                     PREFETCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr,
-                    MEAN_SCALE: tl.constexpr, W_ROWS: tl.constexpr = False, STORE_RSTD: tl.constexpr = True):
+                    MEAN_SCALE: tl.constexpr, W_ROWS: tl.constexpr = False, STORE_RSTD: tl.constexpr = True,
+                    REWIDEN: tl.constexpr = False):
     """Rows held whole, programs striding over the blocks: a shared weight loaded once a program; PREFETCH: the next
     block's rows loaded into registers before this block's sum (their loads in flight while it computes and
     stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory."""
@@ -432,7 +441,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
         # per-head weights: loaded for each block, after its sum
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b, ROWS,
                   PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, WB_NW, WB_S, WB_ST,
-                  MEAN_SCALE, W_ROWS, STORE_RSTD)
+                  MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN)
 
 
 @triton.jit
@@ -478,9 +487,12 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
               MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
               HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
               WB_ST: tl.constexpr = 0, MEAN_SCALE: tl.constexpr = 0.0, W_ROWS: tl.constexpr = False,
-              STORE_RSTD: tl.constexpr = True):
+              STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False):
     """y and rstd of block blk's rows held whole, from their loaded column tiles. W_GIVEN: wf_a and wf_b are the
-    effective weight; else it is loaded after the rows' sum."""
+    effective weight; else it is loaded after the rows' sum. REWIDEN (bf16 rows without a residual): the rows held
+    across the sum as loaded, 16 bits a value, and widened again for y (widen_bits), not held widened: half the
+    registers for the rows (sm_90, Triton 3.6, 32 rows of 128 at 2 warps: 122 -> 95 a thread in
+    bench/exactness_probe.py's tile)."""
     rows = _block_rows(blk, ROWS)
     xfa = _fwd_widen(xa, ra, Z, rows, M, N, cols_a, XDT, HAS_RES)
     xfb = xfa
@@ -493,6 +505,10 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
     if not W_GIVEN:
         wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD,
                                   W_ROWS)
+    if REWIDEN and not HAS_RES and xa.dtype == tl.bfloat16:
+        xfa = widen_bits(xa)
+        if T > 0:
+            xfb = widen_bits(xb)
     _fwd_output(xfa, rstd, wf_a, Y, rows, M, N, cols_a, MODE, XDT, YDT)
     if T > 0:
         _fwd_output(xfb, rstd, wf_b, Y, rows, M, N, cols_b, MODE, XDT, YDT)
