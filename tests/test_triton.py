@@ -411,18 +411,22 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
 
 
 def test_forward_tile_at_128_columns_depends_on_the_row_count():
-    """P = 128's forward: 16 rows of 8 warps a program up to 16384 rows (up to 4096 with the weight loaded first), 8
-    rows of 2 warps past them (and where the row count is unknown) with the weight loaded first, in the rows' layout,
-    and an inference call's rstd not stored; every column count of that padded length alike."""
+    """P = 128's forward: 16 rows of 8 warps a program up to 4096 rows with the weight loaded first; past them, the
+    weight loaded first in the rows' layout and an inference call's rstd not stored, in 8 rows of 4 warps to 16384 rows
+    and 32 rows of 4 warps to 65536, bf16 rows held as loaded across the sum, then 8 rows of 2 warps (also where the row
+    count is unknown); every column count of that padded length alike."""
     from strictnorm.backends.triton import backend as tb
 
-    past = tb.RowTile(8, 128, 0, 2, w_first=True, w_rows=True, drop_rstd=True)
+    held = dict(w_first=True, w_rows=True, drop_rstd=True)
+    past = tb.RowTile(8, 128, 0, 2, **held)
     for n in (65, 100, 128):
         assert tb.forward_tile(n, 1, 8) == tb.RowTile(16, 128, 0, 8, w_first=True), n
         assert tb.forward_tile(n, 4096, 8) == tb.RowTile(16, 128, 0, 8, w_first=True), n
-        assert tb.forward_tile(n, 4097, 8) == tb.RowTile(16, 128, 0, 8), n
-        assert tb.forward_tile(n, 16384, 8) == tb.RowTile(16, 128, 0, 8), n
-        assert tb.forward_tile(n, 16385, 8) == past, n
+        assert tb.forward_tile(n, 4097, 8) == tb.RowTile(8, 128, 0, 4, **held, rewiden=True), n
+        assert tb.forward_tile(n, 16384, 8) == tb.RowTile(8, 128, 0, 4, **held, rewiden=True), n
+        assert tb.forward_tile(n, 16385, 8) == tb.RowTile(32, 128, 0, 4, **held, rewiden=True), n
+        assert tb.forward_tile(n, 65536, 8) == tb.RowTile(32, 128, 0, 4, **held, rewiden=True), n
+        assert tb.forward_tile(n, 65537, 8) == past, n
         assert tb.forward_tile(n, None, 8) == past, n
 
 
