@@ -89,6 +89,29 @@ def test_rms_norm_bitwise(mode, dtype, m, n, seed):
     _assert_same(want, got)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="the compiled kernels (under the interpreter both widenings are one path)")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [5000, 20001])
+def test_forward_with_rows_held_as_loaded_bitwise(mode, dtype, m, seed):
+    """The P = 128 forward's entries that hold bf16 rows as loaded across the sum (TileChoice.rewiden; 8 x 4 to 16384
+    rows, 32 x 4 to 65536): y and rstd the reference's in every casting mode, and the inference forward's y, with a
+    bf16 weight and an fp32 one, fp16 rows (rewiden does not apply) and a residual (nor there) beside them."""
+    g = torch.Generator().manual_seed(seed)
+    x, res = randn(m, 128, dtype=dtype, gen=g), randn(m, 128, dtype=dtype, gen=g)
+    offset = 1.0 if mode == "gemma" else 0.0
+    kw = dict(offset=offset, casting_mode=mode)
+    for w in (randn(128, dtype=torch.bfloat16, gen=g, scale=0.1), randn(128, gen=g, scale=0.1)):
+        want = sn.rms_norm_with_rstd(x, w, **kw, backend="torch")
+        got = sn.rms_norm_with_rstd(x.to(DEV), w.to(DEV), **kw, backend="triton")
+        assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
+        with torch.no_grad():
+            assert bits_equal(want[0], sn.rms_norm(x.to(DEV), w.to(DEV), **kw, backend="triton"))
+        want_fused = sn.fused_add_rms_norm(x, res, w, **kw, backend="torch")
+        got_fused = sn.fused_add_rms_norm(x.to(DEV), res.to(DEV), w.to(DEV), **kw, backend="triton")
+        assert all(bits_equal(a, b) for a, b in zip(want_fused, got_fused, strict=True))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_fused_add_bitwise_with_residual_gradient(mode, seed):
     g = torch.Generator().manual_seed(seed)
