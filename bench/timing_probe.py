@@ -215,6 +215,8 @@ def run_triggers(names: list[str], out: str | None) -> list[dict]:
         print(f"trigger {name}: rc {run.returncode}; GPU before it: {state}", flush=True)
         if run.returncode != 0:
             print(run.stdout[-2000:], run.stderr[-4000:], sep="\n", flush=True)
+        elif run.stdout.strip():  # what the trigger printed (bench_main: the bench's own tables, its figures)
+            print(run.stdout[-3000:], flush=True)
         rows += [dict(row, gpu_before=state) for row in got]
     if out:
         with open(out, "w") as f:
