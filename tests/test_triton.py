@@ -93,10 +93,22 @@ def test_rms_norm_bitwise(mode, dtype, m, n, seed):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [5000, 20001])
-def test_forward_with_rows_held_as_loaded_bitwise(mode, dtype, m, seed):
-    """The P = 128 forward's entries that hold bf16 rows as loaded across the sum (TileChoice.rewiden; 8 x 4 to 16384
-    rows, 32 x 4 to 65536): y and rstd the reference's in every casting mode, and the inference forward's y, with a
-    bf16 weight and an fp32 one, fp16 rows (rewiden does not apply) and a residual (nor there) beside them."""
+def test_forward_with_rows_held_as_loaded_bitwise(mode, dtype, m, seed, monkeypatch):
+    """The P = 128 forward with bf16 rows held as loaded across the sum (TileChoice.rewiden), in the entries of
+    bench/candidates/rewiden-128.json (8 x 4 to 16384 rows, 32 x 4 to 65536): y and rstd the reference's in every
+    casting mode, and the inference forward's y, with a bf16 weight and an fp32 one, fp16 rows (rewiden does not
+    apply) and a residual (nor there) beside them."""
+    from pathlib import Path
+
+    from strictnorm.backends.triton import backend as tb
+
+    monkeypatch.setattr(tb, "TILE_TABLE", {k: dict(v) for k, v in tb.TILE_TABLE.items()})
+    monkeypatch.setenv("STRICTNORM_TRITON_TUNING",
+                       str(Path(__file__).resolve().parents[1] / "bench" / "candidates" / "rewiden-128.json"))
+    tb._load_tuning_file()
+    assert tb.forward_tile(128, m, 8).rewiden
+    triton_backend = get_backend("triton")
+    monkeypatch.setattr(triton_backend, "_fwd_plans", {})  # plans made with the table's own tiles stay unused
     g = torch.Generator().manual_seed(seed)
     x, res = randn(m, 128, dtype=dtype, gen=g), randn(m, 128, dtype=dtype, gen=g)
     offset = 1.0 if mode == "gemma" else 0.0
@@ -434,23 +446,38 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
 
 
 def test_forward_tile_at_128_columns_depends_on_the_row_count():
-    """P = 128's forward: 16 rows of 8 warps a program up to 4096 rows with the weight loaded first; past them, the
-    weight loaded first in the rows' layout and an inference call's rstd not stored, in 8 rows of 4 warps to 16384 rows
-    and 32 rows of 4 warps to 65536, bf16 rows held as loaded across the sum, then 8 rows of 2 warps (also where the row
-    count is unknown); every column count of that padded length alike."""
+    """P = 128's forward: 16 rows of 8 warps a program up to 16384 rows (up to 4096 with the weight loaded first), 8
+    rows of 2 warps past them (and where the row count is unknown) with the weight loaded first, in the rows' layout,
+    and an inference call's rstd not stored; every column count of that padded length alike."""
     from strictnorm.backends.triton import backend as tb
 
-    held = dict(w_first=True, w_rows=True, drop_rstd=True)
-    past = tb.RowTile(8, 128, 0, 2, **held)
+    past = tb.RowTile(8, 128, 0, 2, w_first=True, w_rows=True, drop_rstd=True)
     for n in (65, 100, 128):
         assert tb.forward_tile(n, 1, 8) == tb.RowTile(16, 128, 0, 8, w_first=True), n
         assert tb.forward_tile(n, 4096, 8) == tb.RowTile(16, 128, 0, 8, w_first=True), n
-        assert tb.forward_tile(n, 4097, 8) == tb.RowTile(8, 128, 0, 4, **held, rewiden=True), n
-        assert tb.forward_tile(n, 16384, 8) == tb.RowTile(8, 128, 0, 4, **held, rewiden=True), n
-        assert tb.forward_tile(n, 16385, 8) == tb.RowTile(32, 128, 0, 4, **held, rewiden=True), n
-        assert tb.forward_tile(n, 65536, 8) == tb.RowTile(32, 128, 0, 4, **held, rewiden=True), n
-        assert tb.forward_tile(n, 65537, 8) == past, n
+        assert tb.forward_tile(n, 4097, 8) == tb.RowTile(16, 128, 0, 8), n
+        assert tb.forward_tile(n, 16384, 8) == tb.RowTile(16, 128, 0, 8), n
+        assert tb.forward_tile(n, 16385, 8) == past, n
         assert tb.forward_tile(n, None, 8) == past, n
+
+
+def test_rewiden_candidate_tuning_file_gives_its_tiles(monkeypatch):
+    """bench/candidates/rewiden-128.json (a tuning file) loads: P = 128's forward holds bf16 rows as loaded in 8 rows
+    of 4 warps from 4097 to 16384 rows and 32 of 4 to 65536, the table's own tiles below and past them."""
+    from pathlib import Path
+
+    from strictnorm.backends.triton import backend as tb
+
+    own = tb.forward_tile(128, 262144, 8)
+    monkeypatch.setattr(tb, "TILE_TABLE", {k: dict(v) for k, v in tb.TILE_TABLE.items()})
+    monkeypatch.setenv("STRICTNORM_TRITON_TUNING",
+                       str(Path(__file__).resolve().parents[1] / "bench" / "candidates" / "rewiden-128.json"))
+    tb._load_tuning_file()
+    held = dict(w_first=True, w_rows=True, drop_rstd=True, rewiden=True)
+    assert tb.forward_tile(128, 4096, 8) == tb.RowTile(16, 128, 0, 8, w_first=True)
+    assert tb.forward_tile(128, 4097, 8) == tb.forward_tile(128, 16384, 8) == tb.RowTile(8, 128, 0, 4, **held)
+    assert tb.forward_tile(128, 16385, 8) == tb.forward_tile(128, 65536, 8) == tb.RowTile(32, 128, 0, 4, **held)
+    assert tb.forward_tile(128, 65537, 8) == own
 
 
 def test_forward_warp_block_entry_only_where_its_warp_blocks_apply(monkeypatch):

@@ -151,14 +151,8 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # -> 2.16), so the 16 x 8 tile takes the weight first up to 4096 rows only (on an H200,
     # bench/results/2026-12-06-h200-run49, call b, 2 rounds: 4096 x 128 2.22 -> 2.13 us, the backward level; 34 -> 29
     # registers without it, both loads ahead of the sum with it)
-    # To 65536 rows the bf16 rows held as loaded across the sum (rewiden: 8 x 2 52 -> 37 registers, 32 x 4 ~174 -> 107,
-    # sm_90, Triton 3.6) in 8 rows of 4 warps to 16384 rows and 32 rows of 4 warps to 65536 (H100,
-    # bench/results/2026-12-07-h100-run58, calls a and b, forward with rstd, every configuration bitwise: 16384 x 128
-    # 4.06 -> 3.84 and 4.1 -> 4.0 us, 65536 x 128 12.8 -> 12.48 and 12.9 -> 12.7; 262144 x 128 level, 4096 x 128 none
-    # ahead of the 16 x 8 entry)
     "fwd": {128: ((4096, TileChoice(rows=16, num_warps=8, w_first=True)),
-                  (16384, TileChoice(rows=8, num_warps=4, w_rows=True, drop_rstd=True, w_first=True, rewiden=True)),
-                  (65536, TileChoice(rows=32, num_warps=4, w_rows=True, drop_rstd=True, w_first=True, rewiden=True)),
+                  (16384, TileChoice(rows=16, num_warps=8)),
                   (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True, w_first=True))),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
