@@ -20,6 +20,8 @@
 #                 the same with the settings of $SWEEP_ENV_TAG added ("SWEEP_SHAPES=2048x4096 SWEEP_PIPELINES=1"):
 #                 several sweeps in one call
 #   bench         `strictnorm bench` ($BENCH_ARGS)
+#   bench:TAG     the same with $BENCH_ARGS_TAG instead ("--flush read --shapes 128x4096"), its files named by the
+#                 tag: several benches in one call
 #   host          bench/host_breakdown.py
 #   kernel-split  bench/kernel_split.py (each kernel of a forward + backward call alone, median us; $SPLIT_ARGS)
 #   consumer-probe bench/consumer_probe.py (the fold consumer loops' cycles a row, one warp alone)
@@ -99,6 +101,9 @@ job_command() {
               "${NCU_PROBE:-32768 4096 onepass-strict} > '$log' 2>&1" ;;
     bench) echo "timeout ${BENCH_TIMEOUT:-480} python3 -m strictnorm.bench --json '$W/bench.json'" \
                 "--markdown '$W/bench.md' ${BENCH_ARGS:-} > '$log' 2>&1" ;;
+    bench:*) local var="BENCH_ARGS_${job#bench:}" base="$W/${job//:/-}"
+             echo "timeout ${BENCH_TIMEOUT:-480} python3 -m strictnorm.bench --json '$base.json'" \
+                  "--markdown '$base.md' ${!var:-} > '$log' 2>&1" ;;
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
     kernel-split) echo "timeout ${SPLIT_TIMEOUT:-200} python3 bench/kernel_split.py '$W/kernel-split.json'" \
                        "${SPLIT_ARGS:-} > '$log' 2>&1" ;;
@@ -182,7 +187,7 @@ for job in $ALONE $FIRST $SECOND; do
     *)
       echo "$job: $(tail -n 1 "$log" 2>/dev/null)"
       cp "$log" "$W/${job//:/-}.json" "$OUT/" 2>/dev/null
-      [ "$job" = bench ] && { cp "$W/bench.md" "$OUT/"; tail -n 40 "$W/bench.md"; }
+      [[ $job == bench || $job == bench:* ]] && { cp "$W/${job//:/-}.md" "$OUT/"; tail -n 40 "$W/${job//:/-}.md"; }
       [[ $job == sweep-triton* || $job == sweep-cuda* ]] && sed -n '/best per shape/,$p' "$log"
       [ "$job" = strict-parts ] && sed -n '/copy ceiling/,$p' "$log"
       [ "$job" = host ] && cp "$W/host.json" "$OUT/" 2>/dev/null ;;

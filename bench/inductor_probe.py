@@ -42,7 +42,7 @@ def kernels_of(fn, timer: Timer, trace_dir: str) -> list[dict]:
     per: dict[int, list[float]] = {}
     info: list[dict] = []
     for i in range(timer.iters):
-        timer.flush.zero_()
+        timer.flush_l2()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()

@@ -25,7 +25,7 @@ def kernels_of_one_call(timer: Timer, fn) -> list[tuple[str, float, float]]:
     """(name, start us from the first kernel's start, duration us) of every GPU kernel of one call."""
     from torch.profiler import ProfilerActivity, profile
 
-    timer.flush.zero_()
+    timer.flush_l2()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()

@@ -222,7 +222,7 @@ def test_cli_end_to_end_on_cpu(tmp_path):
     j, c, png, md = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png", tmp_path / "b.md"
     p = subprocess.run([sys.executable, "-m", "strictnorm.cli", "bench", "--device", "cpu", "--shapes", "16x64",
                         "--rounds", "2", "--iters", "2", "--json", str(j), "--csv", str(c), "--plot", str(png),
-                        "--markdown", str(md)],
+                        "--markdown", str(md), "--flush", "read"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     data = json.loads(j.read_text())
@@ -239,6 +239,21 @@ def test_cli_end_to_end_on_cpu(tmp_path):
     assert "copy ceiling" in p.stdout and "A/A control" in p.stdout
     text = md.read_text()
     assert "| strictnorm torch strict | 16 × 64 |" in text and "Copy ceiling" in text
+    assert data["flush"] == "read" and "by reading a 256 MB buffer" in text
+
+
+def test_timer_flush_mode_from_argument_or_environment(monkeypatch):
+    """Timer's L2 flush: the argument, else STRICTNORM_BENCH_FLUSH, else "write" (PERF.md's anchors' method); an
+    unknown mode is an error that names the variable, not a silent default."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("STRICTNORM_BENCH_FLUSH", raising=False)
+    assert bench.Timer(cpu, 1).flush_mode == "write"
+    monkeypatch.setenv("STRICTNORM_BENCH_FLUSH", "read")
+    assert bench.Timer(cpu, 1).flush_mode == "read"
+    assert bench.Timer(cpu, 1, "write").flush_mode == "write"
+    monkeypatch.setenv("STRICTNORM_BENCH_FLUSH", "evict")
+    with pytest.raises(ValueError, match="STRICTNORM_BENCH_FLUSH"):
+        bench.Timer(cpu, 1)
 
 
 def test_fused_add_section_on_cpu():
@@ -553,6 +568,23 @@ def test_queued_time_on_the_cpu_is_the_wall_clock():
     calls = []
     us = bench.Timer(torch.device("cpu"), iters=3).queued_us(lambda: calls.append(1) or sum(range(20000)))
     assert len(calls) == 2 + 3 and us > 0
+
+
+def test_device_call_runs_tagged_benches_with_their_arguments(tmp_path):
+    """device_call.sh's bench:TAG runs the bench with $BENCH_ARGS_TAG (quotes kept), its files named by the tag, so
+    that one call can time the same shapes two ways."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"),
+           "BENCH_ARGS": "--shapes 128x4096", "BENCH_ARGS_rd": '--flush read --only "strictnorm triton fast,bytes"'}
+    run = subprocess.run(["bash", "bench/device_call.sh", "--first", "bench bench:rd"], cwd=root, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    plain, tagged = run.stdout.splitlines()
+    assert f"{tmp_path}/w/bench.json" in plain and "--shapes 128x4096" in plain and "--flush" not in plain
+    assert f"{tmp_path}/w/bench-rd.json" in tagged and f"{tmp_path}/w/bench-rd.md" in tagged
+    assert '--flush read --only "strictnorm triton fast,bytes"' in tagged and "--shapes" not in tagged
 
 
 def test_device_call_runs_tagged_sweeps_with_their_settings(tmp_path):

@@ -52,6 +52,11 @@ COMPILE_ANCHOR = "torch.compile"
 # bits; with it on, the compiled module gives eager's bits (tests/test_bench.py), the computation strictnorm matches
 COMPILE_EXACT_ANCHOR = "torch.compile (eager casts)"
 HOLD_CYCLES = 4_000_000  # queued_us's sleep: ~2 ms at ~1.98 GHz, longer than the host takes to enqueue a call
+# How Timer empties the L2 before a timed call (STRICTNORM_BENCH_FLUSH): "write" zeroes a 256 MB buffer, as PERF.md's
+# anchors and triton's do_bench do, which leaves the L2 full of dirty lines that the timed call's first misses must
+# write back; "read" sums the buffer instead, leaving clean lines. The anchors' figures are "write" figures; "read"
+# is for telling how much of a small kernel's time is that write-back.
+FLUSH_MODES = ("write", "read")
 
 
 def environment() -> dict:
@@ -89,11 +94,24 @@ class Timer:
     CPU: both figures are the wall-clock median of the call (there are no kernels to separate).
     """
 
-    def __init__(self, device: torch.device, iters: int) -> None:
+    def __init__(self, device: torch.device, iters: int, flush: str | None = None) -> None:
         self.device = device
         self.iters = iters
         self.cuda = device.type == "cuda"
+        self.flush_mode = flush or os.environ.get("STRICTNORM_BENCH_FLUSH", "write")
+        if self.flush_mode not in FLUSH_MODES:
+            raise ValueError(f"unknown L2 flush {self.flush_mode!r} (STRICTNORM_BENCH_FLUSH); expected one of "
+                             f"{FLUSH_MODES}")
         self.flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=device) if self.cuda else None
+        if self.cuda and self.flush_mode == "read":
+            self.flush.fill_(1)  # written once here; each flush then only reads it
+
+    def flush_l2(self) -> None:
+        """Empty the L2 of the timed call's data (FLUSH_MODES)."""
+        if self.flush_mode == "write":
+            self.flush.zero_()
+        else:
+            self.flush.sum()
 
     def sync(self) -> None:
         if self.cuda:
@@ -143,7 +161,7 @@ class Timer:
             return self._wall_us(fn)
         times = []
         for _ in range(self.iters):
-            self.flush.zero_()
+            self.flush_l2()
             times.append(once(fn))
         return statistics.median(times)
 
@@ -624,7 +642,8 @@ def write_markdown(result: dict, path: str) -> None:
     env = result["env"]
     lines = [f"# strictnorm bench, {env.get('gpu') or 'cpu (wall-clock timings)'}, {env['date']}", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in env.items() if v and k not in ("date", "gpu")), "",
-             f"Copy ceiling measured in the same run: {result['copy_GBps']:.0f} GB/s.", ""]
+             f"Copy ceiling measured in the same run: {result['copy_GBps']:.0f} GB/s. L2 emptied before each timed"
+             f" call by {'reading' if result.get('flush') == 'read' else 'writing'} a 256 MB buffer.", ""]
     if result.get("norm"):
         lines += ["| provider | M × N | fwd µs | fwd % copy | bwd µs | bwd % copy | fwd vs best anchor |"
                   " bwd vs best anchor | fwd / bytes only | bwd / bytes only | eager fwd µs | eager fwd+bwd µs |",
@@ -695,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=9, help="timed iterations per measurement (median)")
     p.add_argument("--compile", action="store_true", help="include the torch.compile anchor (slow to build)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--flush", choices=FLUSH_MODES, default=None,
+                   help="how the L2 is emptied before each timed call (default: STRICTNORM_BENCH_FLUSH, else write, "
+                        "as PERF.md's anchors)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--csv", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="PNG of GB/s per provider (needs matplotlib)")
@@ -713,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    timer = Timer(device, args.iters)
+    timer = Timer(device, args.iters, args.flush)
+    result["flush"] = timer.flush_mode
     result["copy_GBps"] = copy_ceiling_gbps(device)
     if not args.no_norm:
         shapes = parse_shapes(args.shapes) if args.shapes else PRESETS[args.preset]
