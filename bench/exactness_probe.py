@@ -15,6 +15,11 @@ exact variants take the structure of torch.compile's forward (Inductor's, bench/
 `x loaded again` (x not held across the sum but read again after it, from L2), `weight after sum` (the weight
 loaded only once the sum is taken) and `Inductor's order` (both); `relaxed, Inductor's order` is that with all four
 steps relaxed: about Inductor's kernel.
+Four variants take a tile of 32 rows at 2 warps to 64 registers a thread or fewer (compiled offline for sm_90 by
+Triton 3.6; the exact tile takes 122), so that 2048 programs run in one wave at 65536 x 128 as Inductor's do: x
+widened again or loaded again, Inductor's addressing, with rcp_rn (64) or N compiled in (`N constant`: rows addressed
+by immediates, as in Inductor's static kernel; 59), and all relaxed with N compiled in (56). At 16 rows of 2 warps
+the last two take 40 and 32 (32: 32 programs an SM, one wave of 4096 at 65536 x 128).
 A relaxed variant's largest relative difference from the reference's y (the exact y) is reported, never used.
 Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
 PROBE_SHAPES=MxN,... (default 262144x128,65536x128; any N, the row held whole), PROBE_TILES=ROWSxWARPS[rREGS],...
@@ -76,6 +81,7 @@ class Variant(NamedTuple):
     masked: bool = True  # loads and stores masked by rows < M and cols < N (unmasked: M % ROWS == 0 and N == P only)
     offs64: bool = True  # row offsets in 64-bit integers (the backend's); else 32-bit, as Inductor's where they fit
     rewiden: bool = False  # x held across the sum as loaded (16-bit) and widened again for y, not held widened
+    n_const: bool = False  # N compiled in as a constant (Inductor's static shape): rows addressed by immediates
 
 
 RELAXED = dict(exact_sum=False, rstd=RSTD_RSQRT, llama_round=False, store_rstd=False)
@@ -92,7 +98,16 @@ VARIANTS = [Variant("exact"), Variant("mean by division", mean_by_multiply=False
             Variant("no masks", masked=False), Variant("32-bit offsets", offs64=False),
             Variant("Inductor's addressing", **INDUCTOR_ADDRESSING), Variant("x widened again", rewiden=True),
             Variant("x widened again, Inductor's addressing", rewiden=True, **INDUCTOR_ADDRESSING),
-            Variant("relaxed, Inductor's addressing", **RELAXED, **INDUCTOR_ADDRESSING)]
+            Variant("relaxed, Inductor's addressing", **RELAXED, **INDUCTOR_ADDRESSING),
+            # at or under 64 registers a thread at 32 x 2 (compiled offline for sm_90 by Triton 3.6; the exact 32 x 2
+            # tile takes 122): 2048 programs of 32 rows, one wave at 65536 x 128, as Inductor's kernel runs there
+            Variant("x widened again, Inductor's addressing, rcp_rn", rewiden=True, rstd=RSTD_RCP,
+                    **INDUCTOR_ADDRESSING),
+            Variant("x loaded again, Inductor's addressing, rcp_rn", reload_x=True, rstd=RSTD_RCP,
+                    **INDUCTOR_ADDRESSING),
+            Variant("x loaded again, Inductor's addressing, N constant", reload_x=True, n_const=True,
+                    **INDUCTOR_ADDRESSING),
+            Variant("relaxed, Inductor's addressing, N constant", **RELAXED, **INDUCTOR_ADDRESSING, n_const=True)]
 
 
 def is_exact(variant: Variant) -> bool:
@@ -111,7 +126,9 @@ def applies(variant: Variant, m: int, n: int, rows: int) -> bool:
 def tile_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
                 EXACT_SUM: tl.constexpr, RSTD_MODE: tl.constexpr, LLAMA_ROUND: tl.constexpr,
                 STORE_RSTD: tl.constexpr, MEAN_SCALE: tl.constexpr, RELOAD_X: tl.constexpr, LATE_W: tl.constexpr,
-                MASKED: tl.constexpr, OFFS64: tl.constexpr, REWIDEN: tl.constexpr):
+                MASKED: tl.constexpr, OFFS64: tl.constexpr, REWIDEN: tl.constexpr, NC: tl.constexpr):
+    if NC > 0:  # the row length compiled in (Variant.n_const)
+        N = NC
     pid = tl.program_id(0)
     rows = (pid.to(tl.int64) if OFFS64 else pid) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, P)
@@ -168,6 +185,7 @@ def launcher(x: torch.Tensor, w: torch.Tensor, rows: int, warps: int, variant: V
                                              STORE_RSTD=variant.store_rstd, MEAN_SCALE=mean_scale,
                                              RELOAD_X=variant.reload_x, LATE_W=variant.late_w,
                                              MASKED=variant.masked, OFFS64=variant.offs64, REWIDEN=variant.rewiden,
+                                             NC=n if variant.n_const else 0,
                                              num_warps=warps, **({"maxnreg": max_registers} if max_registers else {}),
                                              enable_fp_fusion=False)
         return y, rstd

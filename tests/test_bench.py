@@ -739,17 +739,19 @@ def test_exactness_probe_checks_its_exact_kernel(tmp_path):
     at power-of-two and odd N, one row a program or several, with the mean of a power of two's squares by
     multiplication (the kernels') and by division, x loaded again after the sum and the weight loaded after it
     (Inductor's order), x held as loaded and widened again for y, with 32-bit row offsets, and unmasked (Inductor's
-    addressing) wherever the rows fill the tiles and N is a power of two (only there: 5 rows of 128 in tiles of 4
-    would read past x), and every relaxed variant (rstd's steps relaxed together and apart) runs beside it; dropping
-    llama's rounding changes some y (the check can fail), dropping the rstd store none."""
+    addressing, also with N compiled in) wherever the rows fill the tiles and N is a power of two (only there: 5 rows
+    of 128 in tiles of 4 would read past x), and every relaxed variant (rstd's steps relaxed together and apart) runs
+    beside it; dropping llama's rounding changes some y (the check can fail), dropping the rstd store none."""
     rows = _interpreted_probe("exactness_probe.py", tmp_path, PROBE_SHAPES="5x128,9x100,8x64", PROBE_TILES="4x1,1x2")
     exact = [r for r in rows if "bitwise" in r]
     assert {r["what"] for r in exact} == {"exact", "mean by division", "x loaded again", "weight after sum",
                                           "Inductor's order", "32-bit offsets", "no masks", "Inductor's addressing",
-                                          "x widened again", "x widened again, Inductor's addressing"}
-    unmasked = {(r["M"], r["N"], r["rows"]) for r in exact if r["what"] == "no masks"}
-    assert unmasked == {(5, 128, 1), (8, 64, 4), (8, 64, 1)}
-    assert len(exact) == 6 * 7 + 3 * 3 and all(r["bitwise"] for r in exact)
+                                          "x widened again", "x widened again, Inductor's addressing",
+                                          "x loaded again, Inductor's addressing, N constant"}
+    for unmasked_variant in ("no masks", "x loaded again, Inductor's addressing, N constant"):
+        unmasked = {(r["M"], r["N"], r["rows"]) for r in exact if r["what"] == unmasked_variant}
+        assert unmasked == {(5, 128, 1), (8, 64, 4), (8, 64, 1)}
+    assert len(exact) == 6 * 7 + 3 * 4 and all(r["bitwise"] for r in exact)
     relaxed = {r["what"]: r["y_max_rel_diff"] for r in rows if "bitwise" not in r and r["N"] == 100}
     assert set(relaxed) == {"no rstd store", "tl.sum", "approximate rstd", "approximate sqrt", "approximate 1 / s",
                             "no llama rounding", "all relaxed", "relaxed, Inductor's order"}  # rcp_rn: compiled only
