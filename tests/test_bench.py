@@ -497,6 +497,18 @@ def test_cuda_sweep_times_the_tables_entry_and_the_inference_forward(monkeypatch
     assert all(d.get("NO_RSTD") == 1 for d in compiled)
 
 
+def _device_call_plan(tmp_path, *args: str, **env: str) -> list[str]:
+    """The commands bench/device_call.sh would run for these arguments (DRY_RUN), one line a job, with W and OUT under
+    tmp_path and env's variables set."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"), **env}
+    run = subprocess.run(["bash", "bench/device_call.sh", *args], cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.splitlines()
+
+
 def test_device_call_plans_its_jobs(tmp_path):
     """bench/device_call.sh (DRY_RUN): --alone first with every GPU visible, then --first's and --second's jobs in
     order (on one GPU, or none, one after the other), each job's command with its log; an unknown argument fails."""
@@ -548,15 +560,9 @@ def test_device_call_runs_fewer_test_workers_on_a_smaller_gpu(tmp_path):
 def test_device_call_profiles_with_ncu(tmp_path):
     """device_call.sh's ncu job: Nsight Compute over bench/ncu_probe.py with $NCU_PROBE's shape and cases and the
     named sections (each a --section flag), from the probe's profiler range on; sweep-onepass runs its sweep."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"),
-           "NCU_PROBE": "4096 4096 fold-dw onepass-strict", "NCU_SECTIONS": "SpeedOfLight WarpStateStats"}
-    run = subprocess.run(["bash", "bench/device_call.sh", "--first", "ncu sweep-onepass"], cwd=root, env=env,
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    ncu, onepass = run.stdout.splitlines()
+    ncu, onepass = _device_call_plan(tmp_path, "--first", "ncu sweep-onepass",
+                                     NCU_PROBE="4096 4096 fold-dw onepass-strict",
+                                     NCU_SECTIONS="SpeedOfLight WarpStateStats")
     assert "--profile-from-start off" in ncu and "--section SpeedOfLight --section WarpStateStats python3" in ncu
     assert "bench/ncu_probe.py 4096 4096 fold-dw onepass-strict >" in ncu and f"{tmp_path}/w/ncu.log" in ncu
     assert "bench/sweep_onepass.py" in onepass and f"{tmp_path}/w/sweep-onepass.json" in onepass
@@ -573,15 +579,8 @@ def test_queued_time_on_the_cpu_is_the_wall_clock():
 def test_device_call_runs_tagged_benches_with_their_arguments(tmp_path):
     """device_call.sh's bench:TAG runs the bench with $BENCH_ARGS_TAG (quotes kept), its files named by the tag, so
     that one call can time the same shapes two ways."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"),
-           "BENCH_ARGS": "--shapes 128x4096", "BENCH_ARGS_rd": '--flush read --only "strictnorm triton fast,bytes"'}
-    run = subprocess.run(["bash", "bench/device_call.sh", "--first", "bench bench:rd"], cwd=root, env=env,
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    plain, tagged = run.stdout.splitlines()
+    plain, tagged = _device_call_plan(tmp_path, "--first", "bench bench:rd", BENCH_ARGS="--shapes 128x4096",
+                                      BENCH_ARGS_rd='--flush read --only "strictnorm triton fast,bytes"')
     assert f"{tmp_path}/w/bench.json" in plain and "--shapes 128x4096" in plain and "--flush" not in plain
     assert f"{tmp_path}/w/bench-rd.json" in tagged and f"{tmp_path}/w/bench-rd.md" in tagged
     assert '--flush read --only "strictnorm triton fast,bytes"' in tagged and "--shapes" not in tagged
@@ -594,12 +593,8 @@ def test_device_call_runs_tagged_sweeps_with_their_settings(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"),
-           "SWEEP_ENV_fwd": "SWEEP_DIRECTIONS=fwd SWEEP_PIPELINES=1"}
-    run = subprocess.run(["bash", "bench/device_call.sh", "--first", "sweep-triton:fwd sweep-triton:other"],
-                         cwd=root, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    fwd, other = run.stdout.splitlines()
+    fwd, other = _device_call_plan(tmp_path, "--first", "sweep-triton:fwd sweep-triton:other",
+                                   SWEEP_ENV_fwd="SWEEP_DIRECTIONS=fwd SWEEP_PIPELINES=1")
     assert "env SWEEP_DIRECTIONS=fwd SWEEP_PIPELINES=1 timeout" in fwd and f"{tmp_path}/w/sweep-triton-fwd.json" in fwd
     assert "tuning_merge.py /tmp/strictnorm-triton-tuning.json" in fwd and "SWEEP_" not in other
     into, new = tmp_path / "into.json", tmp_path / "new.json"
