@@ -6,11 +6,11 @@ set -u
 export PYTHONPATH=$PWD/src:$PWD/bench PYTHONUNBUFFERED=1 STRICTNORM_BENCH_FLUSH=read
 PROBE_SHAPES=65536x128,16384x128 PROBE_TILES=8x2,8x4,32x4 \
 PROBE_VARIANTS="exact;x widened again;x widened again, Inductor's addressing;x widened again, Inductor's addressing, rcp_rn;x loaded again, Inductor's addressing, N constant" \
-  timeout 200 python3 bench/exactness_probe.py "$OUT/c-ep.json" > "$OUT/c-ep.log" 2>&1
+  timeout 150 python3 bench/exactness_probe.py "$OUT/c-ep.json" > "$OUT/c-ep.log" 2>&1
 args=(--flush read --rounds 3 --shapes 4096x128,16384x128,65536x128,262144x128 --only "strictnorm triton fast,bytes")
 for round in 1 2; do
-  timeout 120 python3 -m strictnorm.bench "${args[@]}" --json "$OUT/c-main$round.json" > "$OUT/c-main$round.log" 2>&1
-  STRICTNORM_TRITON_TUNING=bench/candidates/rewiden-128.json timeout 120 python3 -m strictnorm.bench "${args[@]}" \
+  timeout 60 python3 -m strictnorm.bench "${args[@]}" --json "$OUT/c-main$round.json" > "$OUT/c-main$round.log" 2>&1
+  STRICTNORM_TRITON_TUNING=bench/candidates/rewiden-128.json timeout 60 python3 -m strictnorm.bench "${args[@]}" \
     --json "$OUT/c-rewiden$round.json" > "$OUT/c-rewiden$round.log" 2>&1
 done
 tail -n 25 "$OUT/c-ep.log"
