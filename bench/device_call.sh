@@ -99,11 +99,10 @@ job_command() {
          echo "timeout ${NCU_TIMEOUT:-300} \$(command -v ncu || echo /usr/local/cuda/bin/ncu) --profile-from-start off" \
               "--clock-control none $(printf -- '--section %s ' $sections)python3 bench/ncu_probe.py" \
               "${NCU_PROBE:-32768 4096 onepass-strict} > '$log' 2>&1" ;;
-    bench) echo "timeout ${BENCH_TIMEOUT:-480} python3 -m strictnorm.bench --json '$W/bench.json'" \
-                "--markdown '$W/bench.md' ${BENCH_ARGS:-} > '$log' 2>&1" ;;
-    bench:*) local var="BENCH_ARGS_${job#bench:}" base="$W/${job//:/-}"
-             echo "timeout ${BENCH_TIMEOUT:-480} python3 -m strictnorm.bench --json '$base.json'" \
-                  "--markdown '$base.md' ${!var:-} > '$log' 2>&1" ;;
+    bench|bench:*) local var="BENCH_ARGS${job#bench}" base="$W/${job//:/-}"  # bench:TAG: $BENCH_ARGS_TAG
+                   var=${var/:/_}
+                   echo "timeout ${BENCH_TIMEOUT:-480} python3 -m strictnorm.bench --json '$base.json'" \
+                        "--markdown '$base.md' ${!var:-} > '$log' 2>&1" ;;
     host) echo "timeout 120 python3 bench/host_breakdown.py '$W/host.json' > '$log' 2>&1" ;;
     kernel-split) echo "timeout ${SPLIT_TIMEOUT:-200} python3 bench/kernel_split.py '$W/kernel-split.json'" \
                        "${SPLIT_ARGS:-} > '$log' 2>&1" ;;

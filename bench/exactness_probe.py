@@ -19,7 +19,8 @@ Four variants take a tile of 32 rows at 2 warps to 64 registers a thread or fewe
 Triton 3.6; the exact tile takes 122), so that 2048 programs run in one wave at 65536 x 128 as Inductor's do: x
 widened again or loaded again, Inductor's addressing, with rcp_rn (64) or N compiled in (`N constant`: rows addressed
 by immediates, as in Inductor's static kernel; 59), and all relaxed with N compiled in (56). At 16 rows of 2 warps
-the last two take 40 and 32 (32: 32 programs an SM, one wave of 4096 at 65536 x 128).
+the last two take 40 and 32 (32: 32 programs an SM, one wave of 4096 at 65536 x 128). Run 59 (an H100, the L2
+flushed by reading) found the one-wave tiles no faster than 8 x 2's two waves: one wave is not Inductor's lead.
 A relaxed variant's largest relative difference from the reference's y (the exact y) is reported, never used.
 Kernel-only time as in strictnorm.bench (L2 flushed, profiler).
 PROBE_SHAPES=MxN,... (default 262144x128,65536x128; any N, the row held whole), PROBE_TILES=ROWSxWARPS[rREGS],...
