@@ -6,9 +6,11 @@ the median over the rounds, and every round's figure. Trees with the same kernel
 percent at shapes of a few us (bench/results/2026-12-03-h200-run37, call d: an unchanged 5.9 us backward, 0.2 us
 apart in every round): name a tree twice (main=. again=.ab/main) to measure that spread in the same call.
 A tree is NAME=PATH (its `src/` holds the package), e.g. main's checkout and a branch's files unpacked beside it
-(`git archive BRANCH src | tar -x -C .ab/BRANCH`). Run on the GPU machine (or on the CPU, where the bench times by
-wall clock):
+(`git archive BRANCH src | tar -x -C .ab/BRANCH`). NAME=PATH,TUNING runs the tree with the Triton tuning file TUNING
+(STRICTNORM_TRITON_TUNING): a table candidate beside the table. Run on the GPU machine (or on the CPU, where the bench
+times by wall clock):
     python3 bench/ab_bench.py OUT_DIR ROUNDS main=. row-walk=.ab/row-walk -- --shapes 4096x128 --only cuda
+    python3 bench/ab_bench.py OUT_DIR 2 table=. dense=.,bench/candidates/dense-128.json -- --shapes 65536x128
 """
 
 from __future__ import annotations
@@ -19,9 +21,24 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 
-def run_rounds(out: Path, rounds: int, trees: dict[str, Path], bench_args: list[str]) -> dict[str, list[dict]]:
+class Tree(NamedTuple):
+    """A source tree (its `src/` holds the package) and the Triton tuning file it runs with (None: its table)."""
+
+    path: Path
+    tuning: Path | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> tuple[str, Tree]:
+        """NAME=PATH or NAME=PATH,TUNING -> (NAME, Tree)."""
+        name, _, where = spec.partition("=")
+        path, _, tuning = where.partition(",")
+        return name, cls(Path(path).resolve(), Path(tuning).resolve() if tuning else None)
+
+
+def run_rounds(out: Path, rounds: int, trees: dict[str, Tree], bench_args: list[str]) -> dict[str, list[dict]]:
     """Every tree's bench JSON of each round (the bench's own --json), the trees' order rotated a round."""
     out.mkdir(parents=True, exist_ok=True)
     names = list(trees)
@@ -29,8 +46,12 @@ def run_rounds(out: Path, rounds: int, trees: dict[str, Path], bench_args: list[
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             path = out / f"{name}-{r + 1}.json"
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(trees[name] / "src"),
+            tree = trees[name]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree.path / "src"),
                                                                               os.environ.get("PYTHONPATH")]))}
+            env.pop("STRICTNORM_TRITON_TUNING", None)
+            if tree.tuning is not None:
+                env["STRICTNORM_TRITON_TUNING"] = str(tree.tuning)
             with open(out / f"{name}-{r + 1}.log", "w") as log:
                 subprocess.run([sys.executable, "-m", "strictnorm.bench", "--json", str(path), *bench_args],
                                env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -65,7 +86,7 @@ def main(argv: list[str]) -> int:
         return 2
     head, bench_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     out, rounds = Path(head[0]), int(head[1])
-    trees = {spec.split("=", 1)[0]: Path(spec.split("=", 1)[1]).resolve() for spec in head[2:]}
+    trees = dict(Tree.parse(spec) for spec in head[2:])
     runs = run_rounds(out, rounds, trees, bench_args)
     lines = table(runs)
     (out / "ab.txt").write_text("\n".join(lines) + "\n")

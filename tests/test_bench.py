@@ -841,6 +841,17 @@ def test_ab_bench_runs_each_tree_in_turn_on_cpu(tmp_path):
     assert usage.returncode == 2
 
 
+def test_ab_bench_tree_with_a_tuning_file(monkeypatch):
+    """bench/ab_bench.py's NAME=PATH,TUNING: the tree and the Triton tuning file it runs with; NAME=PATH: none."""
+    _bench_scripts(monkeypatch)
+    import ab_bench
+
+    root = Path(__file__).resolve().parent.parent
+    name, tree = ab_bench.Tree.parse(f"dense={root},bench/candidates/dense-128.json")
+    assert (name, tree.path, tree.tuning) == ("dense", root, Path("bench/candidates/dense-128.json").resolve())
+    assert ab_bench.Tree.parse(f"main={root}") == ("main", ab_bench.Tree(root, None))
+
+
 def test_host_breakdown_backward_pieces_on_cpu(monkeypatch):
     """bench/host_breakdown.py's backward pieces on the CPU (the torch backend, a few calls a figure): the engine's
     empty node, the step and the time inside the backend call (its wrapper reached on the engine's thread, so less

@@ -90,23 +90,25 @@ def test_rms_norm_bitwise(mode, dtype, m, n, seed):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the compiled kernels (under the interpreter both widenings are one path)")
+@pytest.mark.parametrize("candidate", ["rewiden-128.json", "dense-128.json", "dense-rewiden-128.json"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [5000, 20001])
-def test_forward_with_rows_held_as_loaded_bitwise(mode, dtype, m, seed, monkeypatch):
-    """The P = 128 forward with bf16 rows held as loaded across the sum (TileChoice.rewiden), in the entries of
-    bench/candidates/rewiden-128.json (8 x 4 to 16384 rows, 32 x 4 to 65536): y and rstd the reference's in every
-    casting mode, and the inference forward's y, with a bf16 weight and an fp32 one, fp16 rows (rewiden does not
-    apply) and a residual (nor there) beside them."""
+@pytest.mark.parametrize("m", [4096, 5000, 20000, 20001])
+def test_forward_candidate_tiles_bitwise(candidate, mode, dtype, m, seed, monkeypatch):
+    """The P = 128 forward in the tiles of a tuning file of bench/candidates: bf16 rows held as loaded across the sum
+    (TileChoice.rewiden; rewiden-128.json: 8 x 4 to 16384 rows, 32 x 4 to 65536), the table's tiles without masks
+    where the rows fill them (TileChoice.dense; dense-128.json), both (dense-rewiden-128.json): y and rstd the
+    reference's in every casting mode, and the inference forward's y, with a bf16 weight and an fp32 one, fp16 rows
+    (rewiden does not apply), a residual and rows that do not fill the tiles (5000 and 20001: the masked kernel)."""
     from pathlib import Path
 
     from strictnorm.backends.triton import backend as tb
 
     monkeypatch.setattr(tb, "TILE_TABLE", {k: dict(v) for k, v in tb.TILE_TABLE.items()})
-    monkeypatch.setenv("STRICTNORM_TRITON_TUNING",
-                       str(Path(__file__).resolve().parents[1] / "bench" / "candidates" / "rewiden-128.json"))
+    monkeypatch.setenv("STRICTNORM_TRITON_TUNING", str(Path(__file__).resolve().parents[1] / "bench" / "candidates"
+                                                       / candidate))
     tb._load_tuning_file()
-    assert tb.forward_tile(128, m, 8).rewiden
+    tile = tb.forward_tile(128, m, 8)
     triton_backend = get_backend("triton")
     monkeypatch.setattr(triton_backend, "_fwd_plans", {})  # plans made with the table's own tiles stay unused
     g = torch.Generator().manual_seed(seed)
@@ -122,6 +124,62 @@ def test_forward_with_rows_held_as_loaded_bitwise(mode, dtype, m, seed, monkeypa
         want_fused = sn.fused_add_rms_norm(x, res, w, **kw, backend="torch")
         got_fused = sn.fused_add_rms_norm(x.to(DEV), res.to(DEV), w.to(DEV), **kw, backend="triton")
         assert all(bits_equal(a, b) for a, b in zip(want_fused, got_fused, strict=True))
+    dense = {plan.meta["DENSE"] for plan in triton_backend._fwd_plans.values()}
+    assert dense == {tile.dense and m % tile.rows == 0}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rewiden", [False, True])
+def test_dense_forward_bitwise_and_only_where_the_rows_allow(mode, dtype, rewiden, seed, monkeypatch):
+    """TileChoice.dense (kernels.py, DENSE: no masks, 32-bit offsets, N compiled in) at P = 16 in tiles of 4 rows: the
+    kernel without masks where the rows fill the tiles, N = P and the rows are contiguous (2D, 3D, with a residual),
+    the masked one elsewhere (rows left over, N < P, rows further apart than N); y, rstd and the fused add's z the
+    reference's every way, with a bf16 weight and an fp32 one."""
+    from strictnorm.backends.triton import backend as tb
+
+    monkeypatch.setattr(tb, "TILE_TABLE", {k: dict(v) for k, v in tb.TILE_TABLE.items()})
+    tb.TILE_TABLE["fwd"][16] = tb.TileChoice(rows=4, num_warps=1, w_first=True, w_rows=True, dense=True,
+                                             rewiden=rewiden)
+    triton_backend = get_backend("triton")
+    g = torch.Generator().manual_seed(seed)
+    offset = 1.0 if mode == "gemma" else 0.0
+    kw = dict(offset=offset, casting_mode=mode)
+    wide = randn(8, 32, dtype=dtype, gen=g)
+    cases = [(randn(8, 16, dtype=dtype, gen=g), True), (randn(2, 4, 16, dtype=dtype, gen=g), True),
+             (randn(6, 16, dtype=dtype, gen=g), False), (randn(8, 13, dtype=dtype, gen=g), False),
+             (wide[:, :16], False)]
+    for x, dense in cases:
+        n = x.shape[-1]
+        for w in (randn(n, dtype=torch.bfloat16, gen=g, scale=0.1), randn(n, gen=g, scale=0.1)):
+            monkeypatch.setattr(triton_backend, "_fwd_plans", {})
+            want = sn.rms_norm_with_rstd(x, w, **kw, backend="torch")
+            got = sn.rms_norm_with_rstd(x.to(DEV), w.to(DEV), **kw, backend="triton")
+            assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1]), (tuple(x.shape), x.stride())
+            res = randn(*x.shape, dtype=dtype, gen=g)
+            want_fused = sn.fused_add_rms_norm(x, res, w, **kw, backend="torch")
+            got_fused = sn.fused_add_rms_norm(x.to(DEV), res.to(DEV), w.to(DEV), **kw, backend="triton")
+            assert all(bits_equal(a, b) for a, b in zip(want_fused, got_fused, strict=True))
+            assert {plan.meta["DENSE"] for plan in triton_backend._fwd_plans.values()} == {dense}, tuple(x.shape)
+
+
+def test_dense_rows_asks_for_every_condition():
+    """backend.dense_rows: a tile asking for DENSE gets it only for rows held whole in one tile of N = P lanes, rows
+    filling the tiles, contiguous rows (one leading dim) and element offsets under 2^31."""
+    from strictnorm.backends.layout import RowLayout, contiguous_layout
+    from strictnorm.backends.triton import backend as tb
+
+    tile = tb.RowTile(8, 128, 0, 2, dense=True)
+    assert tb.dense_rows(tile, (contiguous_layout(64, 128),))
+    assert tb.dense_rows(tile, (contiguous_layout(2**24 - 8, 128), contiguous_layout(2**24 - 8, 128)))
+    assert not tb.dense_rows(tile, (contiguous_layout(2**24, 128),))  # 2^31 elements
+    assert not tb.dense_rows(tile, (contiguous_layout(60, 128),))  # rows left over
+    assert not tb.dense_rows(tile, (contiguous_layout(64, 100),))  # N < P
+    assert not tb.dense_rows(tile, (contiguous_layout(64, 128), RowLayout(64, 128, 1, 1, 256, 0, 0)))  # rows apart
+    assert not tb.dense_rows(tile, (RowLayout(64, 128, 4, 1, 2048, 128, 0),))  # two leading dims
+    assert not tb.dense_rows(tb.RowTile(8, 128, 0, 2, chunk=64, dense=True), (contiguous_layout(64, 128),))
+    assert not tb.dense_rows(tb.RowTile(8, 128, 0, 2, stages=2, dense=True), (contiguous_layout(64, 128),))
+    assert not tb.dense_rows(tb.RowTile(1, 64, 32, 2, dense=True), (contiguous_layout(64, 80),))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -102,6 +102,10 @@ class TileChoice:
     # forward, rows held whole: bf16 rows without a residual held across the sum as loaded and widened again for y
     # (kernels.py, REWIDEN): half the registers for the rows, so more programs an SM (the same bits)
     rewiden: bool = False
+    # forward, rows held whole in one tile: where a call's rows fill the tiles, N is a power of two and the row tensors'
+    # rows are contiguous (dense_rows), compiled without masks, with 32-bit offsets and N as a constant (kernels.py,
+    # DENSE: Inductor's addressing at a static shape); other calls take the masked kernel
+    dense: bool = False
 
 
 # Choices per direction and padded length P: a TileChoice, or ((max rows, TileChoice), ..., (None, TileChoice)) where
@@ -225,6 +229,7 @@ class RowTile:
     w_rows: bool = False
     drop_rstd: bool = False
     rewiden: bool = False
+    dense: bool = False
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -261,11 +266,12 @@ class RowTile:
         """Whether the forward's programs stride over the blocks (rows held whole, prefetched or pipelined)."""
         return not self.chunk and (self.prefetch or self.stages > 1)
 
-    def forward_constexprs(self, piece: int = 0) -> dict:
+    def forward_constexprs(self, piece: int = 0, dense_rows: bool = False) -> dict:
         """The forward's weight-first, weight-layout, chunk, persistent-grid, stage and warp-block constexprs (the
-        chunk loops' stages, or the persistent grid's; warp_block_constexprs)."""
+        chunk loops' stages, or the persistent grid's; warp_block_constexprs); DENSE where the tile asks for it and
+        the call's rows allow it (dense_rows)."""
         persistent = self.forward_persistent
-        return dict(W_FIRST=self.w_first, W_ROWS=self.w_rows, REWIDEN=self.rewiden,
+        return dict(W_FIRST=self.w_first, W_ROWS=self.w_rows, REWIDEN=self.rewiden, DENSE=self.dense and dense_rows,
                     STAGES=self.stages if self.chunk or persistent else 1,
                     PERSISTENT=persistent, PREFETCH=self.prefetch and persistent,
                     **self.warp_block_constexprs(piece), **self.chunk_constexprs())
@@ -275,6 +281,16 @@ class RowTile:
         chunks = self.pa // self.chunk if self.chunk else 1
         return dict(CHUNK=self.chunk, LOG2CHUNK=max(0, self.chunk.bit_length() - 1), NCH=chunks,
                     LOG2NCH=chunks.bit_length() - 1)
+
+
+def dense_rows(tile: RowTile, layouts: tuple[RowLayout, ...]) -> bool:
+    """Whether a forward call's rows can take its tile's DENSE kernel (TileChoice.dense): rows held whole in one
+    column tile of N = P lanes, not persistent, the rows filling the tiles, each row tensor's rows N elements apart
+    (one leading dim, R1 = G = 1) and every element offset under 2^31."""
+    lay = layouts[0]
+    return (not tile.chunk and tile.t == 0 and not tile.forward_persistent and lay.n == tile.pa
+            and lay.rows % tile.rows == 0 and lay.rows * lay.n < 2**31
+            and all((r.r1, r.g, r.s0) == (1, 1, lay.n) or r.rows == 1 for r in layouts))
 
 
 def column_tiles(n: int, split: bool) -> tuple[int, int]:
@@ -322,7 +338,7 @@ def _tile_of(n: int, choice: TileChoice) -> RowTile:
     chunk = choice.chunk if t == 0 and 0 < choice.chunk < pa else 0
     return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk, choice.programs_per_sm, choice.prefetch,
                    choice.stages, choice.warp_blocks, choice.max_registers, choice.w_rows, choice.drop_rstd,
-                   choice.rewiden)
+                   choice.rewiden, choice.dense)
 
 
 class _Launcher:
@@ -482,7 +498,8 @@ class TritonBackend:
         norm_dtype = residual.dtype if residual is not None else x.dtype
         meta = dict(MODE=MODE_CODES[spec.mode], XDT=DTYPE_CODES[norm_dtype], YDT=DTYPE_CODES[spec.out_dtype],
                     HAS_W=w is not None, PER_HEAD=views.per_head, HAS_RES=residual is not None,
-                    MEAN_SCALE=exact_mean_scale(lay.n), **tile.forward_constexprs(piece), **tile.meta(),
+                    MEAN_SCALE=exact_mean_scale(lay.n), **tile.forward_constexprs(piece, dense_rows(tile, layouts)),
+                    **tile.meta(),
                     STORE_RSTD=need_rstd or not tile.drop_rstd or bool(tile.chunk))
         nprog = _programs(_cdiv(lay.rows, tile.rows), tile, x.device, tile.forward_persistent)
         return _Plan(views, (nprog,), wsg,

@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 # dtype codes shared with the host side
 F32: tl.constexpr = tl.constexpr(0)
@@ -56,6 +58,9 @@ NONE: tl.constexpr = tl.constexpr(2)
 COMPILED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # what the fold kernel folds: raw rows, or a casting mode's dW contribution (LLAMA/GEMMA/NONE + 1)
 RAW_ROWS: tl.constexpr = tl.constexpr(0)
+# rstd's reciprocal as rcp.rn.f32 (NVIDIA, compiled): the same correctly rounded 1 / s as div_rn(1, s) in fewer
+# instructions; elsewhere (ROCm, the interpreter) div_rn
+RECIPROCAL_RN: tl.constexpr = tl.constexpr(COMPILED.value and torch.version.hip is None)
 
 
 @triton.jit
@@ -231,6 +236,30 @@ def row_sum(va, vb, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, 
 
 
 @triton.jit
+def rows_in(rows, M, DENSE: tl.constexpr = False):
+    """rows < M; a constant true where the rows fill the tiles (DENSE: Triton folds such masks away)."""
+    if DENSE:
+        return tl.full(rows.shape, True, tl.int1)
+    else:
+        return rows < M
+
+
+@triton.jit
+def cols_in(cols, N, DENSE: tl.constexpr = False):
+    """cols < N; a constant true where every row is N = P lanes long (DENSE)."""
+    if DENSE:
+        return tl.full(cols.shape, True, tl.int1)
+    else:
+        return cols < N
+
+
+@triton.jit
+def tile_in(rows, M, N, cols, DENSE: tl.constexpr = False):
+    """The (rows, cols) lanes inside the (M, N) rows; a constant true where the rows fill the tiles (DENSE)."""
+    return rows_in(rows, M, DENSE)[:, None] & cols_in(cols, N, DENSE)[None, :]
+
+
+@triton.jit
 def row_offsets(rows, R1, G, s0, s1, sg):
     """Element offsets of logical rows in a RowLayout view, and each row's group (head) index."""
     rows = rows.to(tl.int64)
@@ -265,9 +294,9 @@ def normalized_as_used(xf, rstd, MODE: tl.constexpr, XDT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols, HAS_RES: tl.constexpr):
+def _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols, HAS_RES: tl.constexpr, DENSE: tl.constexpr = False):
     """One column tile of the forward's input rows as loaded: x, and the residual (x again without one)."""
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    mask = tile_in(rows, M, N, cols, DENSE)
     x = tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0)
     r = x
     if HAS_RES:
@@ -276,14 +305,15 @@ def _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _fwd_widen(x, r, Z, rows, M, N, cols, XDT: tl.constexpr, HAS_RES: tl.constexpr, STORE_Z: tl.constexpr = True):
+def _fwd_widen(x, r, Z, rows, M, N, cols, XDT: tl.constexpr, HAS_RES: tl.constexpr, STORE_Z: tl.constexpr = True,
+               DENSE: tl.constexpr = False):
     """The norm's input of one loaded column tile, widened: x, or z = rd(f32(x) + f32(residual), residual dtype)
     (stored to Z unless STORE_Z is False)."""
     xf = widen(x)
     if HAS_RES:
         xf = round_f32(xf + widen(r), XDT)
         if STORE_Z:
-            store_rounded(Z + rows[:, None] * N + cols[None, :], xf, (rows < M)[:, None] & (cols < N)[None, :], XDT)
+            store_rounded(Z + rows[:, None] * N + cols[None, :], xf, tile_in(rows, M, N, cols, DENSE), XDT)
     return xf
 
 
@@ -305,8 +335,12 @@ def row_mean(s, N, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr):
 
 @triton.jit
 def _rstd(ss, N, eps, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr = 0.0):
-    """rstd = 1 / sqrt(ss / N + eps), each step IEEE-rounded."""
-    return tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(row_mean(ss, N, ROWS, MEAN_SCALE) + eps))
+    """rstd = 1 / sqrt(ss / N + eps), each step IEEE-rounded (the reciprocal by rcp_rn where RECIPROCAL_RN)."""
+    root = tl.sqrt_rn(row_mean(ss, N, ROWS, MEAN_SCALE) + eps)
+    if RECIPROCAL_RN:
+        return libdevice.rcp_rn(root)
+    else:
+        return tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), root)
 
 
 @triton.jit
@@ -338,7 +372,7 @@ def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps,
 
 @triton.jit
 def _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr,
-                PER_HEAD: tl.constexpr, W_ROWS: tl.constexpr = False):
+                PER_HEAD: tl.constexpr, W_ROWS: tl.constexpr = False, DENSE: tl.constexpr = False):
     """The effective weight of one column tile: (ROWS, lanes) per head, else (1, lanes); W_ROWS: (ROWS, lanes), each
     row's copy loaded in the rows' own layout (where the (1, lanes) load's layout differs from the rows', Triton
     converts it through shared memory: at 8 rows of 128 lanes in 2 warps, 4 of the kernel's 5 barriers)."""
@@ -347,16 +381,17 @@ def _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE: tl.constexpr, XDT: tl
         wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
     elif W_ROWS:
         offs = cols[None, :] + tl.zeros_like(rows)[:, None].to(cols.dtype)
-        wf = effective_weight(W, offs, offs < N, offset, MODE, XDT, HAS_W)
+        wf = effective_weight(W, offs, cols_in(offs, N, DENSE), offset, MODE, XDT, HAS_W)
     else:
-        wf = effective_weight(W, cols, cols < N, offset, MODE, XDT, HAS_W)[None, :]
+        wf = effective_weight(W, cols, cols_in(cols, N, DENSE), offset, MODE, XDT, HAS_W)[None, :]
     return wf
 
 
 @triton.jit
-def _fwd_output(xf, rstd, wf, Y, rows, M, N, cols, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr):
+def _fwd_output(xf, rstd, wf, Y, rows, M, N, cols, MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
+                DENSE: tl.constexpr = False):
     """y of one column tile."""
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    mask = tile_in(rows, M, N, cols, DENSE)
     y = normalized_as_used(xf, rstd, MODE, XDT) * wf
     if MODE == NONE:
         y = round_f32(y, XDT)
@@ -375,7 +410,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
                    PREFETCH: tl.constexpr = False, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
                    WB_ST: tl.constexpr = 0, MEAN_SCALE: tl.constexpr = 0.0, W_ROWS: tl.constexpr = False,
-                   STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False):
+                   STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False, DENSE: tl.constexpr = False):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
     y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0
@@ -383,7 +418,13 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     module's notes), the second column tile (T > 0) in pieces of WB_ST. MEAN_SCALE: 1 / N where N is a power of two,
     else 0 (_rstd). W_ROWS: a shared weight loaded as (ROWS, lanes) in the rows' layout (_fwd_weight). STORE_RSTD
     False (rows held whole): no rstd stored, for an inference call that asks for none. REWIDEN (rows held whole): bf16
-    rows held as loaded across the sum (_fwd_rows). The same bits every way."""
+    rows held as loaded across the sum (_fwd_rows). DENSE (rows held whole in one column tile, not persistent): the
+    rows fill the tiles (M % ROWS == 0), N == PA, every row tensor's rows contiguous (R1 = G = 1, row stride N) and M *
+    N < 2^31: Inductor's addressing at a static shape, no masks and 32-bit offsets with N compiled in. The same bits
+    every way."""
+    tl.static_assert(not DENSE or (CHUNK == 0 and T == 0 and not PERSISTENT), "DENSE: rows held whole, one tile")
+    if DENSE:  # the row length compiled in: rows addressed by immediates
+        N = PA
     pid = tl.program_id(0)
     cols_a = row_columns(PA, 0 if CHUNK > 0 else WB_NW, WB_S)
     cols_b = PA + row_columns(T if T > 0 else 1, WB_NW if T > 0 else 0, WB_ST)
@@ -401,14 +442,14 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                         PREFETCH, WB_NW, WB_S, WB_ST, MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN)
     else:
         xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b, ROWS, T,
-                                    HAS_RES)
+                                    HAS_RES, DENSE)
         wf_a, wf_b = tl.zeros((1, PA), tl.float32), tl.zeros((1, T if T > 0 else 1), tl.float32)
         if W_FIRST:
             wf_a, wf_b = _fwd_weights(W, wsg, pid, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W,
-                                      PER_HEAD, W_ROWS)
+                                      PER_HEAD, W_ROWS, DENSE)
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
                   PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S, WB_ST,
-                  MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN)
+                  MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN, DENSE)
 
 
 @triton.jit
@@ -445,39 +486,43 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
 
 
 @triton.jit
-def _block_rows(blk, ROWS: tl.constexpr):
-    """The logical rows of block blk (64-bit)."""
-    return tl.cast(blk, tl.int64) * ROWS + tl.arange(0, ROWS)
+def _block_rows(blk, ROWS: tl.constexpr, I32: tl.constexpr = False):
+    """The logical rows of block blk (64-bit; I32: 32-bit, where every offset fits)."""
+    return (blk if I32 else tl.cast(blk, tl.int64)) * ROWS + tl.arange(0, ROWS)
 
 
 @triton.jit
 def _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, blk, M, N, R1, G, cols_a, cols_b, ROWS: tl.constexpr,
-               T: tl.constexpr, HAS_RES: tl.constexpr):
+               T: tl.constexpr, HAS_RES: tl.constexpr, DENSE: tl.constexpr = False):
     """The forward's loads of one block of rows, as loaded (x and the residual of each column tile; tile b is tile a
-    when T == 0). A block past the end loads nothing (every lane masked)."""
-    rows = _block_rows(blk, ROWS)
-    x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
-    r_offs = x_offs
-    if HAS_RES:
-        r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
-    xa, ra = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols_a, HAS_RES)
+    when T == 0). A block past the end loads nothing (every lane masked). DENSE: rows N apart (rms_fwd_kernel)."""
+    rows = _block_rows(blk, ROWS, DENSE)
+    if DENSE:
+        x_offs = rows * N
+        r_offs = x_offs
+    else:
+        x_offs, _ = row_offsets(rows, R1, G, xs0, xs1, xsg)
+        r_offs = x_offs
+        if HAS_RES:
+            r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
+    xa, ra = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols_a, HAS_RES, DENSE)
     xb, rb = xa, ra
     if T > 0:
-        xb, rb = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols_b, HAS_RES)
+        xb, rb = _fwd_load(X, x_offs, RES, r_offs, rows, M, N, cols_b, HAS_RES, DENSE)
     return xa, ra, xb, rb
 
 
 @triton.jit
 def _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS: tl.constexpr, T: tl.constexpr,
                  MODE: tl.constexpr, XDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
-                 W_ROWS: tl.constexpr = False):
+                 W_ROWS: tl.constexpr = False, DENSE: tl.constexpr = False):
     """The effective weight of block blk's column tiles (tile b is tile a when T == 0)."""
-    rows = _block_rows(blk, ROWS)
+    rows = _block_rows(blk, ROWS, DENSE)
     g = rows % G
-    wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD, W_ROWS)
+    wf_a = _fwd_weight(W, wsg, g, rows, M, N, cols_a, offset, MODE, XDT, HAS_W, PER_HEAD, W_ROWS, DENSE)
     wf_b = wf_a
     if T > 0:
-        wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD, W_ROWS)
+        wf_b = _fwd_weight(W, wsg, g, rows, M, N, cols_b, offset, MODE, XDT, HAS_W, PER_HEAD, W_ROWS, DENSE)
     return wf_a, wf_b
 
 
@@ -487,31 +532,31 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
               MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
               HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
               WB_ST: tl.constexpr = 0, MEAN_SCALE: tl.constexpr = 0.0, W_ROWS: tl.constexpr = False,
-              STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False):
+              STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False, DENSE: tl.constexpr = False):
     """y and rstd of block blk's rows held whole, from their loaded column tiles. W_GIVEN: wf_a and wf_b are the
     effective weight; else it is loaded after the rows' sum. REWIDEN (bf16 rows without a residual): the rows held
     across the sum as loaded, 16 bits a value, and widened again for y (widen_bits), not held widened: half the
     registers for the rows (sm_90, Triton 3.6, 32 rows of 128 at 2 warps: 122 -> 95 a thread in
     bench/exactness_probe.py's tile)."""
-    rows = _block_rows(blk, ROWS)
-    xfa = _fwd_widen(xa, ra, Z, rows, M, N, cols_a, XDT, HAS_RES)
+    rows = _block_rows(blk, ROWS, DENSE)
+    xfa = _fwd_widen(xa, ra, Z, rows, M, N, cols_a, XDT, HAS_RES, True, DENSE)
     xfb = xfa
     if T > 0:
-        xfb = _fwd_widen(xb, rb, Z, rows, M, N, cols_b, XDT, HAS_RES)
+        xfb = _fwd_widen(xb, rb, Z, rows, M, N, cols_b, XDT, HAS_RES, True, DENSE)
     rstd = _rstd(row_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST), N, eps, ROWS,
                  MEAN_SCALE)
     if STORE_RSTD:
-        tl.store(RSTD + rows, rstd, mask=rows < M)
+        tl.store(RSTD + rows, rstd, mask=rows_in(rows, M, DENSE))
     if not W_GIVEN:
         wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD,
-                                  W_ROWS)
+                                  W_ROWS, DENSE)
     if REWIDEN and not HAS_RES and xa.dtype == tl.bfloat16:
         xfa = widen_bits(xa)
         if T > 0:
             xfb = widen_bits(xb)
-    _fwd_output(xfa, rstd, wf_a, Y, rows, M, N, cols_a, MODE, XDT, YDT)
+    _fwd_output(xfa, rstd, wf_a, Y, rows, M, N, cols_a, MODE, XDT, YDT, DENSE)
     if T > 0:
-        _fwd_output(xfb, rstd, wf_b, Y, rows, M, N, cols_b, MODE, XDT, YDT)
+        _fwd_output(xfb, rstd, wf_b, Y, rows, M, N, cols_b, MODE, XDT, YDT, DENSE)
 
 
 @triton.jit
