@@ -10,15 +10,15 @@ mkdir -p $OUT $W
 bash bench/device_call.sh --wheels a --first "env"
 cp $W/env.log $R/env.log
 export PYTHONPATH=$PWD/src:$PWD/bench PYTHONUNBUFFERED=1 STRICTNORM_CACHE_DIR=/tmp/strictnorm-cache
-timeout 200 python3 -m pytest -n 8 -q -rfE -p no:cacheprovider tests/test_triton.py \
+timeout 150 python3 -m pytest -n 8 -q -rfE -p no:cacheprovider tests/test_triton.py \
   -k "dense or candidate or rewiden or rstd" > $R/tests.log 2>&1
 tail -n 4 $R/tests.log
 shapes=4096x128,16384x128,65536x128,262144x128
-STRICTNORM_BENCH_FLUSH=read timeout 330 python3 bench/ab_bench.py $OUT/ab 2 main=.ab/main table=. \
+STRICTNORM_BENCH_FLUSH=read timeout 290 python3 bench/ab_bench.py $OUT/ab 2 main=.ab/main table=. \
   dense=.,bench/candidates/dense-128.json dense-rewiden=.,bench/candidates/dense-rewiden-128.json \
   rewiden=.,bench/candidates/rewiden-128.json -- --flush read --rounds 3 --shapes $shapes \
   --only "strictnorm triton fast,bytes" > $R/ab.log 2>&1
-timeout 150 python3 -m strictnorm.bench --flush read --compile --rounds 3 --shapes $shapes \
+timeout 120 python3 -m strictnorm.bench --flush read --compile --rounds 3 --shapes $shapes \
   --only "torch.compile,bytes" --json $OUT/anchor.json > $OUT/anchor.log 2>&1
 cp $OUT/anchor.json $R/ 2>/dev/null
 tar czf $R/a.tar.gz -C /tmp o strictnorm-call
