@@ -90,7 +90,8 @@ def test_rms_norm_bitwise(mode, dtype, m, n, seed):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the compiled kernels (under the interpreter both widenings are one path)")
-@pytest.mark.parametrize("candidate", ["rewiden-128.json", "dense-128.json", "dense-rewiden-128.json"])
+@pytest.mark.parametrize("candidate", ["rewiden-128.json", "dense-128.json", "dense-rewiden-128.json",
+                                       "masked-128.json"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [4096, 5000, 20000, 20001])
@@ -506,27 +507,28 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
 def test_forward_tile_at_128_columns_depends_on_the_row_count():
     """P = 128's forward: 16 rows of 8 warps a program up to 16384 rows (up to 4096 with the weight loaded first), 8
     rows of 2 warps past them (and where the row count is unknown) with the weight loaded first, in the rows' layout,
-    and an inference call's rstd not stored; every column count of that padded length alike."""
+    and an inference call's rstd not stored; every tile without masks where a call's rows allow (dense) and bf16 rows
+    held as loaded (rewiden); every column count of that padded length alike."""
     from strictnorm.backends.triton import backend as tb
 
-    past = tb.RowTile(8, 128, 0, 2, w_first=True, w_rows=True, drop_rstd=True)
+    both = dict(dense=True, rewiden=True)
+    past = tb.RowTile(8, 128, 0, 2, w_first=True, w_rows=True, drop_rstd=True, **both)
     for n in (65, 100, 128):
-        assert tb.forward_tile(n, 1, 8) == tb.RowTile(16, 128, 0, 8, w_first=True), n
-        assert tb.forward_tile(n, 4096, 8) == tb.RowTile(16, 128, 0, 8, w_first=True), n
-        assert tb.forward_tile(n, 4097, 8) == tb.RowTile(16, 128, 0, 8), n
-        assert tb.forward_tile(n, 16384, 8) == tb.RowTile(16, 128, 0, 8), n
+        assert tb.forward_tile(n, 1, 8) == tb.RowTile(16, 128, 0, 8, w_first=True, **both), n
+        assert tb.forward_tile(n, 4096, 8) == tb.RowTile(16, 128, 0, 8, w_first=True, **both), n
+        assert tb.forward_tile(n, 4097, 8) == tb.RowTile(16, 128, 0, 8, **both), n
+        assert tb.forward_tile(n, 16384, 8) == tb.RowTile(16, 128, 0, 8, **both), n
         assert tb.forward_tile(n, 16385, 8) == past, n
         assert tb.forward_tile(n, None, 8) == past, n
 
 
 def test_rewiden_candidate_tuning_file_gives_its_tiles(monkeypatch):
     """bench/candidates/rewiden-128.json (a tuning file) loads: P = 128's forward holds bf16 rows as loaded in 8 rows
-    of 4 warps from 4097 to 16384 rows and 32 of 4 to 65536, the table's own tiles below and past them."""
+    of 4 warps from 4097 to 16384 rows and 32 of 4 to 65536, the masked table's tiles below and past them."""
     from pathlib import Path
 
     from strictnorm.backends.triton import backend as tb
 
-    own = tb.forward_tile(128, 262144, 8)
     monkeypatch.setattr(tb, "TILE_TABLE", {k: dict(v) for k, v in tb.TILE_TABLE.items()})
     monkeypatch.setenv("STRICTNORM_TRITON_TUNING",
                        str(Path(__file__).resolve().parents[1] / "bench" / "candidates" / "rewiden-128.json"))
@@ -535,7 +537,7 @@ def test_rewiden_candidate_tuning_file_gives_its_tiles(monkeypatch):
     assert tb.forward_tile(128, 4096, 8) == tb.RowTile(16, 128, 0, 8, w_first=True)
     assert tb.forward_tile(128, 4097, 8) == tb.forward_tile(128, 16384, 8) == tb.RowTile(8, 128, 0, 4, **held)
     assert tb.forward_tile(128, 16385, 8) == tb.forward_tile(128, 65536, 8) == tb.RowTile(32, 128, 0, 4, **held)
-    assert tb.forward_tile(128, 65537, 8) == own
+    assert tb.forward_tile(128, 65537, 8) == tb.RowTile(8, 128, 0, 2, w_first=True, w_rows=True, drop_rstd=True)
 
 
 def test_forward_warp_block_entry_only_where_its_warp_blocks_apply(monkeypatch):

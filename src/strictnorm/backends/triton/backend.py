@@ -155,9 +155,12 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # -> 2.16), so the 16 x 8 tile takes the weight first up to 4096 rows only (on an H200,
     # bench/results/2026-12-06-h200-run49, call b, 2 rounds: 4096 x 128 2.22 -> 2.13 us, the backward level; 34 -> 29
     # registers without it, both loads ahead of the sum with it)
-    "fwd": {128: ((4096, TileChoice(rows=16, num_warps=8, w_first=True)),
-                  (16384, TileChoice(rows=16, num_warps=8)),
-                  (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True, w_first=True))),
+    # The same tiles without masks where a call's rows fill them, bf16 rows held as loaded (dense, rewiden; candidate
+    # bench/candidates/dense-rewiden-128.json, session 63; bench/candidates/masked-128.json keeps the tiles before)
+    "fwd": {128: ((4096, TileChoice(rows=16, num_warps=8, w_first=True, dense=True, rewiden=True)),
+                  (16384, TileChoice(rows=16, num_warps=8, dense=True, rewiden=True)),
+                  (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True, w_first=True, dense=True,
+                                    rewiden=True))),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
                    (None, TileChoice(rows=2, num_warps=8, warp_blocks=True))),
