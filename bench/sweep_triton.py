@@ -13,7 +13,8 @@ configuration (held whole, in chunks or in two column tiles) also with the row i
 SWEEP_MAX_REGISTERS=64,... also with ptxas's registers a thread bounded (TileChoice.max_registers); SWEEP_W_ROWS=1
 also with the forward's shared weight loaded the other way (TileChoice.w_rows: as one row, or in the rows' layout);
 SWEEP_DROP_RSTD=1 also with an inference call's rstd store the other way (TileChoice.drop_rstd; timed by fwd_nr);
-SWEEP_REWIDEN=1 also with bf16 rows held as loaded across the forward's sum (TileChoice.rewiden).
+SWEEP_REWIDEN=1 also with bf16 rows held as loaded across the forward's sum (TileChoice.rewiden); SWEEP_DENSE=1 also
+with the forward's tiles without masks where the shape's rows allow (TileChoice.dense).
 SWEEP_BASE='{"w_first": true, ...}' sets those TileChoice fields in every configuration before the variants toggle
 them.
 SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (the forward's with
@@ -99,6 +100,8 @@ def with_variants(out: list[tb.TileChoice]) -> list[tb.TileChoice]:
     out = out + [dataclasses.replace(c, max_registers=cap) for cap in caps for c in out]
     if os.environ.get("SWEEP_REWIDEN") == "1":
         out = out + [dataclasses.replace(c, rewiden=not c.rewiden) for c in out]
+    if os.environ.get("SWEEP_DENSE") == "1":
+        out = out + [dataclasses.replace(c, dense=not c.dense) for c in out]
     return out
 
 
@@ -184,18 +187,19 @@ def best_tunings(results: list[dict]) -> dict:
 def _key(r: dict) -> tuple:
     return (r["rows"], r["num_warps"], r["split"], r.get("w_first", False), r.get("chunk", 0),
             r.get("programs_per_sm", 4), r.get("prefetch", False), r.get("stages", 1), r.get("warp_blocks", False),
-            r.get("max_registers", 0), r.get("w_rows", False), r.get("drop_rstd", False), r.get("rewiden", False))
+            r.get("max_registers", 0), r.get("w_rows", False), r.get("drop_rstd", False), r.get("rewiden", False),
+            r.get("dense", False))
 
 
 def _knobs(key: tuple) -> dict:
     (rows, warps, split, w_first, chunk, programs, prefetch, stages, warp_blocks, max_registers, w_rows, drop_rstd,
-     rewiden) = key
+     rewiden, dense) = key
     knobs = {"rows": rows, "num_warps": warps, "split": split, "w_first": w_first}
     extra = {"chunk": chunk, "programs_per_sm": programs, "prefetch": prefetch, "stages": stages,
              "warp_blocks": warp_blocks, "max_registers": max_registers, "w_rows": w_rows, "drop_rstd": drop_rstd,
-             "rewiden": rewiden}
+             "rewiden": rewiden, "dense": dense}
     defaults = {"chunk": 0, "programs_per_sm": 4, "prefetch": False, "stages": 1, "warp_blocks": False,
-                "max_registers": 0, "w_rows": False, "drop_rstd": False, "rewiden": False}
+                "max_registers": 0, "w_rows": False, "drop_rstd": False, "rewiden": False, "dense": False}
     return {**knobs, **{k: v for k, v in extra.items() if v != defaults[k]}}
 
 
@@ -234,7 +238,7 @@ def main() -> None:
                            num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk,
                            programs_per_sm=tile.programs_per_sm, prefetch=tile.prefetch, stages=tile.stages,
                            warp_blocks=tile.warp_blocks, max_registers=tile.max_registers, w_rows=tile.w_rows,
-                           drop_rstd=tile.drop_rstd, rewiden=tile.rewiden)
+                           drop_rstd=tile.drop_rstd, rewiden=tile.rewiden, dense=tile.dense)
                 row.update(measure(timer, triton, case, direction, ceiling))
                 results.append(row)
                 print(json.dumps(row), flush=True)
@@ -242,7 +246,7 @@ def main() -> None:
         _write(ceiling, results)  # after each shape: a run cut by a time limit keeps what it measured
     print(f"\nbest per shape (all rows bitwise: {all(r.get('bitwise') for r in results)}): us (rows, warps, split, "
           "w_first, chunk, programs an SM, prefetch, stages, warp blocks, registers bound, weight in the rows' "
-          "layout, inference without rstd, rows held as loaded); the "
+          "layout, inference without rstd, rows held as loaded, dense); the "
           "backend's own choice")
     for m, n in SHAPES:
         line = f"{m:>7d}x{n:<6d}"
@@ -255,7 +259,7 @@ def main() -> None:
                          f"{int(b['w_first'])}, {b['chunk']}, {b['programs_per_sm']}, {int(b['prefetch'])}, "
                          f"{b['stages']}, {int(b.get('warp_blocks', False))}, {b.get('max_registers', 0)}, "
                          f"{int(b.get('w_rows', False))}, {int(b.get('drop_rstd', False))}, "
-                         f"{int(b.get('rewiden', False))})"
+                         f"{int(b.get('rewiden', False))}, {int(b.get('dense', False))})"
                          f" own {own['us'] if own else float('nan'):7.1f}")
         print(line)
 

@@ -341,6 +341,31 @@ def test_triton_sweep_tries_warp_blocks_and_keeps_them(tmp_path, monkeypatch):
     assert tb.row_tile(4096, "fwd").warp_blocks
 
 
+def test_triton_sweep_tries_dense_tiles_and_keeps_them(tmp_path, monkeypatch):
+    """SWEEP_DENSE=1: each configuration also with TileChoice.dense toggled; a dense choice that wins is written with
+    its knob and loads as a dense tile."""
+    _bench_scripts(monkeypatch)
+    import sweep_triton
+
+    from strictnorm.backends.triton import backend as tb
+
+    plain = sweep_triton.configs(128, 65536)
+    monkeypatch.setenv("SWEEP_DENSE", "1")
+    both = sweep_triton.configs(128, 65536)
+    assert both[:len(plain)] == plain and len(both) == 2 * len(plain)
+    assert [dataclasses.replace(c, dense=not c.dense) for c in both[len(plain):]] == plain
+    rows = [dict(M=65536, N=128, direction="fwd", default=False, rows=8, num_warps=2, split=False, w_first=True,
+                 dense=dense, bitwise=True, us=us) for dense, us in ((False, 10.2), (True, 9.6))]
+    best = sweep_triton.best_tunings(rows)
+    assert best["fwd"]["128"] == {"rows": 8, "num_warps": 2, "split": False, "w_first": True, "dense": True}
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(best))
+    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {}})
+    monkeypatch.setenv("STRICTNORM_TRITON_TUNING", str(path))
+    tb._load_tuning_file()
+    assert tb.row_tile(128, "fwd").dense
+
+
 def test_triton_sweep_tile_rows_and_warps_narrow_the_sweep(monkeypatch):
     """SWEEP_TILE_ROWS / SWEEP_TILE_WARPS: only those rows a program and warps among the tiles held whole, each still
     bounded by the lanes a thread (32 rows of 128 columns need 2 warps at least: 64 lanes a thread)."""
