@@ -152,14 +152,17 @@ def test_dense_forward_bitwise_and_only_where_the_rows_allow(mode, dtype, rewide
              (wide[:, :16], False)]
     for x, dense in cases:
         n = x.shape[-1]
+        # x on the device with its strides (Tensor.to makes a view with gaps contiguous)
+        xd = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=DEV).copy_(x)
+        assert xd.stride() == x.stride()
         for w in (randn(n, dtype=torch.bfloat16, gen=g, scale=0.1), randn(n, gen=g, scale=0.1)):
             monkeypatch.setattr(triton_backend, "_fwd_plans", {})
             want = sn.rms_norm_with_rstd(x, w, **kw, backend="torch")
-            got = sn.rms_norm_with_rstd(x.to(DEV), w.to(DEV), **kw, backend="triton")
+            got = sn.rms_norm_with_rstd(xd, w.to(DEV), **kw, backend="triton")
             assert bits_equal(want[0], got[0]) and bits_equal(want[1], got[1]), (tuple(x.shape), x.stride())
             res = randn(*x.shape, dtype=dtype, gen=g)
             want_fused = sn.fused_add_rms_norm(x, res, w, **kw, backend="torch")
-            got_fused = sn.fused_add_rms_norm(x.to(DEV), res.to(DEV), w.to(DEV), **kw, backend="triton")
+            got_fused = sn.fused_add_rms_norm(xd, res.to(DEV), w.to(DEV), **kw, backend="triton")
             assert all(bits_equal(a, b) for a, b in zip(want_fused, got_fused, strict=True))
             assert {plan.meta["DENSE"] for plan in triton_backend._fwd_plans.values()} == {dense}, tuple(x.shape)
 
