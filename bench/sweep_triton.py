@@ -14,7 +14,8 @@ SWEEP_MAX_REGISTERS=64,... also with ptxas's registers a thread bounded (TileCho
 also with the forward's shared weight loaded the other way (TileChoice.w_rows: as one row, or in the rows' layout);
 SWEEP_DROP_RSTD=1 also with an inference call's rstd store the other way (TileChoice.drop_rstd; timed by fwd_nr);
 SWEEP_REWIDEN=1 also with bf16 rows held as loaded across the forward's sum (TileChoice.rewiden); SWEEP_DENSE=1 also
-with the forward's tiles without masks where the shape's rows allow (TileChoice.dense).
+with the forward's tiles without masks where the shape's rows allow (TileChoice.dense); SWEEP_BASE='{"rcp_rn": true}'
+takes rstd's reciprocal by rcp_rn (TileChoice.rcp_rn) in every configuration.
 SWEEP_BASE='{"w_first": true, ...}' sets those TileChoice fields in every configuration before the variants toggle
 them.
 SWEEP_PIPELINES=1 sweeps instead, around the backward's own choice for each shape (the forward's with
@@ -188,18 +189,19 @@ def _key(r: dict) -> tuple:
     return (r["rows"], r["num_warps"], r["split"], r.get("w_first", False), r.get("chunk", 0),
             r.get("programs_per_sm", 4), r.get("prefetch", False), r.get("stages", 1), r.get("warp_blocks", False),
             r.get("max_registers", 0), r.get("w_rows", False), r.get("drop_rstd", False), r.get("rewiden", False),
-            r.get("dense", False))
+            r.get("dense", False), r.get("rcp_rn", False))
 
 
 def _knobs(key: tuple) -> dict:
     (rows, warps, split, w_first, chunk, programs, prefetch, stages, warp_blocks, max_registers, w_rows, drop_rstd,
-     rewiden, dense) = key
+     rewiden, dense, rcp_rn) = key
     knobs = {"rows": rows, "num_warps": warps, "split": split, "w_first": w_first}
     extra = {"chunk": chunk, "programs_per_sm": programs, "prefetch": prefetch, "stages": stages,
              "warp_blocks": warp_blocks, "max_registers": max_registers, "w_rows": w_rows, "drop_rstd": drop_rstd,
-             "rewiden": rewiden, "dense": dense}
+             "rewiden": rewiden, "dense": dense, "rcp_rn": rcp_rn}
     defaults = {"chunk": 0, "programs_per_sm": 4, "prefetch": False, "stages": 1, "warp_blocks": False,
-                "max_registers": 0, "w_rows": False, "drop_rstd": False, "rewiden": False, "dense": False}
+                "max_registers": 0, "w_rows": False, "drop_rstd": False, "rewiden": False, "dense": False,
+                "rcp_rn": False}
     return {**knobs, **{k: v for k, v in extra.items() if v != defaults[k]}}
 
 
@@ -238,7 +240,7 @@ def main() -> None:
                            num_warps=tile.num_warps, split=tile.t > 0, w_first=tile.w_first, chunk=tile.chunk,
                            programs_per_sm=tile.programs_per_sm, prefetch=tile.prefetch, stages=tile.stages,
                            warp_blocks=tile.warp_blocks, max_registers=tile.max_registers, w_rows=tile.w_rows,
-                           drop_rstd=tile.drop_rstd, rewiden=tile.rewiden, dense=tile.dense)
+                           drop_rstd=tile.drop_rstd, rewiden=tile.rewiden, dense=tile.dense, rcp_rn=tile.rcp_rn)
                 row.update(measure(timer, triton, case, direction, ceiling))
                 results.append(row)
                 print(json.dumps(row), flush=True)

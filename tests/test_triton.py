@@ -90,15 +90,15 @@ def test_rms_norm_bitwise(mode, dtype, m, n, seed):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the compiled kernels (under the interpreter both widenings are one path)")
-@pytest.mark.parametrize("candidate", ["rewiden-128.json", "dense-128.json", "dense-rewiden-128.json",
-                                       "masked-128.json"])
+@pytest.mark.parametrize("candidate", ["rewiden-128.json", "rcp-128.json", "dense-128.json", "dense-rewiden-128.json"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [4096, 5000, 20000, 20001])
 def test_forward_candidate_tiles_bitwise(candidate, mode, dtype, m, seed, monkeypatch):
     """The P = 128 forward in the tiles of a tuning file of bench/candidates: bf16 rows held as loaded across the sum
-    (TileChoice.rewiden; rewiden-128.json: 8 x 4 to 16384 rows, 32 x 4 to 65536), the table's tiles without masks
-    where the rows fill them (TileChoice.dense; dense-128.json), both (dense-rewiden-128.json): y and rstd the
+    (TileChoice.rewiden; rewiden-128.json: 8 x 4 to 16384 rows, 32 x 4 to 65536), the table's tiles with rstd's
+    reciprocal by rcp_rn (TileChoice.rcp_rn; rcp-128.json), those without masks where the rows fill them too
+    (TileChoice.dense; dense-128.json), and with bf16 rows held as loaded too (dense-rewiden-128.json): y and rstd the
     reference's in every casting mode, and the inference forward's y, with a bf16 weight and an fp32 one, fp16 rows
     (rewiden does not apply), a residual and rows that do not fill the tiles (5000 and 20001: the masked kernel)."""
     from pathlib import Path
@@ -127,6 +127,8 @@ def test_forward_candidate_tiles_bitwise(candidate, mode, dtype, m, seed, monkey
         assert all(bits_equal(a, b) for a, b in zip(want_fused, got_fused, strict=True))
     dense = {plan.meta["DENSE"] for plan in triton_backend._fwd_plans.values()}
     assert dense == {tile.dense and m % tile.rows == 0}
+    rcp = {plan.meta["RCP_RN"] for plan in triton_backend._fwd_plans.values()}
+    assert rcp == {tile.rcp_rn and torch.version.hip is None}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -165,6 +167,22 @@ def test_dense_forward_bitwise_and_only_where_the_rows_allow(mode, dtype, rewide
             got_fused = sn.fused_add_rms_norm(xd, res.to(DEV), w.to(DEV), **kw, backend="triton")
             assert all(bits_equal(a, b) for a, b in zip(want_fused, got_fused, strict=True))
             assert {plan.meta["DENSE"] for plan in triton_backend._fwd_plans.values()} == {dense}, tuple(x.shape)
+
+
+def test_rcp_rn_only_where_compiled_for_nvidia(monkeypatch):
+    """TileChoice.rcp_rn reaches the forward's RCP_RN only for kernels compiled for NVIDIA GPUs: not under the
+    interpreter, not on ROCm, not where the tile does not ask for it."""
+    from strictnorm.backends.triton import backend as tb
+
+    tile = tb.RowTile(8, 128, 0, 2, rcp_rn=True)
+    assert not tb.RowTile(8, 128, 0, 2).forward_constexprs()["RCP_RN"]
+    monkeypatch.setattr(tb, "_interpreting", lambda: True)
+    assert not tile.forward_constexprs()["RCP_RN"]
+    monkeypatch.setattr(tb, "_interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert tile.forward_constexprs()["RCP_RN"]
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not tile.forward_constexprs()["RCP_RN"]
 
 
 def test_dense_rows_asks_for_every_condition():
@@ -309,16 +327,19 @@ def test_zero_rows(seed):
 
 
 @triton.jit
-def _rstd_kernel(SS, OUT, N, eps, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr):
+def _rstd_kernel(SS, OUT, N, eps, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr, RCP_RN: tl.constexpr):
     """kernels._rstd of ROWS sums a program."""
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    tl.store(OUT + i, _rstd(tl.load(SS + i), N, eps, ROWS, MEAN_SCALE))
+    tl.store(OUT + i, _rstd(tl.load(SS + i), N, eps, ROWS, MEAN_SCALE, RCP_RN))
 
 
+@pytest.mark.parametrize("rcp_rn", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HAS_CUDA or torch.version.hip is not None, reason="rcp_rn: compiled for NVIDIA GPUs only"))])
 @pytest.mark.parametrize("n, eps", [(128, 0.0), (128, 2.0 ** -20), (1000, 0.0), (5120, 1e-5)])
-def test_rstd_is_the_references_on_every_kind_of_sum(n, eps, seed):
-    """kernels._rstd (the mean by 2^-k where N is a power of two) against the reference's div_rn(1, sqrt_rn(div_rn(ss,
-    N) + eps)) on random bit patterns of a non-negative fp32 sum: subnormal, normal and huge sums, +0, inf and NaN."""
+def test_rstd_is_the_references_on_every_kind_of_sum(n, eps, rcp_rn, seed):
+    """kernels._rstd (the mean by 2^-k where N is a power of two; the reciprocal by div_rn, or by rcp_rn on NVIDIA)
+    against the reference's div_rn(1, sqrt_rn(div_rn(ss, N) + eps)) on random bit patterns of a non-negative fp32 sum:
+    subnormal, normal and huge sums, +0, inf and NaN."""
     from strictnorm.reference import div_rn, exact_mean_scale, sqrt_rn
 
     count, rows = (1 << 22, 1024) if HAS_CUDA else (1 << 10, 256)
@@ -328,7 +349,8 @@ def test_rstd_is_the_references_on_every_kind_of_sum(n, eps, seed):
     eps32 = torch.tensor(eps, dtype=torch.float32)
     want = div_rn(torch.ones_like(ss), sqrt_rn(div_rn(ss, float(n)) + eps32))
     out = torch.empty(count, dtype=torch.float32, device=DEV)
-    _rstd_kernel[(count // rows,)](ss.to(DEV), out, n, eps32.item(), ROWS=rows, MEAN_SCALE=exact_mean_scale(n))
+    _rstd_kernel[(count // rows,)](ss.to(DEV), out, n, eps32.item(), ROWS=rows, MEAN_SCALE=exact_mean_scale(n),
+                                   RCP_RN=rcp_rn)
     assert bits_equal(out.cpu(), want), bits_diff(out.cpu(), want)
 
 
@@ -510,24 +532,22 @@ def test_tile_table_and_tuning_file(tmp_path, monkeypatch):
 def test_forward_tile_at_128_columns_depends_on_the_row_count():
     """P = 128's forward: 16 rows of 8 warps a program up to 16384 rows (up to 4096 with the weight loaded first), 8
     rows of 2 warps past them (and where the row count is unknown) with the weight loaded first, in the rows' layout,
-    and an inference call's rstd not stored; every tile without masks where a call's rows allow (dense) and bf16 rows
-    held as loaded (rewiden); every column count of that padded length alike."""
+    and an inference call's rstd not stored; every column count of that padded length alike."""
     from strictnorm.backends.triton import backend as tb
 
-    both = dict(dense=True, rewiden=True)
-    past = tb.RowTile(8, 128, 0, 2, w_first=True, w_rows=True, drop_rstd=True, **both)
+    past = tb.RowTile(8, 128, 0, 2, w_first=True, w_rows=True, drop_rstd=True)
     for n in (65, 100, 128):
-        assert tb.forward_tile(n, 1, 8) == tb.RowTile(16, 128, 0, 8, w_first=True, **both), n
-        assert tb.forward_tile(n, 4096, 8) == tb.RowTile(16, 128, 0, 8, w_first=True, **both), n
-        assert tb.forward_tile(n, 4097, 8) == tb.RowTile(16, 128, 0, 8, **both), n
-        assert tb.forward_tile(n, 16384, 8) == tb.RowTile(16, 128, 0, 8, **both), n
+        assert tb.forward_tile(n, 1, 8) == tb.RowTile(16, 128, 0, 8, w_first=True), n
+        assert tb.forward_tile(n, 4096, 8) == tb.RowTile(16, 128, 0, 8, w_first=True), n
+        assert tb.forward_tile(n, 4097, 8) == tb.RowTile(16, 128, 0, 8), n
+        assert tb.forward_tile(n, 16384, 8) == tb.RowTile(16, 128, 0, 8), n
         assert tb.forward_tile(n, 16385, 8) == past, n
         assert tb.forward_tile(n, None, 8) == past, n
 
 
 def test_rewiden_candidate_tuning_file_gives_its_tiles(monkeypatch):
     """bench/candidates/rewiden-128.json (a tuning file) loads: P = 128's forward holds bf16 rows as loaded in 8 rows
-    of 4 warps from 4097 to 16384 rows and 32 of 4 to 65536, the masked table's tiles below and past them."""
+    of 4 warps from 4097 to 16384 rows and 32 of 4 to 65536, the table's own tiles below and past them."""
     from pathlib import Path
 
     from strictnorm.backends.triton import backend as tb

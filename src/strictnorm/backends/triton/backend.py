@@ -106,6 +106,9 @@ class TileChoice:
     # rows are contiguous (dense_rows), compiled without masks, with 32-bit offsets and N as a constant (kernels.py,
     # DENSE: Inductor's addressing at a static shape); other calls take the masked kernel
     dense: bool = False
+    # forward: rstd's reciprocal by rcp.rn.f32 on NVIDIA GPUs (kernels.py, RCP_RN: the same bits as div_rn(1, s));
+    # div_rn elsewhere (ROCm, the interpreter)
+    rcp_rn: bool = False
 
 
 # Choices per direction and padded length P: a TileChoice, or ((max rows, TileChoice), ..., (None, TileChoice)) where
@@ -155,12 +158,9 @@ TILE_TABLE: dict[str, dict[int, TileEntry]] = {
     # -> 2.16), so the 16 x 8 tile takes the weight first up to 4096 rows only (on an H200,
     # bench/results/2026-12-06-h200-run49, call b, 2 rounds: 4096 x 128 2.22 -> 2.13 us, the backward level; 34 -> 29
     # registers without it, both loads ahead of the sum with it)
-    # The same tiles without masks where a call's rows fill them, bf16 rows held as loaded (dense, rewiden; candidate
-    # bench/candidates/dense-rewiden-128.json, session 63; bench/candidates/masked-128.json keeps the tiles before)
-    "fwd": {128: ((4096, TileChoice(rows=16, num_warps=8, w_first=True, dense=True, rewiden=True)),
-                  (16384, TileChoice(rows=16, num_warps=8, dense=True, rewiden=True)),
-                  (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True, w_first=True, dense=True,
-                                    rewiden=True))),
+    "fwd": {128: ((4096, TileChoice(rows=16, num_warps=8, w_first=True)),
+                  (16384, TileChoice(rows=16, num_warps=8)),
+                  (None, TileChoice(rows=8, num_warps=2, w_rows=True, drop_rstd=True, w_first=True))),
             4096: ((128, TileChoice(rows=1, num_warps=8, w_first=True, warp_blocks=True)),
                    (2048, TileChoice(rows=2, num_warps=8, programs_per_sm=2, prefetch=True, stages=2)),
                    (None, TileChoice(rows=2, num_warps=8, warp_blocks=True))),
@@ -233,6 +233,7 @@ class RowTile:
     drop_rstd: bool = False
     rewiden: bool = False
     dense: bool = False
+    rcp_rn: bool = False
 
     def constexprs(self) -> dict:
         return dict(ROWS=self.rows, PA=self.pa, LOG2PA=self.pa.bit_length() - 1, T=self.t,
@@ -272,9 +273,10 @@ class RowTile:
     def forward_constexprs(self, piece: int = 0, dense_rows: bool = False) -> dict:
         """The forward's weight-first, weight-layout, chunk, persistent-grid, stage and warp-block constexprs (the
         chunk loops' stages, or the persistent grid's; warp_block_constexprs); DENSE where the tile asks for it and
-        the call's rows allow it (dense_rows)."""
+        the call's rows allow it (dense_rows); RCP_RN where the tile asks for it and the kernel compiles for NVIDIA."""
         persistent = self.forward_persistent
         return dict(W_FIRST=self.w_first, W_ROWS=self.w_rows, REWIDEN=self.rewiden, DENSE=self.dense and dense_rows,
+                    RCP_RN=self.rcp_rn and torch.version.hip is None and not _interpreting(),
                     STAGES=self.stages if self.chunk or persistent else 1,
                     PERSISTENT=persistent, PREFETCH=self.prefetch and persistent,
                     **self.warp_block_constexprs(piece), **self.chunk_constexprs())
@@ -341,7 +343,7 @@ def _tile_of(n: int, choice: TileChoice) -> RowTile:
     chunk = choice.chunk if t == 0 and 0 < choice.chunk < pa else 0
     return RowTile(tile_rows, pa, t, num_warps, choice.w_first, chunk, choice.programs_per_sm, choice.prefetch,
                    choice.stages, choice.warp_blocks, choice.max_registers, choice.w_rows, choice.drop_rstd,
-                   choice.rewiden, choice.dense)
+                   choice.rewiden, choice.dense, choice.rcp_rn)
 
 
 class _Launcher:

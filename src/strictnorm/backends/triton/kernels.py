@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
@@ -58,9 +57,6 @@ NONE: tl.constexpr = tl.constexpr(2)
 COMPILED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # what the fold kernel folds: raw rows, or a casting mode's dW contribution (LLAMA/GEMMA/NONE + 1)
 RAW_ROWS: tl.constexpr = tl.constexpr(0)
-# rstd's reciprocal as rcp.rn.f32 (NVIDIA, compiled): the same correctly rounded 1 / s as div_rn(1, s) in fewer
-# instructions; elsewhere (ROCm, the interpreter) div_rn
-RECIPROCAL_RN: tl.constexpr = tl.constexpr(COMPILED.value and torch.version.hip is None)
 
 
 @triton.jit
@@ -334,10 +330,12 @@ def row_mean(s, N, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _rstd(ss, N, eps, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr = 0.0):
-    """rstd = 1 / sqrt(ss / N + eps), each step IEEE-rounded (the reciprocal by rcp_rn where RECIPROCAL_RN)."""
+def _rstd(ss, N, eps, ROWS: tl.constexpr, MEAN_SCALE: tl.constexpr = 0.0, RCP_RN: tl.constexpr = False):
+    """rstd = 1 / sqrt(ss / N + eps), each step IEEE-rounded. RCP_RN (compiled for NVIDIA only): the reciprocal as
+    rcp.rn.f32, the same correctly rounded 1 / s as div_rn(1, s) in fewer instructions (Triton links libdevice with
+    flush-to-zero, so it is rcp.rn.ftz.f32: s = sqrt_rn(.) is never subnormal and 1 / s never is)."""
     root = tl.sqrt_rn(row_mean(ss, N, ROWS, MEAN_SCALE) + eps)
-    if RECIPROCAL_RN:
+    if RCP_RN:
         return libdevice.rcp_rn(root)
     else:
         return tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), root)
@@ -348,7 +346,7 @@ def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps,
                  CHUNK: tl.constexpr, LOG2CHUNK: tl.constexpr, NCH: tl.constexpr, LOG2NCH: tl.constexpr,
                  MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
                  HAS_RES: tl.constexpr, STAGES: tl.constexpr, MEAN_SCALE: tl.constexpr, WB_NW: tl.constexpr = 0,
-                 WB_S: tl.constexpr = 8):
+                 WB_S: tl.constexpr = 8, RCP_RN: tl.constexpr = False):
     """y and rstd of rows in column chunks of CHUNK lanes (the module's notes): each chunk's squares summed by
     canon_sum (a chunk in warp blocks where WB_NW > 0), then the NCH chunk sums; y chunk by chunk, the rows read
     again (this program's own lanes, from L2; with a residual, z recomputed rather than read back). STAGES > 1: the
@@ -361,7 +359,7 @@ def _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps,
         xf = _fwd_input(X, x_offs, RES, r_offs, Z, rows, M, N, cols, XDT, HAS_RES)
         s = row_sum(xf * xf, xf, ROWS, CHUNK, LOG2CHUNK, 0, 0, WB_NW, WB_S)
         parts = tl.where(chunk_ids[None, :] == c, s[:, None], parts)
-    rstd = _rstd(canon_sum(parts, ROWS, NCH, LOG2NCH), N, eps, ROWS, MEAN_SCALE)
+    rstd = _rstd(canon_sum(parts, ROWS, NCH, LOG2NCH), N, eps, ROWS, MEAN_SCALE, RCP_RN)
     tl.store(RSTD + rows, rstd, mask=rows < M)
     for c in tl.range(0, chunks, num_stages=STAGES):
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -410,7 +408,8 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                    LOG2NCH: tl.constexpr = 0, STAGES: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
                    PREFETCH: tl.constexpr = False, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
                    WB_ST: tl.constexpr = 0, MEAN_SCALE: tl.constexpr = 0.0, W_ROWS: tl.constexpr = False,
-                   STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False, DENSE: tl.constexpr = False):
+                   STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False, DENSE: tl.constexpr = False,
+                   RCP_RN: tl.constexpr = False):
     """y and rstd for blocks of ROWS rows, in one or two column tiles (T), or in column chunks of CHUNK lanes (CHUNK
     > 0, T = 0: _fwd_chunked). W_FIRST: the weight is loaded with the rows, before their sum (else after it, where
     y needs it). PERSISTENT (rows held whole): programs stride over the blocks (_fwd_persistent). WB_NW > 0
@@ -420,8 +419,8 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
     False (rows held whole): no rstd stored, for an inference call that asks for none. REWIDEN (rows held whole): bf16
     rows held as loaded across the sum (_fwd_rows). DENSE (rows held whole in one column tile, not persistent): the
     rows fill the tiles (M % ROWS == 0), N == PA, every row tensor's rows contiguous (R1 = G = 1, row stride N) and M *
-    N < 2^31: Inductor's addressing at a static shape, no masks and 32-bit offsets with N compiled in. The same bits
-    every way."""
+    N < 2^31: Inductor's addressing at a static shape, no masks and 32-bit offsets with N compiled in. RCP_RN (NVIDIA
+    only): rstd's reciprocal by rcp_rn (_rstd). The same bits every way."""
     tl.static_assert(not DENSE or (CHUNK == 0 and T == 0 and not PERSISTENT), "DENSE: rows held whole, one tile")
     if DENSE:  # the row length compiled in: rows addressed by immediates
         N = PA
@@ -435,11 +434,11 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
         if HAS_RES:
             r_offs, _ = row_offsets(rows, R1, G, rs0, rs1, rsg)
         _fwd_chunked(X, x_offs, RES, r_offs, Z, W, wsg, g, Y, RSTD, rows, M, N, eps, offset, ROWS, CHUNK, LOG2CHUNK,
-                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES, MEAN_SCALE, WB_NW, WB_S)
+                     NCH, LOG2NCH, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES, MEAN_SCALE, WB_NW, WB_S, RCP_RN)
     elif PERSISTENT:
         _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pid, M, N, R1, G, eps, offset,
                         cols_a, cols_b, ROWS, PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, STAGES,
-                        PREFETCH, WB_NW, WB_S, WB_ST, MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN)
+                        PREFETCH, WB_NW, WB_S, WB_ST, MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN, RCP_RN)
     else:
         xa, ra, xb, rb = _fwd_fetch(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, pid, M, N, R1, G, cols_a, cols_b, ROWS, T,
                                     HAS_RES, DENSE)
@@ -449,7 +448,7 @@ def rms_fwd_kernel(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD,
                                       PER_HEAD, W_ROWS, DENSE)
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, pid, M, N, G, eps, offset, cols_a, cols_b, ROWS,
                   PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, W_FIRST, WB_NW, WB_S, WB_ST,
-                  MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN, DENSE)
+                  MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN, DENSE, RCP_RN)
 
 
 @triton.jit
@@ -459,7 +458,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
                     HAS_W: tl.constexpr, PER_HEAD: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr,
                     PREFETCH: tl.constexpr, WB_NW: tl.constexpr, WB_S: tl.constexpr, WB_ST: tl.constexpr,
                     MEAN_SCALE: tl.constexpr, W_ROWS: tl.constexpr = False, STORE_RSTD: tl.constexpr = True,
-                    REWIDEN: tl.constexpr = False):
+                    REWIDEN: tl.constexpr = False, RCP_RN: tl.constexpr = False):
     """Rows held whole, programs striding over the blocks: a shared weight loaded once a program; PREFETCH: the next
     block's rows loaded into registers before this block's sum (their loads in flight while it computes and
     stores); STAGES > 1: the loop's loads pipelined by Triton through shared memory."""
@@ -482,7 +481,7 @@ def _fwd_persistent(X, xs0, xs1, xsg, RES, rs0, rs1, rsg, Z, W, wsg, Y, RSTD, pi
         # per-head weights: loaded for each block, after its sum
         _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps, offset, cols_a, cols_b, ROWS,
                   PA, LOG2PA, T, LOG2T, MODE, XDT, YDT, HAS_W, PER_HEAD, HAS_RES, not PER_HEAD, WB_NW, WB_S, WB_ST,
-                  MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN)
+                  MEAN_SCALE, W_ROWS, STORE_RSTD, REWIDEN, False, RCP_RN)
 
 
 @triton.jit
@@ -532,7 +531,8 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
               MODE: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr, HAS_W: tl.constexpr, PER_HEAD: tl.constexpr,
               HAS_RES: tl.constexpr, W_GIVEN: tl.constexpr, WB_NW: tl.constexpr = 0, WB_S: tl.constexpr = 8,
               WB_ST: tl.constexpr = 0, MEAN_SCALE: tl.constexpr = 0.0, W_ROWS: tl.constexpr = False,
-              STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False, DENSE: tl.constexpr = False):
+              STORE_RSTD: tl.constexpr = True, REWIDEN: tl.constexpr = False, DENSE: tl.constexpr = False,
+              RCP_RN: tl.constexpr = False):
     """y and rstd of block blk's rows held whole, from their loaded column tiles. W_GIVEN: wf_a and wf_b are the
     effective weight; else it is loaded after the rows' sum. REWIDEN (bf16 rows without a residual): the rows held
     across the sum as loaded, 16 bits a value, and widened again for y (widen_bits), not held widened: half the
@@ -544,7 +544,7 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
     if T > 0:
         xfb = _fwd_widen(xb, rb, Z, rows, M, N, cols_b, XDT, HAS_RES, True, DENSE)
     rstd = _rstd(row_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST), N, eps, ROWS,
-                 MEAN_SCALE)
+                 MEAN_SCALE, RCP_RN)
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=rows_in(rows, M, DENSE))
     if not W_GIVEN:
