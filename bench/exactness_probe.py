@@ -10,8 +10,8 @@ rsqrt instead of div_rn, sqrt_rn and div_rn; `approximate sqrt` and `approximate
 `no llama rounding` (x * rstd not rounded to bf16 before the weight),
 and `all relaxed` (all four: about what Quack's forward computes). `mean by division` is exact too: the row's
 mean as div_rn(ss, N) where the kernels take ss * (1 / N) for N a power of two (the same bits; what that saves), and
-so is `rstd by rcp_rn` (the reciprocal as rcp.rn.f32, NVIDIA only: the same bits in a shorter sequence; since
-session 63 kernels.py's _rstd takes it on NVIDIA too, so there `exact` and `rstd by rcp_rn` are one kernel). Three
+so is `rstd by rcp_rn` (the reciprocal as rcp.rn.f32, NVIDIA only: the same bits in a shorter sequence; the backend's
+tiles take it where TileChoice.rcp_rn asks). Three
 exact variants take the structure of torch.compile's forward (Inductor's, bench/inductor_probe.py) instead:
 `x loaded again` (x not held across the sum but read again after it, from L2), `weight after sum` (the weight
 loaded only once the sum is taken) and `Inductor's order` (both); `relaxed, Inductor's order` is that with all four
