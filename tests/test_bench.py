@@ -333,12 +333,19 @@ def test_triton_sweep_tries_warp_blocks_and_keeps_them(tmp_path, monkeypatch):
                                                                        (8192, False, 35.0), (8192, True, 34.0))]
     best = sweep_triton.best_tunings(rows)
     assert best["fwd"]["4096"] == {"rows": 1, "num_warps": 8, "split": False, "w_first": False, "warp_blocks": True}
+    _load_as_tuning_file(best, tmp_path, monkeypatch)
+    assert tb.row_tile(4096, "fwd").warp_blocks
+
+
+def _load_as_tuning_file(best: dict, tmp_path, monkeypatch) -> None:
+    """A sweep's best_tunings loaded by the Triton backend as its tuning file, over an empty table."""
+    from strictnorm.backends.triton import backend as tb
+
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps(best))
     monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {}})
     monkeypatch.setenv("STRICTNORM_TRITON_TUNING", str(path))
     tb._load_tuning_file()
-    assert tb.row_tile(4096, "fwd").warp_blocks
 
 
 def test_triton_sweep_tries_dense_tiles_and_keeps_them(tmp_path, monkeypatch):
@@ -358,11 +365,7 @@ def test_triton_sweep_tries_dense_tiles_and_keeps_them(tmp_path, monkeypatch):
                  dense=dense, bitwise=True, us=us) for dense, us in ((False, 10.2), (True, 9.6))]
     best = sweep_triton.best_tunings(rows)
     assert best["fwd"]["128"] == {"rows": 8, "num_warps": 2, "split": False, "w_first": True, "dense": True}
-    path = tmp_path / "tiles.json"
-    path.write_text(json.dumps(best))
-    monkeypatch.setattr(tb, "TILE_TABLE", {"fwd": {}, "bwd": {}})
-    monkeypatch.setenv("STRICTNORM_TRITON_TUNING", str(path))
-    tb._load_tuning_file()
+    _load_as_tuning_file(best, tmp_path, monkeypatch)
     assert tb.row_tile(128, "fwd").dense
 
 

@@ -232,27 +232,19 @@ def row_sum(va, vb, ROWS: tl.constexpr, PA: tl.constexpr, LOG2PA: tl.constexpr, 
 
 
 @triton.jit
-def rows_in(rows, M, DENSE: tl.constexpr = False):
-    """rows < M; a constant true where the rows fill the tiles (DENSE: Triton folds such masks away)."""
+def in_bounds(idx, bound, DENSE: tl.constexpr = False):
+    """idx < bound (rows < M, columns < N); a constant true where DENSE (the rows fill the tiles and are N = P lanes
+    long: Triton folds such masks away)."""
     if DENSE:
-        return tl.full(rows.shape, True, tl.int1)
+        return tl.full(idx.shape, True, tl.int1)
     else:
-        return rows < M
-
-
-@triton.jit
-def cols_in(cols, N, DENSE: tl.constexpr = False):
-    """cols < N; a constant true where every row is N = P lanes long (DENSE)."""
-    if DENSE:
-        return tl.full(cols.shape, True, tl.int1)
-    else:
-        return cols < N
+        return idx < bound
 
 
 @triton.jit
 def tile_in(rows, M, N, cols, DENSE: tl.constexpr = False):
-    """The (rows, cols) lanes inside the (M, N) rows; a constant true where the rows fill the tiles (DENSE)."""
-    return rows_in(rows, M, DENSE)[:, None] & cols_in(cols, N, DENSE)[None, :]
+    """The (rows, cols) lanes inside the (M, N) rows; a constant true where DENSE."""
+    return in_bounds(rows, M, DENSE)[:, None] & in_bounds(cols, N, DENSE)[None, :]
 
 
 @triton.jit
@@ -379,9 +371,9 @@ def _fwd_weight(W, wsg, g, rows, M, N, cols, offset, MODE: tl.constexpr, XDT: tl
         wf = effective_weight(W, g[:, None] * wsg + cols[None, :], mask, offset, MODE, XDT, HAS_W)
     elif W_ROWS:
         offs = cols[None, :] + tl.zeros_like(rows)[:, None].to(cols.dtype)
-        wf = effective_weight(W, offs, cols_in(offs, N, DENSE), offset, MODE, XDT, HAS_W)
+        wf = effective_weight(W, offs, in_bounds(offs, N, DENSE), offset, MODE, XDT, HAS_W)
     else:
-        wf = effective_weight(W, cols, cols_in(cols, N, DENSE), offset, MODE, XDT, HAS_W)[None, :]
+        wf = effective_weight(W, cols, in_bounds(cols, N, DENSE), offset, MODE, XDT, HAS_W)[None, :]
     return wf
 
 
@@ -546,7 +538,7 @@ def _fwd_rows(xa, ra, xb, rb, wf_a, wf_b, Z, W, wsg, Y, RSTD, blk, M, N, G, eps,
     rstd = _rstd(row_sum(xfa * xfa, xfb * xfb, ROWS, PA, LOG2PA, T, LOG2T, WB_NW, WB_S, WB_ST), N, eps, ROWS,
                  MEAN_SCALE, RCP_RN)
     if STORE_RSTD:
-        tl.store(RSTD + rows, rstd, mask=rows_in(rows, M, DENSE))
+        tl.store(RSTD + rows, rstd, mask=in_bounds(rows, M, DENSE))
     if not W_GIVEN:
         wf_a, wf_b = _fwd_weights(W, wsg, blk, M, N, G, cols_a, cols_b, offset, ROWS, T, MODE, XDT, HAS_W, PER_HEAD,
                                   W_ROWS, DENSE)
