@@ -21,6 +21,13 @@ residual's gradient; the fast dW's partials where rows of N take them) compiled 
 in warp blocks (kernels.py's notes): each one's bar.sync count and the xor distances of the shuffles after its first
 barrier, where the warp-block kernel's blocks' sums meet ([WARPS/2, ..., 1]: the butterfly its order needs).
 
+    python bench/compile_probe.py --dense N ROWS WARPS
+prints, as JSON, the forward of bf16 rows of N (a power of two) in a tile of ROWS rows at WARPS warps (the weight first,
+in the rows' layout): masked as the table's tiles are, without masks (TileChoice.dense, as a call whose rows fill the
+tiles takes it), so with the rows held as loaded (rewiden), and the masked one with rstd's reciprocal by rcp_rn
+(TileChoice.rcp_rn): each one's registers, predicated global loads, predicated global stores, setp instructions, and
+rcp.rn / div.rn instructions in the PTX.
+
     python bench/compile_probe.py --cuda-forward N ROWS [inference]
 prints, as JSON, the CUDA backend's forward of ROWS bf16 rows of N as its tables plan it (the training forward, or an
 inference call's without rstd), compiled by NVRTC for sm_90 as the backend loads it: registers, threads a block, and its
@@ -138,6 +145,28 @@ def cuda_forward(n: int, rows: int, inference: bool = False) -> dict:
             **loads_before_the_sum(_cuobjdump(cubin, "-sass"))}
 
 
+def dense_kernels(n: int, rows: int, warps: int) -> dict:
+    """The forward of bf16 rows of N at a tile of `rows` x `warps`, masked, dense, dense with rewiden and masked with
+    rcp_rn: {name: {"registers", "predicated loads", "predicated stores", "setp", "rcp", "div"}} (the module's
+    usage)."""
+    out = {}
+    for name, dense, rewiden, rcp in (("masked", False, False, False), ("dense", True, False, False),
+                                      ("dense, rewiden", True, True, False), ("masked, rcp_rn", False, False, True)):
+        tile = tb.RowTile(rows, n, 0, warps, w_first=True, w_rows=True, rewiden=rewiden, dense=dense, rcp_rn=rcp)
+        const = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1, YDT=1, HAS_RES=False,
+                     MEAN_SCALE=exact_mean_scale(n), STORE_RSTD=True, **tile.forward_constexprs(piece=8,
+                                                                                             dense_rows=dense))
+        const["RCP_RN"] = rcp  # compiled for NVIDIA here, whatever this machine has
+        c = _compile(k.rms_fwd_kernel, _FWD_SIG, const, warps)[0]
+        ptx = c.asm["ptx"]
+        out[name] = {"registers": _registers(c.asm["cubin"]),
+                     "predicated loads": len(re.findall(r"@%p\d+ ld\.global", ptx)),
+                     "predicated stores": len(re.findall(r"@%p\d+ st\.global", ptx)),
+                     "setp": len(re.findall(r"\bsetp\.", ptx)), "rcp": len(re.findall(r"\brcp\.rn", ptx)),
+                     "div": len(re.findall(r"\bdiv\.rn", ptx))}
+    return out
+
+
 def _stats(c) -> str:
     ptx = c.asm["ptx"]
     sass = _cuobjdump(c.asm["cubin"], "-sass")
@@ -206,6 +235,9 @@ def main(args: list[str]) -> None:
         return
     if args[:1] == ["--cuda-forward"]:
         print(json.dumps(cuda_forward(int(args[1]), int(args[2]), args[3:4] == ["inference"])))
+        return
+    if args[:1] == ["--dense"]:
+        print(json.dumps(dense_kernels(*(int(v) for v in args[1:4]))))
         return
     if args[:1] == ["--weight-layout"]:
         print(json.dumps(weight_layout_kernels(*(int(v) for v in args[1:4]))))

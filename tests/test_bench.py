@@ -696,6 +696,23 @@ def test_weight_in_the_rows_layout_drops_its_conversion_when_compiled():
     assert got["weight row"]["barriers"] == got["weight in the rows' layout"]["barriers"]
 
 
+@pytest.mark.parametrize(("rows", "warps"), [(8, 2), (16, 8)])
+def test_dense_tiles_compile_without_masks_and_rcp_rn_without_division(rows, warps):
+    """The Triton forward at 128 columns compiled for sm_90 by the installed Triton (bench/compile_probe.py --dense):
+    without masks (TileChoice.dense) no global load is predicated and one comparison is left (rstd's store, by the
+    lanes that hold each row's value after the reduction), with no more registers than the masked tile; rcp_rn
+    (TileChoice.rcp_rn) takes rstd's reciprocal with rcp.rn instead of div.rn (the mean of a power of two is a
+    multiply: no division is left)."""
+    got = json.loads(_compile_probe("--dense", 128, rows, warps))
+    masked = got["masked"]
+    assert masked["predicated loads"] > 0 and masked["setp"] > 1 and masked["div"] > 0 and masked["rcp"] == 0
+    for name in ("dense", "dense, rewiden"):
+        assert got[name]["predicated loads"] == 0 and got[name]["predicated stores"] <= 1, name
+        assert got[name]["setp"] <= 1, name
+        assert got[name]["registers"] <= masked["registers"], name
+    assert got["masked, rcp_rn"]["rcp"] > 0 and got["masked, rcp_rn"]["div"] == 0
+
+
 def test_weight_first_past_16384_rows_of_128_is_loaded_with_the_rows_when_compiled():
     """The Triton forward of rows of 128 past 16384 rows (the table's 8 rows of 2 warps, the weight first), compiled
     for sm_90 by the installed Triton: the rows' two loads and the weight's two all issued ahead of the row sum, none
