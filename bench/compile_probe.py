@@ -154,8 +154,8 @@ def dense_kernels(n: int, rows: int, warps: int) -> dict:
                                       ("dense, rewiden", True, True, False), ("masked, rcp_rn", False, False, True)):
         tile = tb.RowTile(rows, n, 0, warps, w_first=True, w_rows=True, rewiden=rewiden, dense=dense, rcp_rn=rcp)
         const = dict(tile.constexprs(), MODE=0, XDT=1, HAS_W=True, PER_HEAD=False, R1=1, G=1, YDT=1, HAS_RES=False,
-                     MEAN_SCALE=exact_mean_scale(n), STORE_RSTD=True, **tile.forward_constexprs(piece=8,
-                                                                                             dense_rows=dense))
+                     MEAN_SCALE=exact_mean_scale(n), STORE_RSTD=True,
+                     **tile.forward_constexprs(piece=8, dense_ok=dense))
         const["RCP_RN"] = rcp  # compiled for NVIDIA here, whatever this machine has
         c = _compile(k.rms_fwd_kernel, _FWD_SIG, const, warps)[0]
         ptx = c.asm["ptx"]

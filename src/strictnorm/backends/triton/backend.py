@@ -270,12 +270,13 @@ class RowTile:
         """Whether the forward's programs stride over the blocks (rows held whole, prefetched or pipelined)."""
         return not self.chunk and (self.prefetch or self.stages > 1)
 
-    def forward_constexprs(self, piece: int = 0, dense_rows: bool = False) -> dict:
+    def forward_constexprs(self, piece: int = 0, dense_ok: bool = False) -> dict:
         """The forward's weight-first, weight-layout, chunk, persistent-grid, stage and warp-block constexprs (the
         chunk loops' stages, or the persistent grid's; warp_block_constexprs); DENSE where the tile asks for it and
-        the call's rows allow it (dense_rows); RCP_RN where the tile asks for it and the kernel compiles for NVIDIA."""
+        the call's rows allow it (dense_ok: dense_rows' answer); RCP_RN where the tile asks for it and the kernel
+        compiles for NVIDIA."""
         persistent = self.forward_persistent
-        return dict(W_FIRST=self.w_first, W_ROWS=self.w_rows, REWIDEN=self.rewiden, DENSE=self.dense and dense_rows,
+        return dict(W_FIRST=self.w_first, W_ROWS=self.w_rows, REWIDEN=self.rewiden, DENSE=self.dense and dense_ok,
                     RCP_RN=self.rcp_rn and torch.version.hip is None and not _interpreting(),
                     STAGES=self.stages if self.chunk or persistent else 1,
                     PERSISTENT=persistent, PREFETCH=self.prefetch and persistent,
@@ -295,7 +296,7 @@ def dense_rows(tile: RowTile, layouts: tuple[RowLayout, ...]) -> bool:
     lay = layouts[0]
     return (not tile.chunk and tile.t == 0 and not tile.forward_persistent and lay.n == tile.pa
             and lay.rows % tile.rows == 0 and lay.rows * lay.n < 2**31
-            and all((r.r1, r.g, r.s0) == (1, 1, lay.n) or r.rows == 1 for r in layouts))
+            and all((r.r1, r.g, r.s0) == (1, 1, lay.n) for r in layouts))
 
 
 def column_tiles(n: int, split: bool) -> tuple[int, int]:
